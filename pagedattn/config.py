@@ -49,7 +49,7 @@ class CacheConfig:
     """KV cache: block size, capacity and prefix caching."""
 
     block_size: int = 16
-    # Capacity: an explicit number of blocks wins, then a byte budget, then a fraction of free memory.
+    # Capacity: explicit num_blocks wins, then a byte budget, then a fraction of free memory.
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float = 0.2
@@ -60,7 +60,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _require(
             isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
-            f"block_size={self.block_size!r} is invalid: use an integer in [1, 1024] (16 or 32 are typical)",
+            f"block_size={self.block_size!r} is invalid: use an integer in [1, 1024] (16 is typical)",
         )
         _require(
             self.num_blocks is None or self.num_blocks >= 1,

@@ -1,0 +1,299 @@
+"""AsyncLLMEngine: one background thread steps the engine; asyncio callers stream its outputs.
+
+The thread owns the `LLMEngine` (nothing else touches it). Callers send commands through a
+thread-safe queue (add, abort, call); the thread applies all pending commands before each
+`step()`, so new requests join the running batch at the next step (continuous batching) and an
+aborted request's blocks are freed before the next step runs. Outputs go back to per-request
+`asyncio.Queue`s through `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedattn.engine.outputs import RequestOutput
+from pagedattn.metrics import ServerMetrics
+from pagedattn.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+ABORT_FINISH_REASON = "abort"
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (shut down, or a step raised); no request can be served."""
+
+
+@dataclass
+class _RequestState:
+    """A request in flight: where its outputs go, and its timings for the latency metrics."""
+
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    num_tokens_seen: dict[int, int] = field(default_factory=dict)
+
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """Hand an item to the request's event loop; False if that loop is gone."""
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed
+            return False
+        return True
+
+
+@dataclass
+class _Add:
+    state: _RequestState
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str | None
+    accepted: Future
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    fn: Callable[[Any], Any]
+    result: Future
+
+
+_STOP = object()
+
+
+class AsyncLLMEngine:
+    """Serves many asyncio callers from one engine loop thread per engine."""
+
+    def __init__(self, engine, metrics: ServerMetrics | None = None) -> None:
+        self.engine = engine
+        self.metrics = metrics if metrics is not None else ServerMetrics(engine.model_name)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._states: dict[str, _RequestState] = {}
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._dead: BaseException | None = None
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def is_running(self) -> bool:
+        """True while the loop thread can take requests."""
+        return self._dead is None
+
+    def start(self) -> None:
+        """Start the loop thread (idempotent; `add_request` starts it too)."""
+        with self._start_lock:
+            if self._dead is not None:
+                raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="pagedattn-engine-loop", daemon=True
+                )
+                self._thread.start()
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Abort whatever is still in flight and stop the loop thread."""
+        if self._thread is None or not self._thread.is_alive():
+            self._dead = self._dead or EngineDeadError("the engine was shut down")
+            return
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request; raises the engine's error if it rejects it, else returns its stream."""
+        self.start()
+        loop = asyncio.get_running_loop()
+        state = _RequestState(request_id, loop, asyncio.Queue(), time.monotonic())
+        accepted: Future = Future()
+        self._commands.put(_Add(state, prompt, params, priority, cache_salt, accepted))
+        try:
+            await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:
+            self.abort(request_id)
+            raise
+        return self._stream(state)
+
+    async def _stream(self, state: _RequestState) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while not finished:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            # NOTE: runs when the consumer is cancelled (client gone) or stops early.
+            if not finished:
+                self.abort(state.request_id)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Add a request and yield its outputs until it finishes; leaving early aborts it."""
+        stream = await self.add_request(
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt
+        )
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (thread-safe, returns at once); its blocks are freed before the next step."""
+        self._commands.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """Run `fn(engine)` on the loop thread between steps and return its result."""
+        self.start()
+        result: Future = Future()
+        self._commands.put(_Call(fn, result))
+        return await asyncio.wrap_future(result)
+
+    async def kv_snapshot(self) -> dict:
+        """The engine's block states and block tables, taken between steps."""
+        return await self.call(lambda engine: engine.kv_snapshot())
+
+    async def get_stats(self):
+        """The engine's `EngineStats`, taken between steps."""
+        return await self.call(lambda engine: engine.get_stats())
+
+    # ---- the loop thread ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                commands = [self._commands.get()] if idle else []
+                while True:
+                    try:
+                        commands.append(self._commands.get_nowait())
+                    except queue.Empty:
+                        break
+                if any(cmd is _STOP for cmd in commands):
+                    self._stop(EngineDeadError("the server is shutting down"), commands)
+                    return
+                for cmd in commands:
+                    self._apply(cmd)
+                if self.engine.has_unfinished_requests():
+                    self._deliver(self.engine.step())
+                self.metrics.record_engine_stats(self.engine.get_stats())
+        except BaseException as exc:
+            logger.exception("engine loop failed; failing every request in flight")
+            self._stop(EngineDeadError(f"the engine loop failed: {exc!r}"), [])
+
+    def _stop(self, error: EngineDeadError, pending: list) -> None:
+        self._dead = error
+        for cmd in pending:
+            if isinstance(cmd, _Add | _Call):
+                (cmd.accepted if isinstance(cmd, _Add) else cmd.result).set_exception(error)
+        ids = list(self._states)
+        for state in self._states.values():
+            state.put(error)
+        self._states.clear()
+        try:
+            self.engine.abort_request(ids)
+        except Exception:  # the engine may be the thing that failed
+            logger.exception("could not abort %d requests while stopping", len(ids))
+
+    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                self.engine.add_request(
+                    cmd.state.request_id,
+                    cmd.prompt,
+                    cmd.params,
+                    priority=cmd.priority,
+                    cache_salt=cmd.cache_salt,
+                )
+            except Exception as exc:
+                cmd.accepted.set_exception(exc)
+                return
+            self._states[cmd.state.request_id] = cmd.state
+            cmd.accepted.set_result(None)
+        elif isinstance(cmd, _Abort):
+            state = self._states.pop(cmd.request_id, None)
+            if state is not None:
+                self.engine.abort_request(cmd.request_id)
+                self.metrics.observe_finished(
+                    time.monotonic() - state.arrival_time, ABORT_FINISH_REASON
+                )
+        else:
+            try:
+                cmd.result.set_result(cmd.fn(self.engine))
+            except Exception as exc:
+                cmd.result.set_exception(exc)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            state = self._states.get(out.request_id)
+            if state is None:
+                continue  # aborted after the step was scheduled
+            self._observe(state, out, now)
+            if out.finished:
+                del self._states[out.request_id]
+            if not state.put(out) and not out.finished:
+                del self._states[out.request_id]
+                self.engine.abort_request(out.request_id)
+
+    def _observe(self, state: _RequestState, out: RequestOutput, now: float) -> None:
+        num_new = 0
+        for comp in out.outputs:
+            num_new += len(comp.token_ids) - state.num_tokens_seen.get(comp.index, 0)
+            state.num_tokens_seen[comp.index] = len(comp.token_ids)
+        if num_new > 0:
+            if state.first_token_time is None:
+                state.first_token_time = now
+                self.metrics.observe_first_token(
+                    now - state.arrival_time, len(out.prompt_token_ids)
+                )
+                self.metrics.observe_tokens(num_new, None)
+            else:
+                self.metrics.observe_tokens(num_new, now - state.last_token_time)
+            state.last_token_time = now
+        if out.finished:
+            reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
+            self.metrics.observe_finished(now - state.arrival_time, reason)

@@ -1,0 +1,153 @@
+"""The offline API: ``LLM().generate(prompts, params)`` and ``LLM().chat(messages, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from pagedattn.engine.llm_engine import EngineStats, LLMEngine
+from pagedattn.engine.outputs import RequestOutput
+from pagedattn.sampling_params import BeamSearchParams, SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Batch generation on the paged engine; every call runs the engine until its requests end."""
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "bfloat16",
+        device: str = "cpu",
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        kv_cache_memory: int | str | None = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 128,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int | None = None,
+        enable_chunked_prefill: bool = True,
+        policy: str = "fcfs",
+        attn_backend: str | None = None,
+        num_threads: int | None = None,
+        seed: int = 0,
+        verbose: bool = False,
+    ) -> None:
+        config = EngineConfig(
+            model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed),
+            cache=CacheConfig(
+                block_size=block_size,
+                num_blocks=num_blocks,
+                kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=enable_chunked_prefill,
+                policy=policy,
+            ),
+            attn_backend=attn_backend,
+            num_threads=num_threads,
+        )
+        self.engine = LLMEngine(config, verbose=verbose)
+        self._counter = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(prompts)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(prompts):
+            raise ValueError(
+                f"got {len(params)} sampling params for {len(prompts)} prompts: pass one, or one "
+                "per prompt"
+            )
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                req_id = str(next(self._counter))
+                self.engine.add_request(
+                    req_id, prompt, p, priority=0 if priority is None else priority[i]
+                )
+                ids.append(req_id)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation and generate a reply."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            self.engine.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams):
+        """Beam search per prompt; beams share blocks by fork and diverge by copy-on-write."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        return [self.engine.beam_search(p, params) for p in prompts]
+
+    def get_stats(self) -> EngineStats:
+        """KV usage, prefix-cache hit rate, preemptions and fragmentation so far."""
+        return self.engine.get_stats()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block that no request holds; False if some are in use."""
+        return self.engine.reset_prefix_cache()
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="generate", unit="req")
+        while pending:
+            for out in self.engine.step():
+                if out.finished and out.request_id in pending:
+                    finished[out.request_id] = out
+                    pending.discard(out.request_id)
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[r] for r in request_ids]
