@@ -60,7 +60,7 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _require(
             isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
-            f"block_size={self.block_size!r} is invalid: use an integer in [1, 1024] (16 is typical)",
+            f"block_size={self.block_size!r} is invalid: use an integer in [1, 1024]",
         )
         _require(
             self.num_blocks is None or self.num_blocks >= 1,

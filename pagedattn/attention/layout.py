@@ -19,7 +19,7 @@ class KVCacheLayout(enum.Enum):
 
     # [num_blocks, B, num_kv_heads, head_size] for key and value: one contiguous row per token.
     FLASH = "flash"
-    # key [num_blocks, num_kv_heads, head_size/x, B, x], value [num_blocks, num_kv_heads, head_size, B]
+    # key [num_blocks, Hkv, head_size/x, B, x], value [num_blocks, Hkv, head_size, B]
     CLASSIC = "classic"
 
 
@@ -59,7 +59,9 @@ def kv_cache_shapes(
         return shape, shape
     x = cache_x(dtype)
     if head_size % x:
-        raise ValueError(f"head_size={head_size} must be a multiple of x={x} for the classic layout")
+        raise ValueError(
+            f"head_size={head_size} must be a multiple of x={x} for the classic layout"
+        )
     key_shape = (num_blocks, num_kv_heads, head_size // x, block_size, x)
     return key_shape, (num_blocks, num_kv_heads, head_size, block_size)
 

@@ -39,7 +39,7 @@ class AttentionMetadata:
     @property
     def is_pure_decode(self) -> bool:
         """True when every sequence has exactly one query token."""
-        return self.max_query_len == 1
+        return self.max_query_len == 1 and self.num_actual_tokens == self.num_seqs
 
     @classmethod
     def build(

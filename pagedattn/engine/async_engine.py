@@ -182,7 +182,7 @@ class AsyncLLMEngine:
             await stream.aclose()
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (thread-safe, returns at once); its blocks are freed before the next step."""
+        """Abort a request (thread-safe, returns at once); its blocks are freed before next step."""
         self._commands.put(_Abort(request_id))
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:

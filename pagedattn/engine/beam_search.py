@@ -63,13 +63,12 @@ def run_beam_search(engine, prompt: str | list[int], params: BeamSearchParams) -
         return Request(
             f"beam-{next(_beam_ids)}",
             prompt_ids,
-            max_tokens=params.max_tokens,
             block_size=cache.block_size,
             hash_seed=cache.hash_seed,
         )
 
     root = new_core()
-    scheduler.add_request(root)
+    scheduler.add_request(root, max_tokens=params.max_tokens)
     beams = [_Beam(root, 0.0)]
     done: list[tuple[list[int], float, str]] = []
     pending: dict[str, torch.Tensor] = {}  # beam -> logprobs of its next token

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Sequence
 
 from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
@@ -19,7 +20,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | None = None,
+        model: str | os.PathLike | None = None,
         *,
         dtype: str = "bfloat16",
         device: str = "cpu",
@@ -38,7 +39,9 @@ class LLM:
         verbose: bool = False,
     ) -> None:
         config = EngineConfig(
-            model=ModelConfig(model=model, dtype=dtype, device=device, seed=seed),
+            model=ModelConfig(
+                model=None if model is None else str(model), dtype=dtype, device=device, seed=seed
+            ),
             cache=CacheConfig(
                 block_size=block_size,
                 num_blocks=num_blocks,

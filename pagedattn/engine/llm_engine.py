@@ -87,7 +87,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.model_name
         self.eos_token_ids = tuple(loaded.eos_token_ids)
-        self.vocab_size = self.model.vocab_size
+        self.vocab_size = int(loaded.hf_config["vocab_size"])
         self.max_model_len = min(
             config.scheduler.max_model_len or loaded.max_model_len, loaded.max_model_len
         )
@@ -207,7 +207,7 @@ class LLMEngine:
         )
         core = self._make_core_request(ereq, 0, request_id)
         try:
-            self.scheduler.add_request(core)
+            self.scheduler.add_request(core, max_tokens=max_tokens)
         except RequestRejectedError as exc:
             raise InvalidRequestError(str(exc), param="prompt") from exc
         self.requests[request_id] = ereq
@@ -218,7 +218,6 @@ class LLMEngine:
             request_id=core_id,
             prompt_token_ids=ereq.prompt_token_ids,
             sampling_params=ereq.params,
-            max_tokens=ereq.max_tokens,
             arrival_time=ereq.arrival_time,
             priority=ereq.priority,
             cache_salt=ereq.cache_salt,
@@ -289,6 +288,10 @@ class LLMEngine:
                 targets += self._fork_siblings(state)
             rows += [row] * len(targets)
             row_seqs += targets
+        if not row_seqs:  # only partial prefill chunks ran: nothing to sample
+            self.scheduler.update_from_output(sched, {}, {})
+            times.num_steps += 1
+            return []
         if rows != list(range(len(rows))):
             logits = logits.index_select(0, torch.tensor(rows, dtype=torch.int64))
         meta = build_sampling_metadata(

@@ -1,0 +1,1 @@
+"""Benchmarks: python -m benchmarks.<name> --seed 0."""

@@ -1,0 +1,24 @@
+"""Paged KV cache layout, cache ops and attention backends."""
+
+from pagedattn.attention.backends.base import AttentionBackend, get_attn_backend
+from pagedattn.attention.layout import (
+    KVCacheLayout,
+    allocate_kv_cache,
+    bytes_per_block,
+    num_blocks_for_budget,
+)
+from pagedattn.attention.metadata import PAD_SLOT_ID, AttentionMetadata
+from pagedattn.attention.ops import copy_blocks, reshape_and_cache
+
+__all__ = [
+    "PAD_SLOT_ID",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "KVCacheLayout",
+    "allocate_kv_cache",
+    "bytes_per_block",
+    "copy_blocks",
+    "get_attn_backend",
+    "num_blocks_for_budget",
+    "reshape_and_cache",
+]

@@ -1,0 +1,223 @@
+"""CPU fast path: vectorised PyTorch over the flash layout; decode sequences batched together.
+
+Default layout: flash ``[num_blocks, B, num_kv_heads, head_size]``. A block is one contiguous
+``B * Hkv * D`` row, so the whole batch's keys are read through the block tables with a single
+``index_select`` over block rows (B times fewer indices than per-token slots), into a reused
+buffer, and the gathered ``[seqs, L, Hkv, D]`` tensor is a strided view SDPA takes without a second
+copy. The classic layout would need a permute (a copy) before any matmul.
+
+Decode batches every decode sequence into one SDPA call ([S, Hkv, G, D] queries, GQA grouped,
+length mask only when lengths differ); prefill spans run one SDPA per sequence. Long decode
+contexts are not partitioned here: SDPA's CPU kernel already tiles over keys.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from pagedattn.attention.backends.base import AttentionBackend
+from pagedattn.attention.layout import KVCacheLayout, layout_of
+from pagedattn.attention.metadata import AttentionMetadata
+
+
+class GatherBuffers:
+    """Reusable gather destinations: fresh multi-MB tensors each step cost page faults."""
+
+    def __init__(self) -> None:
+        self._storage: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A contiguous tensor of the given shape (contents undefined), reusing storage."""
+        numel = math.prod(shape)
+        key = (name, like.dtype)
+        flat = self._storage.get(key)
+        if flat is None or flat.numel() < numel or flat.device != like.device:
+            flat = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._storage[key] = flat
+        return flat[:numel].view(shape)
+
+
+def gather_blocks(
+    cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Whole blocks [n, B, Hkv, D] of a flash-layout cache, one index_select over block rows."""
+    return torch.index_select(cache, 0, block_ids, out=out)
+
+
+def key_visibility(
+    q_pos: torch.Tensor, seq_len: torch.Tensor, num_keys: int, sliding_window: int | None
+) -> torch.Tensor:
+    """Boolean mask [..., num_keys]: key k visible to a query at q_pos (same leading dims)."""
+    k_pos = torch.arange(num_keys, device=q_pos.device)
+    visible = (k_pos <= q_pos[..., None]) & (k_pos < seq_len[..., None])
+    if sliding_window is not None:
+        visible &= k_pos > q_pos[..., None] - sliding_window
+    return visible
+
+
+def masked_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    visible: torch.Tensor | None,
+    *,
+    scale: float,
+    logits_soft_cap: float | None,
+) -> torch.Tensor:
+    """SDPA over [batch, Hkv, Mq, D] queries and [batch, Hkv, L, D] keys with a boolean mask.
+
+    Soft-capping is not expressible in SDPA, so that case computes the scores explicitly.
+    """
+    if logits_soft_cap is None:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=visible, scale=scale)
+    scores = torch.matmul(query, key.transpose(-1, -2)).float() * scale  # [b, Hkv, Mq, L]
+    scores = logits_soft_cap * torch.tanh(scores / logits_soft_cap)
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value)
+
+
+class CpuBackend(AttentionBackend):
+    """Vectorised PyTorch paged attention for CPU (flash layout)."""
+
+    name = "cpu"
+    layout = KVCacheLayout.FLASH
+
+    def __init__(self) -> None:
+        self._buffers = GatherBuffers()
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> torch.Tensor:
+        """Attention of query [T, Hq, D] over the paged cache -> [T, Hq, D]."""
+        if layout_of(key_cache) is not KVCacheLayout.FLASH:
+            raise ValueError("the cpu backend needs the flash KV cache layout; use 'torch'")
+        kwargs = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        query = query[: metadata.num_actual_tokens]
+        query_lens = metadata.query_lens_cpu
+        if metadata.is_pure_decode:
+            return self._decode(
+                query,
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                metadata.max_seq_len,
+                min(metadata.seq_lens_cpu),
+                **kwargs,
+            )
+        output = torch.empty_like(query)
+        loc = metadata.query_start_loc_cpu
+        decode_seqs = [s for s, n in enumerate(query_lens) if n == 1]
+        if decode_seqs:
+            idx = torch.tensor(decode_seqs, device=query.device)
+            rows = torch.tensor([loc[s] for s in decode_seqs], device=query.device)
+            seq_lens = metadata.seq_lens.index_select(0, idx)
+            output[rows] = self._decode(
+                query.index_select(0, rows),
+                key_cache,
+                value_cache,
+                metadata.block_tables.index_select(0, idx),
+                seq_lens,
+                max(metadata.seq_lens_cpu[s] for s in decode_seqs),
+                min(metadata.seq_lens_cpu[s] for s in decode_seqs),
+                **kwargs,
+            )
+        for s, n in enumerate(query_lens):
+            if n > 1:
+                output[loc[s] : loc[s + 1]] = self._prefill(
+                    query[loc[s] : loc[s + 1]],
+                    key_cache,
+                    value_cache,
+                    metadata.block_tables[s],
+                    metadata.seq_lens_cpu[s],
+                    **kwargs,
+                )
+        return output
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        max_seq_len: int,
+        min_seq_len: int,
+        *,
+        scale: float,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
+    ) -> torch.Tensor:
+        """One query per sequence; all sequences padded to max_seq_len in one batched SDPA."""
+        num_seqs, num_heads, head_size = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        group = num_heads // num_kv_heads
+        num_blocks = -(-max_seq_len // block_size)
+        # NOTE: unused table entries may be padding; clamp to a valid block, the mask hides it.
+        block_ids = block_tables[:, :num_blocks].reshape(-1).long().clamp_(min=0)
+        shape = (num_seqs * num_blocks, block_size, num_kv_heads, head_size)
+        key = gather_blocks(key_cache, block_ids, self._buffers.get("key", shape, key_cache))
+        value = gather_blocks(value_cache, block_ids, self._buffers.get("value", shape, key_cache))
+        # [S*n, B, Hkv, D] -> [S, n*B, Hkv, D] -> [S, Hkv, n*B, D] (strided view, no copy)
+        padded_len = num_blocks * block_size
+        key = key.view(num_seqs, padded_len, num_kv_heads, head_size).transpose(1, 2)
+        value = value.view(num_seqs, padded_len, num_kv_heads, head_size).transpose(1, 2)
+        key, value = key[:, :, :max_seq_len], value[:, :, :max_seq_len]
+        q = query.reshape(num_seqs, num_kv_heads, group, head_size)  # [S, Hkv, G, D]
+        visible = None
+        if sliding_window is not None or min_seq_len < max_seq_len:
+            seq_lens = seq_lens.long()
+            visible = key_visibility(seq_lens - 1, seq_lens, max_seq_len, sliding_window)
+            visible = visible[:, None, None, :]  # [S, 1, 1, L]
+        out = masked_attention(q, key, value, visible, scale=scale, logits_soft_cap=logits_soft_cap)
+        return out.reshape(num_seqs, num_heads, head_size)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        seq_len: int,
+        *,
+        scale: float,
+        sliding_window: int | None,
+        logits_soft_cap: float | None,
+    ) -> torch.Tensor:
+        """A span of q_len queries (the last q_len positions), causal over the cached prefix."""
+        q_len, num_heads, head_size = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        group = num_heads // num_kv_heads
+        num_blocks = -(-seq_len // block_size)
+        block_ids = block_table[:num_blocks].long()
+        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        key = gather_blocks(key_cache, block_ids, self._buffers.get("key", shape, key_cache))
+        value = gather_blocks(value_cache, block_ids, self._buffers.get("value", shape, key_cache))
+        # [n, B, Hkv, D] -> [n*B, Hkv, D] -> first seq_len tokens
+        key = key.view(-1, num_kv_heads, head_size)[:seq_len]
+        value = value.view(-1, num_kv_heads, head_size)[:seq_len]
+        key = key.transpose(0, 1)  # [Hkv, L, D]
+        value = value.transpose(0, 1)
+        # [q_len, Hkv, G, D] -> [Hkv, G, q_len, D] -> [Hkv, G*q_len, D]: one row per (g, query).
+        q = query.reshape(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+        q = q.reshape(num_kv_heads, group * q_len, head_size)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        visible = key_visibility(q_pos, torch.tensor(seq_len), seq_len, sliding_window)
+        visible = visible.repeat(group, 1)  # [G*q_len, L]
+        out = masked_attention(q, key, value, visible, scale=scale, logits_soft_cap=logits_soft_cap)
+        # [Hkv, G*q_len, D] -> [Hkv, G, q_len, D] -> [q_len, Hkv, G, D]
+        out = out.view(num_kv_heads, group, q_len, head_size).permute(2, 0, 1, 3)
+        return out.reshape(q_len, num_heads, head_size)

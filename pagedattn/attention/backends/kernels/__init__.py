@@ -1,0 +1,1 @@
+"""Triton kernels for the paged KV cache (flash layout): cache write, decode, prefill."""

@@ -1,0 +1,64 @@
+"""Cache write (reshape_and_cache) and block copy (copy_blocks) ops in PyTorch, both layouts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from pagedattn.attention.layout import KVCacheLayout, block_size_of, layout_of
+from pagedattn.attention.metadata import PAD_SLOT_ID
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write key/value [T, num_kv_heads, head_size] into their slots; PAD_SLOT_ID slots are skipped.
+
+    ``slot = block_id * B + offset``; the layout (flash or classic) is read off key_cache's rank.
+    """
+    num_tokens = slot_mapping.shape[0]
+    if key.shape[0] < num_tokens or value.shape[0] < num_tokens:
+        raise ValueError(
+            f"slot_mapping has {num_tokens} entries but key/value have "
+            f"{key.shape[0]}/{value.shape[0]} tokens"
+        )
+    key, value = key[:num_tokens], value[:num_tokens]
+    valid = slot_mapping != PAD_SLOT_ID
+    slots = slot_mapping[valid].long()
+    key, value = key[valid], value[valid]
+    if layout_of(key_cache) is KVCacheLayout.FLASH:
+        num_kv_heads, head_size = key_cache.shape[2], key_cache.shape[3]
+        # [num_blocks * B, num_kv_heads, head_size]: slot indexes the flattened view directly.
+        key_cache.view(-1, num_kv_heads, head_size).index_copy_(0, slots, key.to(key_cache.dtype))
+        value_cache.view(-1, num_kv_heads, head_size).index_copy_(
+            0, slots, value.to(value_cache.dtype)
+        )
+        return
+    block_size = block_size_of(key_cache)
+    block_ids, offsets = slots // block_size, slots % block_size
+    _, num_kv_heads, num_vecs, _, x = key_cache.shape
+    # [t, num_kv_heads, head_size/x, x]; advanced indices on dims 0 and 3 put t first.
+    key_cache[block_ids, :, :, offsets, :] = key.reshape(-1, num_kv_heads, num_vecs, x).to(
+        key_cache.dtype
+    )
+    value_cache[block_ids, :, :, offsets] = value.to(value_cache.dtype)
+
+
+def copy_blocks(
+    kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    src_to_dst: Sequence[tuple[int, int]] | torch.Tensor,
+) -> None:
+    """Copy whole blocks src -> dst in every layer (copy-on-write); all reads precede all writes."""
+    pairs = torch.as_tensor(src_to_dst, dtype=torch.int64).reshape(-1, 2)
+    if pairs.shape[0] == 0:
+        return
+    for key_cache, value_cache in kv_caches:
+        pairs_dev = pairs.to(key_cache.device)
+        src, dst = pairs_dev[:, 0], pairs_dev[:, 1]
+        for cache in (key_cache, value_cache):
+            cache.index_copy_(0, dst, cache.index_select(0, src))

@@ -1,0 +1,1 @@
+"""Core: KV cache blocks, block pool, KV cache manager and scheduler (pure Python, no torch)."""

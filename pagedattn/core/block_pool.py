@@ -1,0 +1,159 @@
+"""BlockPool: every KV cache block, the free queue, ref counts and the prefix-cache index."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from pagedattn.core.kv_cache_utils import (
+    NULL_BLOCK_ID,
+    BlockDoubleFreeError,
+    BlockHash,
+    BlockHashWithGroupId,
+    FreeKVCacheBlockQueue,
+    KVCacheBlock,
+    NoFreeBlocksError,
+)
+
+
+class BlockPool:
+    """Owns all blocks (created once), hands them out from the free queue and indexes full ones.
+
+    Prefix cache: `cached_block_hash_to_block` maps a block's hash (with its group id) to the
+    block. A cached block whose ref_cnt drops to 0 stays in the free queue and stays findable;
+    it is evicted lazily, when the free queue hands it out again (least recently freed first).
+
+    With `reserve_null_block`, block 0 is the null block: never free, never hashed, never
+    ref-counted; sliding-window tables put it where a block fell out of the window (vLLM does the
+    same). It is then not counted in `num_usable_blocks`.
+    """
+
+    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null_block: bool = False):
+        if num_blocks < 1 + reserve_null_block:
+            raise ValueError(
+                f"num_blocks={num_blocks} is too small: need at least {1 + reserve_null_block}"
+            )
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.cached_block_hash_to_block: dict[BlockHashWithGroupId, KVCacheBlock] = {}
+        self.null_block: KVCacheBlock | None = None
+        if reserve_null_block:
+            self.null_block = self.free_block_queue.popleft()
+            assert self.null_block.block_id == NULL_BLOCK_ID
+            self.null_block.is_null = True
+        self.num_usable_blocks = num_blocks - reserve_null_block
+        # Counters since the last take_num_evictions().
+        self.num_evictions = 0
+
+    def get_num_free_blocks(self) -> int:
+        """Free blocks, cached-but-unreferenced ones included (they are evictable)."""
+        return self.free_block_queue.num_free_blocks
+
+    def get_usage(self) -> float:
+        """Fraction of usable blocks held by at least one request."""
+        return 1.0 - self.free_block_queue.num_free_blocks / self.num_usable_blocks
+
+    def get_cached_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
+        """The cached block with this hash, or None."""
+        return self.cached_block_hash_to_block.get(key)
+
+    def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop blocks from the free queue head with ref_cnt 1, evicting their old hashes."""
+        if num_blocks > self.free_block_queue.num_free_blocks:
+            raise NoFreeBlocksError(
+                f"cannot allocate {num_blocks} blocks: only "
+                f"{self.free_block_queue.num_free_blocks} are free"
+            )
+        # NOTE: the queue's popleft_n, inlined with the eviction: this is the allocation hot path.
+        queue = self.free_block_queue
+        head = queue.fake_free_list_head
+        cache = self.cached_block_hash_to_block
+        blocks = []
+        block = head.next_free_block
+        for _ in range(num_blocks):
+            blocks.append(block)
+            nxt = block.next_free_block
+            block.prev_free_block = block.next_free_block = None
+            if block.block_hash is not None:
+                del cache[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            block = nxt
+        head.next_free_block = block
+        block.prev_free_block = head
+        queue.num_free_blocks -= num_blocks
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take a reference on each block (a prefix-cache hit or a fork); unfree free ones."""
+        queue = self.free_block_queue
+        for block in blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt == 0:
+                queue.remove(block)
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference per block; blocks reaching 0 are appended to the free queue in order.
+
+        Raises BlockDoubleFreeError for a block whose ref_cnt is already 0.
+        """
+        queue = self.free_block_queue
+        tail = queue.fake_free_list_tail
+        for block in ordered_blocks:
+            ref_cnt = block.ref_cnt
+            if ref_cnt > 1:
+                block.ref_cnt = ref_cnt - 1
+            elif ref_cnt == 1:
+                # NOTE: FreeKVCacheBlockQueue.append, inlined: this runs for every freed block.
+                block.ref_cnt = 0
+                last = tail.prev_free_block
+                last.next_free_block = block
+                block.prev_free_block = last
+                block.next_free_block = tail
+                tail.prev_free_block = block
+                queue.num_free_blocks += 1
+            elif not block.is_null:
+                raise BlockDoubleFreeError(
+                    f"block {block.block_id} freed with ref_cnt={block.ref_cnt} (double free)"
+                )
+
+    def cache_full_blocks(
+        self,
+        blocks: Sequence[KVCacheBlock],
+        block_hashes: Sequence[BlockHash],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+        group_suffix: bytes,
+    ) -> None:
+        """Index blocks[num_cached_blocks:num_full_blocks] by their hashes (+ group suffix).
+
+        A block whose hash is already cached (another request computed the same content) stays
+        uncached; the earlier block keeps serving hits. Null blocks are skipped.
+        """
+        cache = self.cached_block_hash_to_block
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            if block.is_null or block.block_hash is not None:
+                continue
+            key = block_hashes[i] + group_suffix
+            if key not in cache:
+                cache[key] = block
+                block.block_hash = key
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; refused (False) while any block is held by a request."""
+        if self.free_block_queue.num_free_blocks != self.num_usable_blocks:
+            return False
+        for block in self.cached_block_hash_to_block.values():
+            block.block_hash = None
+        self.cached_block_hash_to_block.clear()
+        return True
+
+    def take_num_evictions(self) -> int:
+        """Evictions since the last call."""
+        n, self.num_evictions = self.num_evictions, 0
+        return n

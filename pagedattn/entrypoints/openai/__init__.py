@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: `server.build_app`, `server.run_server`, `server.add_serve_args`."""

@@ -1,0 +1,142 @@
+"""The interface every model implements, plus fused-weight loading and KV cache grouping."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+
+# HF projection name -> (our fused parameter name, shard index inside it).
+STACKED_PARAMS: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+# Checkpoint entries that carry no weights of ours.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class WeightLoadError(RuntimeError):
+    """A checkpoint does not match the model: missing, unknown or misshaped tensors."""
+
+
+def group_layers(layer_windows: list[int | None]) -> tuple[list[int], list[int | None]]:
+    """Group layers by sliding window (None = full) in order of first use.
+
+    Returns (layer_group, group_windows): the group index of each layer and each group's window.
+    """
+    group_windows: list[int | None] = []
+    layer_group = []
+    for window in layer_windows:
+        if window not in group_windows:
+            group_windows.append(window)
+        layer_group.append(group_windows.index(window))
+    return layer_group, group_windows
+
+
+class PagedCausalLM(nn.Module):
+    """A decoder-only LM that reads and writes K/V only through the paged cache.
+
+    Subclasses set the attributes below and build ``self.model`` (embed_tokens, layers, norm)
+    with HF's parameter names, except that q/k/v and gate/up are fused into qkv_proj/gate_up_proj.
+    """
+
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    layer_group: list[int]  # KV cache group index of each layer
+    group_windows: list[int | None]  # sliding window of each group (None = full attention)
+    shard_sizes: dict[str, list[int]]  # fused parameter -> output rows of each shard
+    tie_word_embeddings: bool
+    final_logit_softcapping: float | None = None
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Dtype of the weights (and of the KV cache the runner allocates)."""
+        return self.model.embed_tokens.weight.dtype
+
+    def kv_cache_group_windows(self) -> list[int | None]:
+        """Sliding window of each KV cache group; None for full attention."""
+        return list(self.group_windows)
+
+    def kv_cache_groups(self, block_size: int) -> list[KVCacheGroupSpec]:
+        """One KVCacheGroupSpec per group, naming its layers ``layers.{i}``."""
+        groups = []
+        for g, window in enumerate(self.group_windows):
+            names = tuple(f"layers.{i}" for i, lg in enumerate(self.layer_group) if lg == g)
+            spec = (
+                FullAttentionSpec(block_size)
+                if window is None
+                else SlidingWindowSpec(block_size, sliding_window=window)
+            )
+            groups.append(KVCacheGroupSpec(names, spec))
+        return groups
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """[V, H] output projection (the embedding when tied)."""
+        if self.tie_word_embeddings:
+            return self.model.embed_tokens.weight
+        return self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, V] (soft-capped when the model says so)."""
+        logits = (hidden @ self.lm_head_weight().t()).float()  # [N, V]
+        cap = self.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into our parameters, fusing q/k/v and gate/up on the way."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, int]] = set()
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if hf_name.startswith("lm_head.") and self.tie_word_embeddings:
+                continue
+            name, shard = self._map_name(hf_name)
+            if name not in params:
+                raise WeightLoadError(
+                    f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}; "
+                    "the checkpoint does not match this architecture"
+                )
+            target = params[name].data
+            if shard is not None:
+                sizes = self.shard_sizes[name.split(".")[-2]]
+                start = sum(sizes[:shard])
+                target = target.narrow(0, start, sizes[shard])
+            if target.shape != tensor.shape:
+                raise WeightLoadError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)} but "
+                    f"{name!r} expects {tuple(target.shape)}; check the config matches the weights"
+                )
+            target.copy_(tensor)
+            loaded.add((name, -1 if shard is None else shard))
+        self._check_all_loaded(params, loaded)
+
+    def _map_name(self, hf_name: str) -> tuple[str, int | None]:
+        for hf_part, (fused, shard) in STACKED_PARAMS.items():
+            if f".{hf_part}." in hf_name:
+                return hf_name.replace(f".{hf_part}.", f".{fused}."), shard
+        return hf_name, None
+
+    def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set) -> None:
+        missing = []
+        for name in params:
+            fused = name.split(".")[-2] if name.count(".") >= 1 else ""
+            shards = range(len(self.shard_sizes[fused])) if fused in self.shard_sizes else [-1]
+            missing += [
+                f"{name}[{s}]" if s >= 0 else name for s in shards if (name, s) not in loaded
+            ]
+        if missing:
+            raise WeightLoadError(
+                f"checkpoint lacks {len(missing)} tensors of {type(self).__name__}, e.g. "
+                f"{missing[:5]}; the checkpoint is incomplete or of another architecture"
+            )

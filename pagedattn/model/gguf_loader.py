@@ -1,0 +1,185 @@
+"""GGUF checkpoints: config from the metadata, dequantised weights under HF names, tokenizer."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
+
+from pagedattn.model.gemma3 import FULL, SLIDING
+
+# llama.cpp architecture -> (HF model_type, HF architecture).
+GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+}
+
+# llama.cpp per-layer tensor -> HF name inside ``model.layers.{i}.``.
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# ffn_norm is the norm before the MLP: Llama calls it post_attention_layernorm, Gemma 3 pre_ffn.
+_FFN_NORM = {"gemma3": "pre_feedforward_layernorm"}
+_GLOBAL_TENSORS = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+# llama.cpp defaults for Gemma 3 that the file does not state.
+_GEMMA3_LOCAL_ROPE_THETA = 10000.0
+_GEMMA3_SLIDING_WINDOW_PATTERN = 6
+_GEMMA3_27B_NUM_LAYERS = 62
+
+
+class GGUFFormatError(ValueError):
+    """A GGUF file lacks what loading needs, or uses an architecture not supported here."""
+
+
+class GGUFCheckpoint:
+    """An open GGUF file: its metadata, a HF config built from it, and its weights."""
+
+    def __init__(self, path: str | Path, name: str | None = None) -> None:
+        self.path = Path(path)
+        self.name = name
+        self.reader = GGUFReader(self.path)
+        self.arch = str(self.field("general.architecture"))
+        if self.arch not in GGUF_ARCHITECTURES:
+            raise GGUFFormatError(
+                f"GGUF architecture {self.arch!r} of {self.path} is not supported; supported: "
+                f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
+            )
+        self.tensor_names = {t.name for t in self.reader.tensors}
+
+    def field(self, key: str, default: Any = None) -> Any:
+        """A metadata value (scalar, string or small list), or ``default`` when absent."""
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def model_name(self) -> str:
+        """The name given at construction, else the file name without its extension."""
+        return self.name or self.path.stem
+
+    def hf_config(self) -> PreTrainedConfig:
+        """A transformers config equal to what the original checkpoint's config.json says."""
+        arch = self.arch
+        model_type, architecture = GGUF_ARCHITECTURES[arch]
+        if "rope_freqs.weight" in self.tensor_names:
+            raise GGUFFormatError(
+                f"{self.path} carries per-dimension rope frequency factors (Llama 3.1 style), "
+                "which the GGUF loader does not support: load the HF checkpoint folder instead"
+            )
+        num_heads = self.field(f"{arch}.attention.head_count")
+        hidden_size = self.field(f"{arch}.embedding_length")
+        head_dim = self.field(f"{arch}.attention.key_length", hidden_size // num_heads)
+        kwargs: dict[str, Any] = {
+            "architectures": [architecture],
+            "hidden_size": hidden_size,
+            "intermediate_size": self.field(f"{arch}.feed_forward_length"),
+            "num_hidden_layers": self.field(f"{arch}.block_count"),
+            "num_attention_heads": num_heads,
+            "num_key_value_heads": self.field(f"{arch}.attention.head_count_kv", num_heads),
+            "head_dim": head_dim,
+            "rms_norm_eps": self.field(f"{arch}.attention.layer_norm_rms_epsilon"),
+            "max_position_embeddings": self.field(f"{arch}.context_length"),
+            "rope_theta": self.field(f"{arch}.rope.freq_base", 10000.0),
+            "vocab_size": len(self.reader.fields["tokenizer.ggml.tokens"].data),
+            "tie_word_embeddings": "output.weight" not in self.tensor_names,
+            "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
+            "pad_token_id": self.field("tokenizer.ggml.padding_token_id"),
+        }
+        scaling = self.field(f"{arch}.rope.scaling.type")
+        if scaling not in (None, "none"):
+            factor = self.field(f"{arch}.rope.scaling.factor")
+            kwargs["rope_scaling"] = {"rope_type": scaling, "factor": factor}
+        if arch == "qwen2":
+            kwargs["use_sliding_window"] = False
+        if arch == "gemma3":
+            num_layers = kwargs["num_hidden_layers"]
+            scalar = hidden_size // num_heads if num_layers == _GEMMA3_27B_NUM_LAYERS else head_dim
+            pattern = self.field(f"{arch}.attention.sliding_window_pattern")
+            if isinstance(pattern, list):  # one flag per layer: True = sliding window
+                kwargs["layer_types"] = [SLIDING if p else FULL for p in pattern]
+            else:
+                kwargs["sliding_window_pattern"] = pattern or _GEMMA3_SLIDING_WINDOW_PATTERN
+            kwargs |= {
+                "sliding_window": self.field(f"{arch}.attention.sliding_window"),
+                "rope_local_base_freq": self.field(
+                    f"{arch}.rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA
+                ),
+                "query_pre_attn_scalar": scalar,
+                "final_logit_softcapping": self.field(f"{arch}.final_logit_softcapping"),
+                "attn_logit_softcapping": self.field(f"{arch}.attn_logit_softcapping"),
+            }
+        return AutoConfig.for_model(model_type, **kwargs)
+
+    def weights(self, config: PreTrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        """Dequantised float32 tensors under HF names, with llama.cpp's conversions undone."""
+        for tensor in self.reader.tensors:
+            name = self._hf_name(tensor.name)
+            w = dequantize(tensor.data, tensor.tensor_type)  # [out, in] (numpy order)
+            w = w.reshape([int(d) for d in reversed(tensor.shape)])
+            if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                # NOTE: llama.cpp permutes Q/K rows for its interleaved rope; undo it for HF's.
+                is_q = name.endswith("q_proj.weight")
+                num_heads = config.num_attention_heads if is_q else config.num_key_value_heads
+                w = unpermute_qk(w, num_heads)
+            if self.arch == "gemma3" and name.endswith("norm.weight"):
+                # NOTE: llama.cpp stores Gemma norms as (1 + w); HF (and we) keep w.
+                w = w - 1.0
+            w = np.ascontiguousarray(w, dtype=np.float32)
+            yield name, torch.from_numpy(w if w.flags.writeable else w.copy())
+
+    def _hf_name(self, gguf_name: str) -> str:
+        match = _LAYER_RE.fullmatch(gguf_name)
+        if match is not None:
+            layer, part, kind = match.groups()
+            hf_part = _FFN_NORM.get(self.arch, "post_attention_layernorm")
+            hf_part = hf_part if part == "ffn_norm" else _LAYER_TENSORS.get(part)
+            if hf_part is not None:
+                return f"model.layers.{layer}.{hf_part}.{kind}"
+        else:
+            base, _, kind = gguf_name.rpartition(".")
+            if base in _GLOBAL_TENSORS:
+                return f"{_GLOBAL_TENSORS[base]}.{kind}"
+        raise GGUFFormatError(
+            f"GGUF tensor {gguf_name!r} in {self.path} has no HF counterpart for arch {self.arch!r}"
+        )
+
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer (and chat template) stored in the file, converted by transformers."""
+        return AutoTokenizer.from_pretrained(
+            str(self.path.parent), gguf_file=self.path.name, local_files_only=True
+        )
+
+
+def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's Q/K row permutation (rows [heads, D/2, 2] back to [heads, 2, D/2]).
+
+    llama.cpp wrote ``w.reshape(heads, 2, D/2, in).swapaxes(1, 2)``; this is its inverse.
+    """
+    out_features = w.shape[0]
+    half = out_features // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

@@ -1,0 +1,152 @@
+"""Shared building blocks: norms, rotary embedding, activations, paged attention."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from pagedattn.attention.backends.base import AttentionBackend
+from pagedattn.attention.metadata import AttentionMetadata
+
+# Rope types whose frequencies depend on the running sequence length: not supported.
+_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalise in fp32, cast back, then scale by ``weight``."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma RMSNorm: scale by ``1 + weight`` in fp32, then cast back (weights are zero-centred)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on a fused [T, 2 * I] gate/up projection -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU (tanh approximation) on a fused [T, 2 * I] gate/up projection -> [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class RotaryEmbedding:
+    """Neox-style rotary embedding (HF ``rotate_half``) for one rope configuration.
+
+    NOTE: a plain object, not a module: its frequencies are computed on the CPU at construction
+    and so survive building the model on the meta device.
+    """
+
+    def __init__(
+        self, config: PreTrainedConfig, head_size: int, layer_type: str | None = None
+    ) -> None:
+        params = config.rope_parameters
+        params = params[layer_type] if layer_type is not None else params
+        rope_type = params.get("rope_type", "default")
+        if rope_type in _DYNAMIC_ROPE_TYPES:
+            raise NotImplementedError(
+                f"rope_type={rope_type!r} is not supported: use a checkpoint with 'default', "
+                "'linear', 'llama3' or 'yarn' rope"
+            )
+        with torch.device("cpu"):  # NOTE: overrides a surrounding meta-device context
+            if rope_type == "default":
+                exponent = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
+                inv_freq = 1.0 / (params["rope_theta"] ** exponent)  # [head_size // 2]
+                self.attention_scaling = 1.0
+            else:
+                inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](
+                    config, "cpu", layer_type=layer_type
+                )
+        if inv_freq.numel() * 2 != head_size:
+            raise NotImplementedError(
+                f"partial rotary embedding ({inv_freq.numel() * 2} of {head_size} dims) is not "
+                "supported"
+            )
+        self.inv_freq = inv_freq.float()  # [head_size // 2]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos and sin tables for ``positions`` [T] -> two [T, 1, head_size] tensors."""
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, head_size // 2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_size]
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, num_heads, head_size] by the [T, 1, head_size] cos/sin tables."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class PagedAttention(nn.Module):
+    """Writes this step's K/V into the layer's paged cache, then attends through the backend."""
+
+    def __init__(
+        self,
+        backend: AttentionBackend,
+        num_heads: int,
+        num_kv_heads: int,
+        head_size: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        super().__init__()
+        self.backend = backend
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D] -> attention output [T, Hq * D]."""
+        key_cache, value_cache = kv_cache
+        self.backend.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        out = self.backend.forward(
+            query,
+            key_cache,
+            value_cache,
+            metadata,
+            scale=self.scale,
+            sliding_window=self.sliding_window,
+            logits_soft_cap=self.logits_soft_cap,
+        )  # [T, Hq, D]
+        return out.reshape(out.shape[0], self.num_heads * self.head_size)  # [T, Hq * D]

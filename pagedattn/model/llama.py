@@ -1,0 +1,204 @@
+"""The Llama family: Llama 2/3, SmolLM2, Mistral, Qwen2/2.5 (qkv bias) and Qwen3 (q/k norm)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedConfig
+
+from pagedattn.attention.backends.base import AttentionBackend
+from pagedattn.attention.metadata import AttentionMetadata
+from pagedattn.model.base import PagedCausalLM, group_layers
+from pagedattn.model.layers import (
+    PagedAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    apply_rotary,
+    silu_and_mul,
+)
+
+
+@dataclass(frozen=True)
+class LlamaVariant:
+    """What differs between the Llama-family checkpoints that share this code."""
+
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @staticmethod
+    def from_config(architecture: str, config: PreTrainedConfig) -> LlamaVariant:
+        """The variant for an HF ``architectures`` entry and its config."""
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        if architecture == "Qwen2ForCausalLM":
+            # NOTE: Qwen2 always has q/k/v biases and never an o_proj bias.
+            return LlamaVariant(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
+        if architecture == "Qwen3ForCausalLM":
+            return LlamaVariant(attention_bias, attention_bias, mlp_bias=False, qk_norm=True)
+        return LlamaVariant(attention_bias, attention_bias, mlp_bias, qk_norm=False)
+
+
+def layer_windows(config: PreTrainedConfig) -> list[int | None]:
+    """Sliding window of each layer: from ``layer_types`` when present, else ``sliding_window``."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    return [window] * config.num_hidden_layers
+
+
+class LlamaAttention(nn.Module):
+    """Fused QKV projection, optional q/k RMSNorm, rope, paged attention, output projection."""
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        variant: LlamaVariant,
+        backend: AttentionBackend,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_size = config.head_dim
+        self.q_size = self.num_heads * self.head_size
+        self.kv_size = self.num_kv_heads * self.head_size
+        hidden = config.hidden_size
+        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=variant.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=variant.o_bias)
+        if variant.qk_norm:
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+        self.qk_norm = variant.qk_norm
+        self.attn = PagedAttention(
+            backend,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_size,
+            scale=self.head_size**-0.5,
+            sliding_window=sliding_window,
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """hidden [T, H] -> [T, H]."""
+        qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_size)  # [T, num_heads, head_size]
+        k = k.view(-1, self.num_kv_heads, self.head_size)  # [T, num_kv_heads, head_size]
+        v = v.view(-1, self.num_kv_heads, self.head_size)  # [T, num_kv_heads, head_size]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP with a fused gate/up projection."""
+
+    def __init__(self, config: PreTrainedConfig, bias: bool) -> None:
+        super().__init__()
+        inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention block then pre-norm MLP block, each with a residual connection."""
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        variant: LlamaVariant,
+        backend: AttentionBackend,
+        sliding_window: int | None,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, variant, backend, sliding_window)
+        self.mlp = LlamaMLP(config, variant.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """hidden [T, H] -> [T, H]."""
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF parameter names)."""
+
+    def __init__(
+        self,
+        config: PreTrainedConfig,
+        variant: LlamaVariant,
+        backend: AttentionBackend,
+        windows: list[int | None],
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, variant, backend, w) for w in windows)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(PagedCausalLM):
+    """Llama-family causal LM over a paged KV cache."""
+
+    def __init__(
+        self, config: PreTrainedConfig, backend: AttentionBackend, architecture: str
+    ) -> None:
+        super().__init__()
+        if getattr(config, "head_dim", None) is None:
+            config.head_dim = config.hidden_size // config.num_attention_heads
+        variant = LlamaVariant.from_config(architecture, config)
+        windows = layer_windows(config)
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_size = config.head_dim
+        self.layer_group, self.group_windows = group_layers(windows)
+        q_size = config.num_attention_heads * self.head_size
+        kv_size = self.num_kv_heads * self.head_size
+        self.shard_sizes = {
+            "qkv_proj": [q_size, kv_size, kv_size],
+            "gate_up_proj": [config.intermediate_size] * 2,
+        }
+        self.tie_word_embeddings = bool(config.tie_word_embeddings)
+        self.model = LlamaModel(config, variant, backend, windows)
+        if not self.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(config, self.head_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: list[AttentionMetadata],
+    ) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, H]."""
+        hidden = self.model.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, 1, head_size] each
+        for i, layer in enumerate(self.model.layers):
+            hidden = layer(hidden, cos, sin, kv_caches[i], attn_metadata[self.layer_group[i]])
+        return self.model.norm(hidden)

