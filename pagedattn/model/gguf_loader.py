@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import transformers
 from gguf import GGUFReader
 from gguf.quants import dequantize
 from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
@@ -169,10 +174,38 @@ class GGUFCheckpoint:
         )
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        """The tokenizer (and chat template) stored in the file, converted by transformers."""
-        return AutoTokenizer.from_pretrained(
+        """The tokenizer (and chat template) stored in the file, converted by transformers.
+
+        The conversion re-reads the whole file (seconds), so the result is cached as a
+        tokenizer folder keyed by the file's path, size and mtime and the transformers version.
+        """
+        cache = _tokenizer_cache_dir(self.path)
+        if (cache / "tokenizer_config.json").exists():
+            return AutoTokenizer.from_pretrained(cache, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(
             str(self.path.parent), gguf_file=self.path.name, local_files_only=True
         )
+        tmp = None
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=cache.parent)
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, cache)  # NOTE: atomic; fails if another process got there first
+        except OSError:
+            if tmp is not None:  # an unwritable cache only costs load time
+                shutil.rmtree(tmp, ignore_errors=True)
+        return tokenizer
+
+
+def _tokenizer_cache_dir(path: Path) -> Path:
+    """Where the converted tokenizer of GGUF file ``path`` is cached."""
+    stat = path.stat()
+    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    root = os.environ.get("PAGEDATTN_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "pagedattn"
+    )
+    return Path(root) / "gguf_tokenizers" / digest
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:

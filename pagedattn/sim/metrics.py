@@ -19,6 +19,9 @@ after the step's allocations and before finished requests are freed, for each ru
 Without sharing ``A_t = T_t + R_t + I_t``. The run-level figures are ratios of sums over steps
 (time averages): effective utilisation ``sum T / sum A``, reservation ``sum R / sum A``, internal
 ``sum I / sum A``, external ``sum E / sum M``, occupancy ``sum A / sum M``.
+With sharing (prefix hits, forks) a shared token counts once per sequence in ``T`` but its slot
+once in ``A``, so utilisation can pass 1; sharing runs report the saving of
+``pagedattn.sim.sharing`` instead.
 """
 
 from __future__ import annotations

@@ -136,6 +136,7 @@ def plot_block_sweep(
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(block_sizes, [100 * (1 - r.utilization) for r in results], "o-", label="KV waste %")
     ax.set_xscale("log", base=2)
+    ax.set_xticks(list(block_sizes), [str(b) for b in block_sizes])
     ax.set_xlabel("block size B (tokens)")
     ax.set_ylabel("waste: 1 - utilisation (%)")
     if kernel_us:
@@ -155,6 +156,8 @@ def plot_sharing(results: dict[str, list[SharingResult]], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, series in results.items():
         ax.plot([s.width for s in series], [100 * s.saving for s in series], "o-", label=label)
+    widths = sorted({s.width for series in results.values() for s in series})
+    ax.set_xticks(widths, [str(w) for w in widths])
     ax.set_xlabel("n (parallel samples) / beam width")
     ax.set_ylabel("KV memory saved vs no sharing (%)")
     ax.legend(fontsize=8)

@@ -84,7 +84,6 @@ def test_concurrent_streams_all_finish_without_leaks(server):
     assert all(len(r) >= 1 for r in results), "a client finished no request"
     # Continuous batching: requests share the running batch rather than run one at a time.
     assert max(peaks) >= 4, peaks
-    print(f"{sum(map(len, results))} streams, {sum(map(sum, results))} tokens, peaks {peaks}")
     m = wait_idle(server.base_url)
     assert m["pagedattn_kv_cache_usage_perc"] == 0
     assert m["pagedattn_kv_cache_free_blocks"] == m["pagedattn_kv_cache_total_blocks"]
@@ -111,4 +110,3 @@ def test_sigterm_finishes_in_flight_request_and_exits_0(server):
             httpx.get(f"{proc.base_url}/health", timeout=2)
     finally:
         proc.stop()
-        print(proc.log_tail(600))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedattn.model import load_model
 from pagedattn.model.loader import packaged_model_path
@@ -35,3 +35,9 @@ def test_default_gguf_matches_transformers_gguf_loading() -> None:
         ref = hf(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(ours, ref, atol=ATOL, rtol=ATOL)
     assert ours[-1].argmax() == ref[-1].argmax()
+
+    # The tokenizer may come from the conversion cache: it must equal a fresh conversion.
+    fresh = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+    assert fresh(text, add_special_tokens=False).input_ids == prompt
+    assert fresh("Hello, world!").input_ids == tokenizer("Hello, world!").input_ids
+    assert fresh.chat_template == tokenizer.chat_template

@@ -77,10 +77,27 @@ def test_main_prints_tables_and_writes_plots(tmp_path, capsys) -> None:
         "concurrency_trace.png",
         "block_sizes_trace.png",
         "sharing.png",
-        "pool.gif",
         "results.json",
     ):
         assert (out / name).stat().st_size > 0
     results = json.loads((out / "results.json").read_text())
     paged = results["trace"]["policies"][-1]
     assert paged["policy"] == "paged-B16" and paged["utilization"] > 0.5
+
+
+def test_main_on_a_generated_workload(tmp_path, capsys) -> None:
+    argv = [
+        "--workload",
+        "sharegpt",
+        "--num-requests",
+        "40",
+        "--no-sweep",
+        "--no-sharing",
+        "--no-gif",
+        "--out",
+        str(tmp_path),
+    ]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "## sharegpt: 40 requests" in text and "| paged-B16 |" in text
+    assert (tmp_path / "utilisation_sharegpt.png").stat().st_size > 0
