@@ -1,0 +1,1 @@
+"""Engine: LLMEngine (add_request / step / abort), the offline LLM API, beam search, outputs."""

@@ -1,0 +1,25 @@
+"""Print docs/structures.md: one line per module, from each module's docstring."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> int:
+    lines = ["# Structures: one line per module", ""]
+    for folder in ("pagedattn", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+            first = doc.strip().splitlines()[0] if doc.strip() else "(package marker)"
+            lines.append(f"- `{path.relative_to(ROOT)}`: {first}")
+    lines += ["", "Native code: `csrc/*.cpp` (CPU paged attention, built on first use).", ""]
+    sys.stdout.write("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
