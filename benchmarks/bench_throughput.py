@@ -1,0 +1,316 @@
+"""Offline throughput: pagedattn against HF static generate, HF generate_batch and llama.cpp.
+
+    python -m benchmarks.bench_throughput --seed 0 [--quick] [--engines pagedattn,hf_static]
+        [--workloads uniform,sharegpt,shared_prefix] [--model M] [--dtype bfloat16] [--threads 2]
+
+Each engine runs each workload in a fresh subprocess (this script with ``--_child``), so its
+peak RSS is its own. Prints one line per result, then a markdown table (``--out``) and a JSON of
+all numbers beside it. Also measures, on this machine, the decode step's matmul ceiling and
+memory-bandwidth floor, and pagedattn's per-step time breakdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from benchmarks.peers import RUNNERS, PeerUnavailableError, RunOptions, peak_rss_mib
+from benchmarks.throughput_report import ceiling_rows, render_markdown, summarise
+from benchmarks.workloads import (
+    SIZE_PRESETS,
+    WORKLOAD_NAMES,
+    load_trace,
+    make_workloads,
+    save_trace,
+    workload_from_dict,
+    workload_to_dict,
+)
+
+PEERS = ("hf_static", "hf_batch", "llama_cpp")
+ENGINES = ("pagedattn", *PEERS)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    p.add_argument("--threads", type=int, default=2, help="torch threads of every engine")
+    p.add_argument(
+        "--engines", default=",".join(ENGINES), help="comma list of " + ", ".join(ENGINES)
+    )
+    p.add_argument("--workloads", default=",".join(WORKLOAD_NAMES))
+    p.add_argument("--quick", action="store_true", help="scaled-down workloads (= --size quick)")
+    p.add_argument("--size", choices=sorted(SIZE_PRESETS), default="full")
+    p.add_argument("--trace-out", type=Path, help="save the ShareGPT-like trace here")
+    p.add_argument("--trace-in", type=Path, help="replay a saved ShareGPT-like trace")
+    p.add_argument("--out", type=Path, default=Path("bench_out/throughput.md"))
+    p.add_argument("--hf-batch-size", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--llama-batched-bench", help="path of a llama-batched-bench binary")
+    p.add_argument("--ceiling-reps", type=int, default=20, help="repetitions of the matmul pass")
+    p.add_argument("--no-ceiling", action="store_true", help="skip the matmul/bandwidth probes")
+    p.add_argument("--child-timeout", type=float, default=3600.0)
+    p.add_argument("--_child", nargs=2, metavar=("ENGINE", "WORKLOAD"), help=argparse.SUPPRESS)
+    p.add_argument("--_workload-file", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--_result", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--_batches", default="", help=argparse.SUPPRESS)
+    return p
+
+
+def run_options(args: argparse.Namespace) -> RunOptions:
+    return RunOptions(
+        model=args.model,
+        dtype=args.dtype,
+        threads=args.threads,
+        seed=args.seed,
+        block_size=args.block_size,
+        hf_batch_size=args.hf_batch_size,
+        llama_batched_bench=args.llama_batched_bench,
+    )
+
+
+# Child side.
+
+
+def measure_ceiling(args: argparse.Namespace, batches: list[int]) -> dict:
+    """Decode-step matmuls alone (the model's own weights, LM head included) and copy bandwidth."""
+    import torch
+    import torch.nn.functional as F
+
+    from pagedattn.model.loader import load_model
+    from pagedattn.worker.model_runner import ModelRunner
+
+    loaded = load_model(args.model, args.dtype, "cpu", None)
+    params = dict(loaded.model.named_parameters())
+    weights = [p for n, p in params.items() if p.ndim == 2 and "embed_tokens" not in n]
+    if not any("lm_head" in n for n in params):  # tied: the embedding is the LM head
+        weights += [p for n, p in params.items() if "embed_tokens" in n]
+    dtype = weights[0].dtype
+    result = {
+        "matmul_s": {},
+        "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
+        "kv_bytes_per_token": ModelRunner.kv_cache_bytes_per_block(loaded.model, 1, dtype),
+    }
+    with torch.inference_mode():
+        for batch in batches:
+            xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
+            samples = []
+            for _ in range(args.ceiling_reps + 2):
+                t = time.perf_counter()
+                for w in weights:
+                    F.linear(xs[w.shape[1]], w)
+                samples.append(time.perf_counter() - t)
+            result["matmul_s"][str(batch)] = sorted(samples[2:])[len(samples[2:]) // 2]
+        src = torch.ones(256 * 2**20, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        samples = []
+        for _ in range(7):
+            t = time.perf_counter()
+            dst.copy_(src)
+            samples.append(time.perf_counter() - t)
+        # NOTE: a copy reads and writes each byte, so it moves twice the buffer size.
+        result["bandwidth_Bps"] = 2 * src.numel() / sorted(samples)[len(samples) // 2]
+    return result
+
+
+def child_main(args: argparse.Namespace) -> int:
+    """Run one engine on one workload (or the ceiling probe) and write a JSON result."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    engine, workload_name = args._child
+    try:
+        if engine == "ceiling":
+            batches = [int(b) for b in args._batches.split(",") if b]
+            data = measure_ceiling(args, batches)
+        else:
+            workloads = json.loads(args._workload_file.read_text())
+            workload = workload_from_dict(workloads[workload_name])
+            data = RUNNERS[engine](run_options(args), workload).to_dict()
+        data["peak_rss_mib"] = peak_rss_mib()
+    except PeerUnavailableError as exc:
+        data = {"skipped": str(exc)}
+    except Exception as exc:  # NOTE: a failing engine reports why; the benchmark goes on
+        traceback.print_exc()
+        data = {"error": f"{type(exc).__name__}: {exc}"}
+    args._result.write_text(json.dumps(data))
+    return 0
+
+
+# Parent side.
+
+
+def spawn_child(
+    args: argparse.Namespace, engine: str, workload: str, extra: list[str], logs: Path
+) -> dict:
+    """Run this script as a child for one engine and workload; its output goes to a log file."""
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
+        result_path = Path(tmp.name)
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.bench_throughput",
+        "--_child",
+        engine,
+        workload,
+        "--_result",
+        str(result_path),
+        "--seed",
+        str(args.seed),
+        "--dtype",
+        args.dtype,
+        "--threads",
+        str(args.threads),
+        "--block-size",
+        str(args.block_size),
+        "--hf-batch-size",
+        str(args.hf_batch_size),
+        "--ceiling-reps",
+        str(args.ceiling_reps),
+        *extra,
+    ]
+    cmd += ["--model", args.model] if args.model else []
+    cmd += ["--llama-batched-bench", args.llama_batched_bench] if args.llama_batched_bench else []
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(args.threads),
+        HF_HUB_OFFLINE="1",
+        PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+    )
+    log = logs / f"{engine}-{workload}.log"
+    try:
+        with log.open("w") as fh:
+            proc = subprocess.run(
+                cmd,
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO_ROOT,
+                timeout=args.child_timeout,
+                check=False,
+            )
+        text = result_path.read_text() if result_path.exists() else ""
+        if not text:
+            return {"error": f"child exited with code {proc.returncode}; see {log}"}
+        return json.loads(text)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.child_timeout:.0f} s; see {log}"}
+    finally:
+        result_path.unlink(missing_ok=True)
+
+
+def _split(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        raise SystemExit(f"unknown {what} {unknown}: choose from {', '.join(allowed)}")
+    return names
+
+
+def _vocab(model: str | None) -> tuple[int, set[int]]:
+    from pagedattn.model.loader import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(model)
+    tokenizer = ckpt.tokenizer()
+    config = ckpt.hf_config()
+    config = getattr(config, "text_config", None) or config
+    special = set(tokenizer.all_special_ids)
+    eos = getattr(config, "eos_token_id", None)
+    special |= {eos} if isinstance(eos, int) else set(eos or [])
+    return int(config.vocab_size), special
+
+
+def parent_main(args: argparse.Namespace) -> int:
+    size = "quick" if args.quick else args.size
+    sizes = SIZE_PRESETS[size]
+    engines = _split(args.engines, ENGINES, "engines")
+    names = _split(args.workloads, WORKLOAD_NAMES, "workloads")
+    vocab_size, special = _vocab(args.model)
+    workloads = make_workloads(sizes, vocab_size, special, args.seed)
+    if args.trace_in:
+        workloads["sharegpt"] = load_trace(args.trace_in, vocab_size)
+        print(f"replaying {len(workloads['sharegpt'].requests)} requests from {args.trace_in}")
+    if args.trace_out:
+        save_trace(workloads["sharegpt"], args.trace_out)
+        print(f"ShareGPT-like trace written to {args.trace_out}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    logs = args.out.parent / "throughput_logs"
+    logs.mkdir(exist_ok=True)
+    wl_file = logs / "workloads.json"
+    wl_file.write_text(json.dumps({n: workload_to_dict(w) for n, w in workloads.items()}))
+    load_before = os.getloadavg()
+    print(
+        f"throughput benchmark: size={size} threads={args.threads} dtype={args.dtype} "
+        f"load average {load_before[0]:.2f}"
+    )
+
+    results: list[dict] = []
+    for name in names:
+        w = workloads[name]
+        print(
+            f"[{name}] {len(w.requests)} requests, {w.num_prompt_tokens} prompt tokens, "
+            f"{w.num_output_tokens} output tokens"
+        )
+        todo = list(engines)
+        if name == "shared_prefix" and "pagedattn" in engines:
+            todo.insert(todo.index("pagedattn") + 1, "pagedattn_nocache")
+        for engine in todo:
+            data = spawn_child(args, engine, name, ["--_workload-file", str(wl_file)], logs)
+            data |= {"engine": engine, "workload": name}
+            row = summarise(data)
+            results.append(row)
+            print(row["line"], flush=True)
+
+    ceiling = None
+    if not args.no_ceiling:
+        points = [(workloads[n], n) for n in ("uniform", "shared_prefix")]
+        batches = sorted({len(w.requests) for w, _ in points})
+        ceiling = spawn_child(
+            args, "ceiling", "-", ["--_batches", ",".join(map(str, batches))], logs
+        )
+        for line in ceiling_rows(ceiling, points, results)["lines"]:
+            print(line)
+    meta = {
+        "size": size,
+        "seed": args.seed,
+        "threads": args.threads,
+        "dtype": args.dtype,
+        "model": args.model or "smollm2-135m (default)",
+        "hf_batch_size": args.hf_batch_size,
+        "load_average_start": load_before[0],
+        "load_average_end": os.getloadavg()[0],
+        "workloads": {
+            n: {
+                "num_requests": len(workloads[n].requests),
+                "num_prompt_tokens": workloads[n].num_prompt_tokens,
+                "num_output_tokens": workloads[n].num_output_tokens,
+            }
+            for n in names
+        },
+    }
+    points = [(workloads[n], n) for n in ("uniform", "shared_prefix")]
+    markdown, report = render_markdown(meta, results, ceiling, points)
+    args.out.write_text(markdown)
+    args.out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    print()
+    print(markdown)
+    print(f"written {args.out} and {args.out.with_suffix('.json')}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return child_main(args) if args._child else parent_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""Engine runners for the throughput benchmark: pagedattn and its peers, one workload each.
+
+Each runner warms its engine up, then times the whole workload (every request arrives at t0) and
+returns a RunResult. The benchmark calls each runner in a fresh subprocess, so the peak RSS it
+reports belongs to that engine alone.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+import shutil
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.workloads import Workload
+
+WARMUP_PROMPT_LEN = 16
+WARMUP_MAX_TOKENS = 4
+# transformers' continuous batching treats a negative eos id as "no EOS" (ignore_eos).
+HF_NO_EOS = -1
+_STEP_FIELDS = ("schedule", "prepare", "forward", "sample", "process")
+
+
+class PeerUnavailableError(RuntimeError):
+    """A peer engine cannot run here (not installed, wrong model format); the message says why."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What every engine shares: model, dtype, threads, plus engine-specific knobs."""
+
+    model: str | None
+    dtype: str = "bfloat16"
+    threads: int = 2
+    seed: int = 0
+    block_size: int = 16
+    num_blocks: int | None = None
+    hf_batch_size: int = 32
+    llama_batched_bench: str | None = None
+
+
+@dataclass
+class RunResult:
+    """Measured numbers of one engine on one workload (times in seconds)."""
+
+    engine: str
+    workload: str
+    elapsed_s: float
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int  # useful tokens: each request's own, not padding or overrun
+    ttft_s: list[float]
+    tpot_s: list[float]
+    peak_rss_mib: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set (VmHWM) plus that of its finished children, in MiB."""
+    own = 0.0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            own = int(line.split()[1]) / 1024
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return max(own, children)
+
+
+def _warmup_ids(workload: Workload) -> list[int]:
+    return workload.requests[0].prompt_token_ids[:WARMUP_PROMPT_LEN]
+
+
+# pagedattn.
+
+
+def run_pagedattn(
+    opts: RunOptions, workload: Workload, *, prefix_caching: bool = True
+) -> RunResult:
+    """Drive LLM's engine step by step (as LLM.generate does), timing every step."""
+    from pagedattn import LLM, SamplingParams
+
+    llm = LLM(
+        opts.model,
+        dtype=opts.dtype,
+        block_size=opts.block_size,
+        num_blocks=opts.num_blocks,
+        enable_prefix_caching=prefix_caching,
+        num_threads=opts.threads,
+        seed=opts.seed,
+    )
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    llm.generate(
+        [_warmup_ids(workload)] * 2, SamplingParams(max_tokens=WARMUP_MAX_TOKENS, **greedy)
+    )
+    if workload.warm_prefix:
+        llm.generate([workload.warm_prefix], SamplingParams(max_tokens=1, **greedy))
+    engine = llm.engine
+    stats0 = llm.get_stats()
+    t0 = time.perf_counter()
+    for i, req in enumerate(workload.requests):
+        engine.add_request(
+            f"bench-{i}", req.prompt_token_ids, SamplingParams(max_tokens=req.max_tokens, **greedy)
+        )
+    steps, finished = [], {}
+    times = engine.step_times
+    while engine.has_unfinished_requests():
+        before = [getattr(times, f) for f in _STEP_FIELDS]
+        num_prompt, num_gen = engine.num_prompt_tokens, engine.num_generation_tokens
+        ts = time.perf_counter()
+        outputs = engine.step()
+        wall = time.perf_counter() - ts
+        parts = [getattr(times, f) - b for f, b in zip(_STEP_FIELDS, before, strict=True)]
+        steps.append(
+            (
+                wall,
+                *parts,
+                engine.num_prompt_tokens - num_prompt,
+                engine.num_generation_tokens - num_gen,
+            )
+        )
+        finished |= {o.request_id: o for o in outputs if o.finished}
+    elapsed = time.perf_counter() - t0
+    outs = [finished[f"bench-{i}"] for i in range(len(workload.requests))]
+    stats = llm.get_stats()
+    extra = {
+        "steps": steps,
+        "prefix_caching": prefix_caching,
+        "prefix_cache_hits": stats.prefix_cache_hits - stats0.prefix_cache_hits,
+        "prefix_cache_queries": stats.prefix_cache_queries - stats0.prefix_cache_queries,
+        "num_preemptions": stats.num_preemptions - stats0.num_preemptions,
+        "num_blocks": stats.num_blocks,
+    }
+    return RunResult(
+        engine="pagedattn" if prefix_caching else "pagedattn_nocache",
+        workload=workload.name,
+        elapsed_s=elapsed,
+        num_requests=len(outs),
+        num_prompt_tokens=workload.num_prompt_tokens,
+        num_output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
+        ttft_s=[o.metrics.ttft for o in outs if o.metrics.ttft is not None],
+        tpot_s=[o.metrics.tpot for o in outs if o.metrics.tpot is not None],
+        extra=extra,
+    )
+
+
+# Hugging Face transformers.
+
+
+def load_hf_model(opts: RunOptions):
+    """The same checkpoint in transformers: a GGUF file is dequantised by transformers itself."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedattn.model.gguf_loader import GGUFCheckpoint
+    from pagedattn.model.loader import resolve_checkpoint
+
+    dtype = getattr(torch, opts.dtype)
+    ckpt = resolve_checkpoint(opts.model)
+    if isinstance(ckpt, GGUFCheckpoint):
+        model = AutoModelForCausalLM.from_pretrained(
+            ckpt.path.parent, gguf_file=ckpt.path.name, dtype=dtype
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=dtype)
+    return model.eval()
+
+
+class _TokenClock:
+    """A stopping criterion that never stops: it stamps the time each new token appears."""
+
+    def __init__(self) -> None:
+        self.stamps: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def _hf_static_batch(model, prompts: list[list[int]], num_new: int, pad_id: int) -> list[float]:
+    from transformers import GenerationConfig, StoppingCriteriaList
+
+    max_len = max(len(p) for p in prompts)
+    ids = [[pad_id] * (max_len - len(p)) + p for p in prompts]  # left padding
+    mask = [[0] * (max_len - len(p)) + [1] * len(p) for p in prompts]
+    clock = _TokenClock()
+    config = GenerationConfig(
+        max_new_tokens=num_new,
+        min_new_tokens=num_new,
+        do_sample=False,
+        pad_token_id=pad_id,
+        eos_token_id=None,
+    )
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            input_ids=torch.tensor(ids),
+            attention_mask=torch.tensor(mask),
+            generation_config=config,
+            stopping_criteria=StoppingCriteriaList([clock]),
+        )
+    return [start, *clock.stamps]
+
+
+def run_hf_static(opts: RunOptions, workload: Workload) -> RunResult:
+    """Static batches in arrival order, left padded, each run to its longest request."""
+    model = load_hf_model(opts)
+    pad_id = model.config.pad_token_id
+    pad_id = 0 if pad_id is None else int(pad_id)
+    _hf_static_batch(model, [_warmup_ids(workload)] * 2, WARMUP_MAX_TOKENS, pad_id)
+    reqs = workload.requests
+    ttft, tpot, batches = [], [], []
+    t0 = time.perf_counter()
+    for lo in range(0, len(reqs), opts.hf_batch_size):
+        batch = reqs[lo : lo + opts.hf_batch_size]
+        num_new = max(r.max_tokens for r in batch)
+        stamps = _hf_static_batch(model, [r.prompt_token_ids for r in batch], num_new, pad_id)
+        prefill = stamps[1] - stamps[0]
+        decode = (stamps[-1] - stamps[1]) / max(1, len(stamps) - 2)
+        # NOTE: TTFT counts from the common arrival t0, so a later batch's wait is included.
+        ttft += [stamps[1] - t0] * len(batch)
+        tpot += [decode] * len(batch)
+        batches.append(
+            {"size": len(batch), "num_new": num_new, "prefill_s": prefill, "decode_step_s": decode}
+        )
+    elapsed = time.perf_counter() - t0
+    return RunResult(
+        "hf_static",
+        workload.name,
+        elapsed,
+        len(reqs),
+        workload.num_prompt_tokens,
+        workload.num_output_tokens,
+        ttft,
+        tpot,
+        extra={"batches": batches},
+    )
+
+
+def run_hf_batch(opts: RunOptions, workload: Workload) -> RunResult:
+    """transformers' continuous batching (generate_batch's manager), per-request max_new_tokens."""
+    from transformers import GenerationConfig
+
+    model = load_hf_model(opts)
+    warm = GenerationConfig(max_new_tokens=WARMUP_MAX_TOKENS, do_sample=False)
+    model.generate_batch(inputs=[_warmup_ids(workload)] * 2, generation_config=warm)
+    reqs = workload.requests
+    config = GenerationConfig(max_new_tokens=max(r.max_tokens for r in reqs), do_sample=False)
+    results = {}
+    with model.continuous_batching_context_manager(
+        generation_config=config, block=True, timeout=5
+    ) as manager:
+        t0 = time.perf_counter()
+        for i, r in enumerate(reqs):
+            manager.add_request(
+                r.prompt_token_ids,
+                request_id=f"bench-{i}",
+                max_new_tokens=r.max_tokens,
+                record_timestamps=True,
+                eos_token_id=HF_NO_EOS,
+            )
+        while len(results) < len(reqs):
+            out = manager.get_result(timeout=1)
+            if out is not None and out.is_finished():
+                results[out.request_id] = out
+            elif out is None and not manager.is_running():
+                raise RuntimeError(f"transformers' batch thread died after {len(results)} results")
+        elapsed = time.perf_counter() - t0
+    outs = [results[f"bench-{i}"] for i in range(len(reqs))]
+    errors = [o.error for o in outs if o.error is not None]
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed in generate_batch: {errors[0]}")
+    ttft = [o.timestamps[0] - o.created_time for o in outs if o.timestamps]
+    tpot = [
+        (o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1)
+        for o in outs
+        if o.timestamps and len(o.timestamps) > 1
+    ]
+    num_out = sum(
+        min(len(o.generated_tokens), r.max_tokens) for o, r in zip(outs, reqs, strict=True)
+    )
+    return RunResult(
+        "hf_batch",
+        workload.name,
+        elapsed,
+        len(reqs),
+        workload.num_prompt_tokens,
+        num_out,
+        ttft,
+        tpot,
+    )
+
+
+# llama.cpp.
+
+
+def _gguf_path(opts: RunOptions) -> Path:
+    from pagedattn.model.gguf_loader import GGUFCheckpoint
+    from pagedattn.model.loader import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(opts.model)
+    if not isinstance(ckpt, GGUFCheckpoint):
+        raise PeerUnavailableError(f"llama.cpp needs a .gguf model; {opts.model!r} is not one")
+    return ckpt.path
+
+
+def parse_batched_bench(text: str) -> dict[str, float]:
+    """The first data row of llama-batched-bench's markdown table, keyed by column name."""
+    header = None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if "T_PP s" in cells:
+            header = cells
+        elif header and len(cells) == len(header) and re.fullmatch(r"[\d.]+", cells[0]):
+            return {k: float(v) for k, v in zip(header, cells, strict=True)}
+    raise ValueError("no result row in llama-batched-bench output (is it a llama.cpp build?)")
+
+
+def run_llama_cpp(opts: RunOptions, workload: Workload) -> RunResult:
+    """llama.cpp on the same GGUF: `llama-batched-bench` if given, else llama-cpp-python."""
+    if opts.llama_batched_bench:
+        return _run_batched_bench(opts, workload)
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise PeerUnavailableError(
+            "llama.cpp skipped: llama-cpp-python is not installed and no --llama-batched-bench "
+            "binary was given"
+        ) from exc
+    llm = llama_cpp.Llama(
+        model_path=str(_gguf_path(opts)),
+        n_ctx=4096,
+        n_threads=opts.threads,
+        n_batch=512,
+        verbose=False,
+    )
+    ttft, tpot, num_out = [], [], 0
+    t0 = time.perf_counter()
+    for req in workload.requests:  # NOTE: the Python binding serves one sequence at a time
+        llm.reset()
+        stamps = [time.perf_counter()]
+        for _ in llm.generate(req.prompt_token_ids, temp=0.0, top_k=1, reset=True):
+            stamps.append(time.perf_counter())
+            if len(stamps) > req.max_tokens:
+                break
+        num_out += len(stamps) - 1
+        ttft.append(stamps[1] - t0)
+        if len(stamps) > 2:
+            tpot.append((stamps[-1] - stamps[1]) / (len(stamps) - 2))
+    return RunResult(
+        "llama_cpp",
+        workload.name,
+        time.perf_counter() - t0,
+        len(workload.requests),
+        workload.num_prompt_tokens,
+        num_out,
+        ttft,
+        tpot,
+        extra={"note": "llama-cpp-python, sequential, GGUF weights"},
+    )
+
+
+def _run_batched_bench(opts: RunOptions, workload: Workload) -> RunResult:
+    binary = shutil.which(opts.llama_batched_bench) or opts.llama_batched_bench
+    if not Path(binary).exists():
+        raise PeerUnavailableError(f"llama-batched-bench not found at {opts.llama_batched_bench}")
+    reqs = workload.requests
+    shapes = {(len(r.prompt_token_ids), r.max_tokens) for r in reqs}
+    if len(shapes) != 1 and workload.warm_prefix is None:
+        raise PeerUnavailableError(
+            f"llama-batched-bench runs equal-length requests only; skipped on {workload.name}"
+        )
+    shared = workload.warm_prefix is not None
+    num_prompt, num_new = max(shapes)
+    batch = len(reqs)
+    ctx = num_prompt + batch * num_new if shared else batch * (num_prompt + num_new)
+    cmd = [
+        binary,
+        "-m",
+        str(_gguf_path(opts)),
+        "-c",
+        str(ctx + 16),
+        "-b",
+        "2048",
+        "-ub",
+        "512",
+        "-npp",
+        str(num_prompt),
+        "-ntg",
+        str(num_new),
+        "-npl",
+        str(batch),
+        "-t",
+        str(opts.threads),
+    ] + (["-pps"] if shared else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr[-500:]}")
+    row = parse_batched_bench(proc.stdout + proc.stderr)
+    num_prompt_total = num_prompt if shared else batch * num_prompt
+    return RunResult(
+        "llama_cpp",
+        workload.name,
+        row["T s"],
+        batch,
+        num_prompt_total,
+        batch * num_new,
+        [row["T_PP s"]] * batch,
+        [row["T_TG s"] / num_new] * batch,
+        extra={
+            "note": "llama-batched-bench, GGUF weights (not dequantised)",
+            "shared_prompt": shared,
+            "row": row,
+        },
+    )
+
+
+RUNNERS = {
+    "pagedattn": run_pagedattn,
+    "pagedattn_nocache": lambda opts, w: run_pagedattn(opts, w, prefix_caching=False),
+    "hf_static": run_hf_static,
+    "hf_batch": run_hf_batch,
+    "llama_cpp": run_llama_cpp,
+}

@@ -1,0 +1,406 @@
+// Paged decode attention on CPU that reads K/V straight through the block tables (flash layout).
+//
+// key_cache / value_cache: [num_blocks, B, Hkv, D]; the key row of token t of a sequence is
+// key_cache[block_table[t / B], t % B, h, :] (D contiguous elements). One work item is
+// (query row, kv head, partition of up to partition_size tokens); each item loads every K/V row
+// once and uses it for the whole GQA group (G query heads), with an online softmax over chunks of
+// kChunk tokens. Items of rows with several partitions write unnormalised partial results that a
+// second pass merges with log-sum-exp. Work items are handed out dynamically (an atomic counter)
+// inside at::parallel_for, so uneven context lengths still balance across threads.
+//
+// bf16 caches accumulate in fp32 (AVX-512 BF16 dot products when the compiler targets them);
+// a scalar path keeps the file portable to CPUs without AVX-512.
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 64;      // tokens per online-softmax step
+constexpr int kMaxHeadsPerPass = 4;  // query heads whose accumulators stay in registers
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+using bf16 = c10::BFloat16;
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return static_cast<float>(x); }
+
+// ---------------------------------------------------------------------------------------------
+// Vector primitives: 16 fp32 lanes from a row of T.
+// ---------------------------------------------------------------------------------------------
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0 (softmax arguments); Cephes-style range reduction and degree-6 polynomial.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+// x[i] = exp(x[i] - shift) for i < n; returns the sum.
+inline float exp_shifted_sum(float* x, int64_t n, float shift) {
+  int64_t i = 0;
+  float total = 0.0f;
+#ifdef __AVX512F__
+  __m512 vshift = _mm512_set1_ps(shift);
+  __m512 vsum = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vshift));
+    _mm512_storeu_ps(x + i, e);
+    vsum = _mm512_add_ps(vsum, e);
+  }
+  if (i < n) {
+    __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
+    __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), vshift));
+    _mm512_mask_storeu_ps(x + i, mask, e);
+    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(mask, e));
+    i = n;
+  }
+  total = _mm512_reduce_add_ps(vsum);
+#endif
+  for (; i < n; ++i) {
+    x[i] = std::exp(x[i] - shift);
+    total += x[i];
+  }
+  return total;
+}
+
+// scores[g * kChunk + t] = scale * dot(q[g], key row t) for NG heads.
+template <typename T, int NG>
+void score_rows(const T* q, int64_t head_size, const T* const* rows, int64_t count, float scale,
+                float* scores) {
+  int64_t t = 0;
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    for (; t < count; ++t) {
+      const T* k = rows[t];
+      __m512 acc[NG];
+      for (int g = 0; g < NG; ++g) acc[g] = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + 32 <= head_size; i += 32) {
+        __m512bh kv = (__m512bh)_mm512_loadu_si512(k + i);
+        for (int g = 0; g < NG; ++g) {
+          __m512bh qv = (__m512bh)_mm512_loadu_si512(q + g * head_size + i);
+          acc[g] = _mm512_dpbf16_ps(acc[g], qv, kv);
+        }
+      }
+      if (i < head_size) {  // a 16-element tail, zero-extended to 32
+        __m512bh kv = (__m512bh)_mm512_zextsi256_si512(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + i)));
+        for (int g = 0; g < NG; ++g) {
+          __m512bh qv = (__m512bh)_mm512_zextsi256_si512(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * head_size + i)));
+          acc[g] = _mm512_dpbf16_ps(acc[g], qv, kv);
+        }
+      }
+      for (int g = 0; g < NG; ++g) scores[g * kChunk + t] = scale * _mm512_reduce_add_ps(acc[g]);
+    }
+    return;
+  }
+#endif
+#ifdef __AVX512F__
+  for (; t < count; ++t) {
+    const T* k = rows[t];
+    __m512 acc[NG];
+    for (int g = 0; g < NG; ++g) acc[g] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < head_size; i += 16) {
+      __m512 kv = load16(k + i);
+      for (int g = 0; g < NG; ++g) acc[g] = _mm512_fmadd_ps(load16(q + g * head_size + i), kv, acc[g]);
+    }
+    for (int g = 0; g < NG; ++g) scores[g * kChunk + t] = scale * _mm512_reduce_add_ps(acc[g]);
+  }
+#else
+  for (; t < count; ++t) {
+    const T* k = rows[t];
+    for (int g = 0; g < NG; ++g) {
+      float acc = 0.0f;
+      for (int64_t i = 0; i < head_size; ++i) acc += to_float(q[g * head_size + i]) * to_float(k[i]);
+      scores[g * kChunk + t] = scale * acc;
+    }
+  }
+#endif
+}
+
+// acc[g] += sum_t probs[g * kChunk + t] * value row t, for NG heads (acc: [NG, head_size] fp32).
+template <typename T, int NG>
+void accumulate_rows(const float* probs, const T* const* rows, int64_t count, int64_t head_size,
+                     float* acc) {
+#ifdef __AVX512F__
+  for (int64_t i = 0; i < head_size; i += 16) {
+    __m512 a[NG];
+    for (int g = 0; g < NG; ++g) a[g] = _mm512_loadu_ps(acc + g * head_size + i);
+    for (int64_t t = 0; t < count; ++t) {
+      __m512 v = load16(rows[t] + i);
+      for (int g = 0; g < NG; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g * kChunk + t]), v, a[g]);
+    }
+    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(acc + g * head_size + i, a[g]);
+  }
+#else
+  for (int64_t t = 0; t < count; ++t) {
+    const T* v = rows[t];
+    for (int g = 0; g < NG; ++g) {
+      float p = probs[g * kChunk + t];
+      for (int64_t i = 0; i < head_size; ++i) acc[g * head_size + i] += p * to_float(v[i]);
+    }
+  }
+#endif
+}
+
+// Dispatch a templated NG to the runtime number of heads in this pass (1..kMaxHeadsPerPass).
+template <typename Fn>
+void with_heads(int ng, Fn&& fn) {
+  switch (ng) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: fn(std::integral_constant<int, 2>{}); break;
+    case 3: fn(std::integral_constant<int, 3>{}); break;
+    default: fn(std::integral_constant<int, 4>{}); break;
+  }
+}
+
+struct Params {
+  int64_t num_rows, num_heads, num_kv_heads, group, head_size;
+  int64_t num_blocks, block_size, max_blocks_per_seq;
+  int64_t sliding_window;  // 0: none
+  float scale, soft_cap;   // soft_cap 0: none
+  int64_t partition_size;
+};
+
+struct WorkItem {
+  int64_t row, partition, tok_begin, tok_end;
+};
+
+// Per-thread scratch: scores/probs [G, kChunk], accumulators [G, D], running max/sum [G].
+struct Scratch {
+  std::vector<float> scores, acc, max, sum;
+  Scratch(int64_t group, int64_t head_size)
+      : scores(group * kChunk), acc(group * head_size), max(group), sum(group) {}
+};
+
+// Attention of one (row, kv head, partition): leaves unnormalised acc, max and sum in scratch.
+template <typename T>
+bool attend_partition(const Params& p, const T* key_cache, const T* value_cache,
+                      const int32_t* block_table, int64_t kv_head, int64_t tok_begin,
+                      int64_t tok_end, const T* q, Scratch& s) {
+  const int64_t G = p.group, D = p.head_size;
+  const int64_t row_stride = p.num_kv_heads * D;  // elements per token row of a block
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+  std::fill(s.max.begin(), s.max.end(), kNegInf);
+  std::fill(s.sum.begin(), s.sum.end(), 0.0f);
+  const T* krows[kChunk];
+  const T* vrows[kChunk];
+  for (int64_t c0 = tok_begin; c0 < tok_end; c0 += kChunk) {
+    const int64_t count = std::min(kChunk, tok_end - c0);
+    int64_t table_idx = c0 / p.block_size, offset = c0 % p.block_size;
+    int64_t block = block_table[table_idx];
+    if (block < 0 || block >= p.num_blocks) return false;
+    for (int64_t t = 0; t < count; ++t) {
+      if (offset == p.block_size) {
+        offset = 0;
+        block = block_table[++table_idx];
+        if (block < 0 || block >= p.num_blocks) return false;
+      }
+      const int64_t elem = (block * p.block_size + offset) * row_stride + kv_head * D;
+      krows[t] = key_cache + elem;
+      vrows[t] = value_cache + elem;
+      ++offset;
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += kMaxHeadsPerPass) {
+      const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, G - g0));
+      with_heads(ng, [&](auto NG) {
+        score_rows<T, decltype(NG)::value>(q + g0 * D, D, krows, count, p.scale, s.scores.data() + g0 * kChunk);
+      });
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float* sc = s.scores.data() + g * kChunk;
+      if (p.soft_cap > 0.0f) {
+        for (int64_t t = 0; t < count; ++t) sc[t] = p.soft_cap * std::tanh(sc[t] / p.soft_cap);
+      }
+      float chunk_max = *std::max_element(sc, sc + count);
+      float new_max = std::max(s.max[g], chunk_max);
+      if (new_max > s.max[g] && s.max[g] != kNegInf) {
+        const float alpha = std::exp(s.max[g] - new_max);
+        s.sum[g] *= alpha;
+        float* a = s.acc.data() + g * D;
+        for (int64_t i = 0; i < D; ++i) a[i] *= alpha;
+      }
+      s.max[g] = new_max;
+      s.sum[g] += exp_shifted_sum(sc, count, new_max);
+    }
+    for (int64_t g0 = 0; g0 < G; g0 += kMaxHeadsPerPass) {
+      const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, G - g0));
+      with_heads(ng, [&](auto NG) {
+        accumulate_rows<T, decltype(NG)::value>(s.scores.data() + g0 * kChunk, vrows, count, D,
+                                     s.acc.data() + g0 * D);
+      });
+    }
+  }
+  return true;
+}
+
+template <typename T>
+void paged_decode_impl(const Params& p, const T* query, const T* key_cache, const T* value_cache,
+                       const int32_t* block_tables, const int32_t* seq_lens, T* out) {
+  const int64_t G = p.group, D = p.head_size, Hkv = p.num_kv_heads;
+  // Work items per row: the visible token range [begin, seq_len) split into partitions.
+  std::vector<WorkItem> items;
+  std::vector<int64_t> num_partitions(p.num_rows), first_partition(p.num_rows);
+  int64_t total_partials = 0;
+  for (int64_t r = 0; r < p.num_rows; ++r) {
+    const int64_t seq_len = seq_lens[r];
+    TORCH_CHECK(seq_len > 0 && seq_len <= p.max_blocks_per_seq * p.block_size, "row ", r,
+                " has seq_len ", seq_len, " outside (0, ", p.max_blocks_per_seq * p.block_size,
+                "]: the block table is too short or the length is wrong");
+    const int64_t begin = p.sliding_window > 0 ? std::max<int64_t>(0, seq_len - p.sliding_window) : 0;
+    const int64_t n = (seq_len - begin + p.partition_size - 1) / p.partition_size;
+    num_partitions[r] = n;
+    first_partition[r] = total_partials;
+    if (n > 1) total_partials += n;
+    for (int64_t i = 0; i < n; ++i) {
+      items.push_back({r, i, begin + i * p.partition_size,
+                       std::min(seq_len, begin + (i + 1) * p.partition_size)});
+    }
+  }
+  // Partial results of multi-partition rows: [partial, Hkv, G, D] acc and [partial, Hkv, G] max/sum.
+  std::vector<float> part_acc(total_partials * Hkv * G * D), part_max(total_partials * Hkv * G),
+      part_sum(total_partials * Hkv * G);
+  const int64_t num_items = static_cast<int64_t>(items.size()) * Hkv;
+  std::atomic<int64_t> next{0};
+  std::atomic<bool> bad_block{false};
+  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
+  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
+    Scratch s(G, D);
+    for (int64_t w = next.fetch_add(1); w < num_items; w = next.fetch_add(1)) {
+      const WorkItem& item = items[w / Hkv];
+      const int64_t h = w % Hkv;
+      const T* q = query + (item.row * p.num_heads + h * G) * D;
+      if (!attend_partition<T>(p, key_cache, value_cache,
+                               block_tables + item.row * p.max_blocks_per_seq, h, item.tok_begin,
+                               item.tok_end, q, s)) {
+        bad_block = true;
+        continue;
+      }
+      if (num_partitions[item.row] == 1) {
+        T* o = out + (item.row * p.num_heads + h * G) * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const float inv = 1.0f / s.sum[g];
+          for (int64_t i = 0; i < D; ++i) o[g * D + i] = static_cast<T>(s.acc[g * D + i] * inv);
+        }
+      } else {
+        const int64_t base = (first_partition[item.row] + item.partition) * Hkv + h;
+        std::copy(s.acc.begin(), s.acc.end(), part_acc.begin() + base * G * D);
+        std::copy(s.max.begin(), s.max.end(), part_max.begin() + base * G);
+        std::copy(s.sum.begin(), s.sum.end(), part_sum.begin() + base * G);
+      }
+    }
+  });
+  TORCH_CHECK(!bad_block, "a block table entry read by paged_decode is outside [0, ",
+              p.num_blocks, "): the block tables do not match the KV cache");
+  if (total_partials == 0) return;
+  // Merge the partitions of each (row, kv head, query head) with log-sum-exp weights.
+  for (int64_t r = 0; r < p.num_rows; ++r) {
+    if (num_partitions[r] == 1) continue;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t g = 0; g < G; ++g) {
+        auto at = [&](int64_t i) { return (first_partition[r] + i) * Hkv * G + h * G + g; };
+        float global_max = kNegInf;
+        for (int64_t i = 0; i < num_partitions[r]; ++i) global_max = std::max(global_max, part_max[at(i)]);
+        std::vector<float> merged(D, 0.0f);
+        float total = 0.0f;
+        for (int64_t i = 0; i < num_partitions[r]; ++i) {
+          const float w = std::exp(part_max[at(i)] - global_max);
+          total += w * part_sum[at(i)];
+          const float* a = part_acc.data() + at(i) * D;
+          for (int64_t d = 0; d < D; ++d) merged[d] += w * a[d];
+        }
+        T* o = out + (r * p.num_heads + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(merged[d] / total);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// out/query: [N, Hq, D]; key/value_cache: [num_blocks, B, Hkv, D]; block_tables: [N, max_blocks]
+// int32; seq_lens: [N] int32 (keys visible to row n: its last seq_lens[n] positions' window).
+void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                  torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
+                  double scale, int64_t sliding_window, double soft_cap, int64_t partition_size) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query must be [N, Hq, D] and the caches "
+              "[num_blocks, B, Hkv, D] (flash layout)");
+  TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
+  TORCH_CHECK(query.dtype() == key_cache.dtype() && value_cache.dtype() == key_cache.dtype() &&
+                  out.dtype() == query.dtype(),
+              "query, caches and output must share one dtype");
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  out.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous(),
+              "paged_decode needs contiguous tensors");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  Params p;
+  p.num_rows = query.size(0);
+  p.num_heads = query.size(1);
+  p.head_size = query.size(2);
+  p.num_blocks = key_cache.size(0);
+  p.block_size = key_cache.size(1);
+  p.num_kv_heads = key_cache.size(2);
+  TORCH_CHECK(key_cache.size(3) == p.head_size, "cache head_size ", key_cache.size(3),
+              " != query head_size ", p.head_size);
+  TORCH_CHECK(p.head_size % 16 == 0, "head_size must be a multiple of 16, got ", p.head_size);
+  TORCH_CHECK(p.num_heads % p.num_kv_heads == 0, "num_heads ", p.num_heads,
+              " is not a multiple of num_kv_heads ", p.num_kv_heads);
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == p.num_rows &&
+                  seq_lens.numel() == p.num_rows && out.sizes() == query.sizes(),
+              "block_tables [N, max_blocks], seq_lens [N] and out [N, Hq, D] must match query");
+  TORCH_CHECK(partition_size > 0, "partition_size must be positive");
+  p.group = p.num_heads / p.num_kv_heads;
+  p.max_blocks_per_seq = block_tables.size(1);
+  p.sliding_window = sliding_window;
+  p.scale = static_cast<float>(scale);
+  p.soft_cap = static_cast<float>(soft_cap);
+  p.partition_size = partition_size;
+  if (p.num_rows == 0) return;
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  if (query.scalar_type() == at::kFloat) {
+    paged_decode_impl<float>(p, query.data_ptr<float>(), key_cache.data_ptr<float>(),
+                             value_cache.data_ptr<float>(), tables, lens, out.data_ptr<float>());
+  } else if (query.scalar_type() == at::kBFloat16) {
+    auto ptr = [](torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); };
+    paged_decode_impl<bf16>(p, ptr(query), ptr(key_cache), ptr(value_cache), tables, lens, ptr(out));
+  } else {
+    TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, got ", query.dtype());
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "Paged decode attention over a flash-layout KV cache");
+}

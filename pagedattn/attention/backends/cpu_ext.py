@@ -1,0 +1,155 @@
+"""The compiled CPU paged-decode kernel (csrc/paged_attention_cpu.cpp): build, load, call.
+
+The C++ source is compiled on first use with ``torch.utils.cpp_extension.load`` (``-O3
+-march=native -fopenmp``; about a minute) and cached under ``~/.cache/pagedattn/ext`` (override with
+``PAGEDATTN_EXT_DIR``); later processes load the cached library in well under a second. The build
+is keyed by the CPU's feature flags, so a shared home directory never hands an AVX-512 build to an
+older CPU. ``PAGEDATTN_DISABLE_CPU_EXT=1`` turns the kernel off. If the build fails,
+``get_extension`` logs why once and returns None, and callers keep the PyTorch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parents[3] / "csrc" / "paged_attention_cpu.cpp"
+BUILD_DIR_ENV = "PAGEDATTN_EXT_DIR"
+DISABLE_ENV = "PAGEDATTN_DISABLE_CPU_EXT"
+DEFAULT_BUILD_DIR = Path.home() / ".cache" / "pagedattn" / "ext"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# Tokens per work item of long contexts; shorter rows are one item (merged by log-sum-exp).
+DEFAULT_PARTITION_SIZE = 512
+# Kernel sentinels for "no sliding window" and "no soft-cap".
+NO_SLIDING_WINDOW = 0
+NO_SOFT_CAP = 0.0
+HEAD_SIZE_MULTIPLE = 16
+
+
+class ExtensionBuildError(RuntimeError):
+    """The C++ paged-attention extension could not be compiled or loaded."""
+
+
+_module: ModuleType | None = None
+_error: str | None = None
+
+
+def _cpu_tag() -> str:
+    """A short hash of the CPU feature flags (the build uses -march=native)."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        flags = torch.backends.cpu.get_cpu_capability()
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def load_extension(verbose: bool = False) -> ModuleType:
+    """Compile (or load the cached build of) the extension; raise ExtensionBuildError on failure."""
+    global _module, _error
+    if _module is not None:
+        return _module
+    if not SOURCE.is_file():
+        raise ExtensionBuildError(
+            f"{SOURCE} is missing: the compiled CPU kernel needs a source checkout "
+            "(pip install -e .)"
+        )
+    from torch.utils.cpp_extension import load
+
+    build_dir = Path(os.environ.get(BUILD_DIR_ENV, DEFAULT_BUILD_DIR)) / _cpu_tag()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        _module = load(
+            name="pagedattn_cpu_ext",
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=verbose,
+        )
+    except Exception as exc:  # noqa: BLE001 - any compiler/loader failure means "no extension"
+        _error = f"{type(exc).__name__}: {exc}"
+        raise ExtensionBuildError(
+            f"building {SOURCE.name} in {build_dir} failed ({_error}); it needs a C++17 compiler "
+            "(g++) and ninja"
+        ) from exc
+    return _module
+
+
+def get_extension() -> ModuleType | None:
+    """The loaded extension, or None when disabled or unbuildable (the reason is logged once)."""
+    global _error
+    if _module is not None:
+        return _module
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0") or _error is not None:
+        return None
+    try:
+        return load_extension()
+    except ExtensionBuildError as exc:
+        _error = str(exc)
+        logger.warning("compiled CPU attention unavailable, using the PyTorch path: %s", exc)
+        return None
+
+
+def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """Whether paged_decode handles these tensors (CPU, one fp32/bf16 dtype, D % 16 == 0)."""
+    return (
+        query.device.type == "cpu"
+        and key_cache.device.type == "cpu"
+        and query.dtype == key_cache.dtype
+        and query.dtype in SUPPORTED_DTYPES
+        and query.shape[-1] % HEAD_SIZE_MULTIPLE == 0
+    )
+
+
+def paged_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    partition_size: int = DEFAULT_PARTITION_SIZE,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query per row over the flash-layout cache -> [N, Hq, D] in the query dtype.
+
+    query [N, Hq, D]; key/value_cache [num_blocks, B, Hkv, D]; block_tables [N, max_blocks];
+    seq_lens [N] (row n attends to positions < seq_lens[n], its query sits at seq_lens[n] - 1).
+    Raises ExtensionBuildError if the extension cannot be built.
+    """
+    ext = load_extension()
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    if logits_soft_cap is not None and logits_soft_cap <= 0:
+        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+    query = query.contiguous()
+    if out is None:
+        out = torch.empty_like(query)
+    ext.paged_decode(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        float(scale),
+        sliding_window or NO_SLIDING_WINDOW,
+        float(logits_soft_cap or NO_SOFT_CAP),
+        partition_size,
+    )
+    return out
