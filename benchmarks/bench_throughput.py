@@ -17,11 +17,16 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from pathlib import Path
 
-from benchmarks.peers import RUNNERS, PeerUnavailableError, RunOptions, peak_rss_mib
+from benchmarks.pagedattn_runner import (
+    PeerUnavailableError,
+    RunOptions,
+    measure_ceiling,
+    peak_rss_mib,
+)
+from benchmarks.peers import RUNNERS
 from benchmarks.throughput_report import ceiling_rows, render_markdown, summarise
 from benchmarks.workloads import (
     SIZE_PRESETS,
@@ -55,10 +60,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=Path("bench_out/throughput.md"))
     p.add_argument("--hf-batch-size", type=int, default=32)
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument(
+        "--num-blocks", type=int, help="pagedattn KV blocks (default: all requests fit at once)"
+    )
     p.add_argument("--llama-batched-bench", help="path of a llama-batched-bench binary")
     p.add_argument("--ceiling-reps", type=int, default=20, help="repetitions of the matmul pass")
     p.add_argument("--no-ceiling", action="store_true", help="skip the matmul/bandwidth probes")
     p.add_argument("--child-timeout", type=float, default=3600.0)
+    p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run every engine in this process (faster start; peak RSS is then shared)",
+    )
     p.add_argument("--_child", nargs=2, metavar=("ENGINE", "WORKLOAD"), help=argparse.SUPPRESS)
     p.add_argument("--_workload-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--_result", type=Path, help=argparse.SUPPRESS)
@@ -73,6 +86,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
         threads=args.threads,
         seed=args.seed,
         block_size=args.block_size,
+        num_blocks=args.num_blocks,
         hf_batch_size=args.hf_batch_size,
         llama_batched_bench=args.llama_batched_bench,
     )
@@ -81,68 +95,32 @@ def run_options(args: argparse.Namespace) -> RunOptions:
 # Child side.
 
 
-def measure_ceiling(args: argparse.Namespace, batches: list[int]) -> dict:
-    """Decode-step matmuls alone (the model's own weights, LM head included) and copy bandwidth."""
-    import torch
-    import torch.nn.functional as F
-
-    from pagedattn.model.loader import load_model
-    from pagedattn.worker.model_runner import ModelRunner
-
-    loaded = load_model(args.model, args.dtype, "cpu", None)
-    params = dict(loaded.model.named_parameters())
-    weights = [p for n, p in params.items() if p.ndim == 2 and "embed_tokens" not in n]
-    if not any("lm_head" in n for n in params):  # tied: the embedding is the LM head
-        weights += [p for n, p in params.items() if "embed_tokens" in n]
-    dtype = weights[0].dtype
-    result = {
-        "matmul_s": {},
-        "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
-        "kv_bytes_per_token": ModelRunner.kv_cache_bytes_per_block(loaded.model, 1, dtype),
-    }
-    with torch.inference_mode():
-        for batch in batches:
-            xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
-            samples = []
-            for _ in range(args.ceiling_reps + 2):
-                t = time.perf_counter()
-                for w in weights:
-                    F.linear(xs[w.shape[1]], w)
-                samples.append(time.perf_counter() - t)
-            result["matmul_s"][str(batch)] = sorted(samples[2:])[len(samples[2:]) // 2]
-        src = torch.ones(256 * 2**20, dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        samples = []
-        for _ in range(7):
-            t = time.perf_counter()
-            dst.copy_(src)
-            samples.append(time.perf_counter() - t)
-        # NOTE: a copy reads and writes each byte, so it moves twice the buffer size.
-        result["bandwidth_Bps"] = 2 * src.numel() / sorted(samples)[len(samples) // 2]
-    return result
-
-
-def child_main(args: argparse.Namespace) -> int:
-    """Run one engine on one workload (or the ceiling probe) and write a JSON result."""
+def run_one(args: argparse.Namespace, engine: str, workload: str, batches: str) -> dict:
+    """One engine on one workload (or the ceiling probe); failures come back as a reason."""
     import torch
 
     torch.set_num_threads(args.threads)
-    engine, workload_name = args._child
     try:
         if engine == "ceiling":
-            batches = [int(b) for b in args._batches.split(",") if b]
-            data = measure_ceiling(args, batches)
+            sizes = [int(b) for b in batches.split(",") if b]
+            data = measure_ceiling(run_options(args), sizes, args.ceiling_reps)
         else:
             workloads = json.loads(args._workload_file.read_text())
-            workload = workload_from_dict(workloads[workload_name])
-            data = RUNNERS[engine](run_options(args), workload).to_dict()
+            data = RUNNERS[engine](run_options(args), workload_from_dict(workloads[workload]))
+            data = data.to_dict()
         data["peak_rss_mib"] = peak_rss_mib()
     except PeerUnavailableError as exc:
         data = {"skipped": str(exc)}
     except Exception as exc:  # NOTE: a failing engine reports why; the benchmark goes on
         traceback.print_exc()
         data = {"error": f"{type(exc).__name__}: {exc}"}
-    args._result.write_text(json.dumps(data))
+    return data
+
+
+def child_main(args: argparse.Namespace) -> int:
+    """Child process: run one engine and write its JSON result where the parent reads it."""
+    engine, workload = args._child
+    args._result.write_text(json.dumps(run_one(args, engine, workload, args._batches)))
     return 0
 
 
@@ -150,9 +128,11 @@ def child_main(args: argparse.Namespace) -> int:
 
 
 def spawn_child(
-    args: argparse.Namespace, engine: str, workload: str, extra: list[str], logs: Path
+    args: argparse.Namespace, engine: str, workload: str, logs: Path, batches: str = ""
 ) -> dict:
     """Run this script as a child for one engine and workload; its output goes to a log file."""
+    if args.in_process:
+        return run_one(args, engine, workload, batches)
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as tmp:
         result_path = Path(tmp.name)
     cmd = [
@@ -176,9 +156,13 @@ def spawn_child(
         str(args.hf_batch_size),
         "--ceiling-reps",
         str(args.ceiling_reps),
-        *extra,
+        "--_workload-file",
+        str(args._workload_file),
+        "--_batches",
+        batches,
     ]
     cmd += ["--model", args.model] if args.model else []
+    cmd += ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
     cmd += ["--llama-batched-bench", args.llama_batched_bench] if args.llama_batched_bench else []
     env = dict(
         os.environ,
@@ -245,8 +229,10 @@ def parent_main(args: argparse.Namespace) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     logs = args.out.parent / "throughput_logs"
     logs.mkdir(exist_ok=True)
-    wl_file = logs / "workloads.json"
-    wl_file.write_text(json.dumps({n: workload_to_dict(w) for n, w in workloads.items()}))
+    args._workload_file = logs / "workloads.json"
+    args._workload_file.write_text(
+        json.dumps({n: workload_to_dict(w) for n, w in workloads.items()})
+    )
     load_before = os.getloadavg()
     print(
         f"throughput benchmark: size={size} threads={args.threads} dtype={args.dtype} "
@@ -264,7 +250,7 @@ def parent_main(args: argparse.Namespace) -> int:
         if name == "shared_prefix" and "pagedattn" in engines:
             todo.insert(todo.index("pagedattn") + 1, "pagedattn_nocache")
         for engine in todo:
-            data = spawn_child(args, engine, name, ["--_workload-file", str(wl_file)], logs)
+            data = spawn_child(args, engine, name, logs)
             data |= {"engine": engine, "workload": name}
             row = summarise(data)
             results.append(row)
@@ -274,9 +260,7 @@ def parent_main(args: argparse.Namespace) -> int:
     if not args.no_ceiling:
         points = [(workloads[n], n) for n in ("uniform", "shared_prefix")]
         batches = sorted({len(w.requests) for w, _ in points})
-        ceiling = spawn_child(
-            args, "ceiling", "-", ["--_batches", ",".join(map(str, batches))], logs
-        )
+        ceiling = spawn_child(args, "ceiling", "-", logs, ",".join(map(str, batches)))
         for line in ceiling_rows(ceiling, points, results)["lines"]:
             print(line)
     meta = {

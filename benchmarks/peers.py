@@ -1,153 +1,34 @@
-"""Engine runners for the throughput benchmark: pagedattn and its peers, one workload each.
+"""Peer engines for the throughput benchmark: HF static generate, HF generate_batch, llama.cpp.
 
-Each runner warms its engine up, then times the whole workload (every request arrives at t0) and
-returns a RunResult. The benchmark calls each runner in a fresh subprocess, so the peak RSS it
-reports belongs to that engine alone.
+Same contract as benchmarks.pagedattn_runner.run_pagedattn: warm up, time the whole workload
+(every request arrives at t0), return a RunResult.
 """
 
 from __future__ import annotations
 
 import re
-import resource
 import shutil
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
+from benchmarks.pagedattn_runner import (
+    WARMUP_MAX_TOKENS,
+    PeerUnavailableError,
+    RunOptions,
+    RunResult,
+    run_pagedattn,
+    warmup_ids,
+)
 from benchmarks.workloads import Workload
 
-WARMUP_PROMPT_LEN = 16
-WARMUP_MAX_TOKENS = 4
 # transformers' continuous batching treats a negative eos id as "no EOS" (ignore_eos).
 HF_NO_EOS = -1
-_STEP_FIELDS = ("schedule", "prepare", "forward", "sample", "process")
-
-
-class PeerUnavailableError(RuntimeError):
-    """A peer engine cannot run here (not installed, wrong model format); the message says why."""
-
-
-@dataclass(frozen=True)
-class RunOptions:
-    """What every engine shares: model, dtype, threads, plus engine-specific knobs."""
-
-    model: str | None
-    dtype: str = "bfloat16"
-    threads: int = 2
-    seed: int = 0
-    block_size: int = 16
-    num_blocks: int | None = None
-    hf_batch_size: int = 32
-    llama_batched_bench: str | None = None
-
-
-@dataclass
-class RunResult:
-    """Measured numbers of one engine on one workload (times in seconds)."""
-
-    engine: str
-    workload: str
-    elapsed_s: float
-    num_requests: int
-    num_prompt_tokens: int
-    num_output_tokens: int  # useful tokens: each request's own, not padding or overrun
-    ttft_s: list[float]
-    tpot_s: list[float]
-    peak_rss_mib: float = 0.0
-    extra: dict = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-def peak_rss_mib() -> float:
-    """This process's peak resident set (VmHWM) plus that of its finished children, in MiB."""
-    own = 0.0
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            own = int(line.split()[1]) / 1024
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return max(own, children)
-
-
-def _warmup_ids(workload: Workload) -> list[int]:
-    return workload.requests[0].prompt_token_ids[:WARMUP_PROMPT_LEN]
-
-
-# pagedattn.
-
-
-def run_pagedattn(
-    opts: RunOptions, workload: Workload, *, prefix_caching: bool = True
-) -> RunResult:
-    """Drive LLM's engine step by step (as LLM.generate does), timing every step."""
-    from pagedattn import LLM, SamplingParams
-
-    llm = LLM(
-        opts.model,
-        dtype=opts.dtype,
-        block_size=opts.block_size,
-        num_blocks=opts.num_blocks,
-        enable_prefix_caching=prefix_caching,
-        num_threads=opts.threads,
-        seed=opts.seed,
-    )
-    greedy = dict(temperature=0.0, ignore_eos=True)
-    llm.generate(
-        [_warmup_ids(workload)] * 2, SamplingParams(max_tokens=WARMUP_MAX_TOKENS, **greedy)
-    )
-    if workload.warm_prefix:
-        llm.generate([workload.warm_prefix], SamplingParams(max_tokens=1, **greedy))
-    engine = llm.engine
-    stats0 = llm.get_stats()
-    t0 = time.perf_counter()
-    for i, req in enumerate(workload.requests):
-        engine.add_request(
-            f"bench-{i}", req.prompt_token_ids, SamplingParams(max_tokens=req.max_tokens, **greedy)
-        )
-    steps, finished = [], {}
-    times = engine.step_times
-    while engine.has_unfinished_requests():
-        before = [getattr(times, f) for f in _STEP_FIELDS]
-        num_prompt, num_gen = engine.num_prompt_tokens, engine.num_generation_tokens
-        ts = time.perf_counter()
-        outputs = engine.step()
-        wall = time.perf_counter() - ts
-        parts = [getattr(times, f) - b for f, b in zip(_STEP_FIELDS, before, strict=True)]
-        steps.append(
-            (
-                wall,
-                *parts,
-                engine.num_prompt_tokens - num_prompt,
-                engine.num_generation_tokens - num_gen,
-            )
-        )
-        finished |= {o.request_id: o for o in outputs if o.finished}
-    elapsed = time.perf_counter() - t0
-    outs = [finished[f"bench-{i}"] for i in range(len(workload.requests))]
-    stats = llm.get_stats()
-    extra = {
-        "steps": steps,
-        "prefix_caching": prefix_caching,
-        "prefix_cache_hits": stats.prefix_cache_hits - stats0.prefix_cache_hits,
-        "prefix_cache_queries": stats.prefix_cache_queries - stats0.prefix_cache_queries,
-        "num_preemptions": stats.num_preemptions - stats0.num_preemptions,
-        "num_blocks": stats.num_blocks,
-    }
-    return RunResult(
-        engine="pagedattn" if prefix_caching else "pagedattn_nocache",
-        workload=workload.name,
-        elapsed_s=elapsed,
-        num_requests=len(outs),
-        num_prompt_tokens=workload.num_prompt_tokens,
-        num_output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
-        ttft_s=[o.metrics.ttft for o in outs if o.metrics.ttft is not None],
-        tpot_s=[o.metrics.tpot for o in outs if o.metrics.tpot is not None],
-        extra=extra,
-    )
+HF_PAGE_SIZE = 256
+# The same token budget per step as pagedattn's default max_num_batched_tokens.
+HF_MAX_BATCH_TOKENS = 2048
 
 
 # Hugging Face transformers.
@@ -212,7 +93,7 @@ def run_hf_static(opts: RunOptions, workload: Workload) -> RunResult:
     model = load_hf_model(opts)
     pad_id = model.config.pad_token_id
     pad_id = 0 if pad_id is None else int(pad_id)
-    _hf_static_batch(model, [_warmup_ids(workload)] * 2, WARMUP_MAX_TOKENS, pad_id)
+    _hf_static_batch(model, [warmup_ids(workload)] * 2, WARMUP_MAX_TOKENS, pad_id)
     reqs = workload.requests
     ttft, tpot, batches = [], [], []
     t0 = time.perf_counter()
@@ -244,16 +125,26 @@ def run_hf_static(opts: RunOptions, workload: Workload) -> RunResult:
 
 def run_hf_batch(opts: RunOptions, workload: Workload) -> RunResult:
     """transformers' continuous batching (generate_batch's manager), per-request max_new_tokens."""
-    from transformers import GenerationConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     model = load_hf_model(opts)
-    warm = GenerationConfig(max_new_tokens=WARMUP_MAX_TOKENS, do_sample=False)
-    model.generate_batch(inputs=[_warmup_ids(workload)] * 2, generation_config=warm)
     reqs = workload.requests
+    # NOTE: sized like pagedattn's KV cache (every request at once); left alone, transformers
+    # takes 90% of free host memory for it on CPU.
+    pages = sum(-(-(len(r.prompt_token_ids) + r.max_tokens) // HF_PAGE_SIZE) for r in reqs)
+    cb_config = ContinuousBatchingConfig(
+        page_size=HF_PAGE_SIZE, num_blocks=pages + 2, max_batch_tokens=HF_MAX_BATCH_TOKENS
+    )
+    warm = GenerationConfig(max_new_tokens=WARMUP_MAX_TOKENS, do_sample=False)
+    model.generate_batch(
+        inputs=[warmup_ids(workload)] * 2,
+        generation_config=warm,
+        continuous_batching_config=cb_config,
+    )
     config = GenerationConfig(max_new_tokens=max(r.max_tokens for r in reqs), do_sample=False)
     results = {}
     with model.continuous_batching_context_manager(
-        generation_config=config, block=True, timeout=5
+        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=5
     ) as manager:
         t0 = time.perf_counter()
         for i, r in enumerate(reqs):

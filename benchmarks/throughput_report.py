@@ -193,6 +193,7 @@ def render_markdown(
     add_ratios(results)
     ceil = ceiling_rows(ceiling, points, results)
     prefix = prefix_comparison(results)
+    verdict = "met" if prefix and prefix["meets_target"] else "NOT met"
     md = [
         f"# Throughput benchmark ({meta['size']})",
         "",
@@ -224,7 +225,7 @@ def render_markdown(
             "",
             f"TTFT p50 {_ms(prefix['ttft_p50_cached_s'])} ms cached vs "
             f"{_ms(prefix['ttft_p50_nocache_s'])} ms off: {prefix['ttft_ratio']:.1f}x lower "
-            f"(target >= {PREFIX_TTFT_TARGET:.0f}x: {'met' if prefix['meets_target'] else 'NOT met'}); "
+            f"(target >= {PREFIX_TTFT_TARGET:.0f}x: {verdict}); "
             f"throughput gain {prefix['throughput_gain']:.2f}x; block hit rate "
             f"{100 * prefix['hit_rate']:.0f}%.",
         ]

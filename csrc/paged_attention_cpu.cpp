@@ -1,12 +1,14 @@
 // Paged decode attention on CPU that reads K/V straight through the block tables (flash layout).
 //
 // key_cache / value_cache: [num_blocks, B, Hkv, D]; the key row of token t of a sequence is
-// key_cache[block_table[t / B], t % B, h, :] (D contiguous elements). One work item is
-// (query row, kv head, partition of up to partition_size tokens); each item loads every K/V row
-// once and uses it for the whole GQA group (G query heads), with an online softmax over chunks of
-// kChunk tokens. Items of rows with several partitions write unnormalised partial results that a
-// second pass merges with log-sum-exp. Work items are handed out dynamically (an atomic counter)
-// inside at::parallel_for, so uneven context lengths still balance across threads.
+// key_cache[block_table[t / B], t % B, h, :] (D contiguous elements), and a whole block is one
+// contiguous B * Hkv * D run. One work item is (query row, partition of its tokens); it walks the
+// partition in chunks of kChunk tokens, and for each chunk and kv head loads every K/V row once and
+// uses it for the whole GQA group (G query heads), with an online softmax. All kv heads of a chunk
+// are done back to back, so each block is streamed from memory once, in order. Rows split into
+// several partitions write unnormalised partial results that a final pass merges with log-sum-exp.
+// Work items (longest first) are handed out through an atomic counter inside at::parallel_for, so
+// uneven context lengths still balance across threads.
 //
 // bf16 caches accumulate in fp32 (AVX-512 BF16 dot products when the compiler targets them);
 // a scalar path keeps the file portable to CPUs without AVX-512.
@@ -191,158 +193,221 @@ struct Params {
   int64_t sliding_window;  // 0: none
   float scale, soft_cap;   // soft_cap 0: none
   int64_t partition_size;
+  bool prefetch;
 };
 
 struct WorkItem {
   int64_t row, partition, tok_begin, tok_end;
 };
 
-// Per-thread scratch: scores/probs [G, kChunk], accumulators [G, D], running max/sum [G].
+// Per-thread scratch over all Hq query heads: scores/probs [Hq, kChunk], accumulators [Hq, D],
+// running max and sum [Hq].
 struct Scratch {
   std::vector<float> scores, acc, max, sum;
-  Scratch(int64_t group, int64_t head_size)
-      : scores(group * kChunk), acc(group * head_size), max(group), sum(group) {}
+  Scratch(int64_t num_heads, int64_t head_size)
+      : scores(num_heads * kChunk), acc(num_heads * head_size), max(num_heads), sum(num_heads) {}
 };
 
-// Attention of one (row, kv head, partition): leaves unnormalised acc, max and sum in scratch.
+// Online-softmax update of one head with a chunk of scores (turned into probabilities in place).
+inline void softmax_update(float* sc, int64_t count, float soft_cap, float& max, float& sum,
+                           float* acc, int64_t head_size) {
+  if (soft_cap > 0.0f) {
+    for (int64_t t = 0; t < count; ++t) sc[t] = soft_cap * std::tanh(sc[t] / soft_cap);
+  }
+  const float new_max = std::max(max, *std::max_element(sc, sc + count));
+  if (new_max > max && max != kNegInf) {
+    const float alpha = std::exp(max - new_max);
+    sum *= alpha;
+    for (int64_t i = 0; i < head_size; ++i) acc[i] *= alpha;
+  }
+  max = new_max;
+  sum += exp_shifted_sum(sc, count, new_max);
+}
+
+// Element offsets of the token rows of the chunk starting at c0 (up to kChunk tokens before
+// tok_end); returns the number of tokens, or 0 on an out-of-range block id.
+inline int64_t chunk_row_offsets(const Params& p, const int32_t* block_table, int64_t c0,
+                                 int64_t tok_end, int64_t* offsets) {
+  const int64_t count = std::min(kChunk, tok_end - c0);
+  const int64_t row_stride = p.num_kv_heads * p.head_size;
+  int64_t table_idx = c0 / p.block_size, offset = c0 % p.block_size;
+  int64_t block = block_table[table_idx];
+  if (block < 0 || block >= p.num_blocks) return 0;
+  for (int64_t t = 0; t < count; ++t) {
+    if (offset == p.block_size) {
+      offset = 0;
+      block = block_table[++table_idx];
+      if (block < 0 || block >= p.num_blocks) return 0;
+    }
+    offsets[t] = (block * p.block_size + offset) * row_stride;
+    ++offset;
+  }
+  return count;
+}
+
+
+// Ask for a token row (all kv heads) in L2 ahead of use: the next chunk's blocks are scattered.
+template <typename T>
+inline void prefetch_row(const T* row, int64_t num_elems) {
+  const char* bytes = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < num_elems * static_cast<int64_t>(sizeof(T)); b += 64) {
+    __builtin_prefetch(bytes + b, 0, 2);
+  }
+}
+
+// Attention of one (row, partition) over every kv head: a chunk's blocks are read once, whole,
+// in order. Leaves unnormalised acc, max and sum in scratch; false on an out-of-range block id.
 template <typename T>
 bool attend_partition(const Params& p, const T* key_cache, const T* value_cache,
-                      const int32_t* block_table, int64_t kv_head, int64_t tok_begin,
-                      int64_t tok_end, const T* q, Scratch& s) {
+                      const int32_t* block_table, int64_t tok_begin, int64_t tok_end, const T* q,
+                      Scratch& s) {
   const int64_t G = p.group, D = p.head_size;
   const int64_t row_stride = p.num_kv_heads * D;  // elements per token row of a block
   std::fill(s.acc.begin(), s.acc.end(), 0.0f);
   std::fill(s.max.begin(), s.max.end(), kNegInf);
   std::fill(s.sum.begin(), s.sum.end(), 0.0f);
+  int64_t row_offsets[kChunk];
   const T* krows[kChunk];
   const T* vrows[kChunk];
+  int64_t next_offsets[kChunk];
+  if (!chunk_row_offsets(p, block_table, tok_begin, tok_end, next_offsets)) return false;
   for (int64_t c0 = tok_begin; c0 < tok_end; c0 += kChunk) {
     const int64_t count = std::min(kChunk, tok_end - c0);
-    int64_t table_idx = c0 / p.block_size, offset = c0 % p.block_size;
-    int64_t block = block_table[table_idx];
-    if (block < 0 || block >= p.num_blocks) return false;
-    for (int64_t t = 0; t < count; ++t) {
-      if (offset == p.block_size) {
-        offset = 0;
-        block = block_table[++table_idx];
-        if (block < 0 || block >= p.num_blocks) return false;
+    std::copy(next_offsets, next_offsets + count, row_offsets);
+    if (c0 + kChunk < tok_end) {
+      const int64_t next_count =
+          chunk_row_offsets(p, block_table, c0 + kChunk, tok_end, next_offsets);
+      if (next_count == 0) return false;
+      if (p.prefetch) {
+        for (int64_t t = 0; t < next_count; ++t) {
+          prefetch_row(key_cache + next_offsets[t], row_stride);
+          prefetch_row(value_cache + next_offsets[t], row_stride);
+        }
       }
-      const int64_t elem = (block * p.block_size + offset) * row_stride + kv_head * D;
-      krows[t] = key_cache + elem;
-      vrows[t] = value_cache + elem;
-      ++offset;
     }
-    for (int64_t g0 = 0; g0 < G; g0 += kMaxHeadsPerPass) {
-      const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, G - g0));
-      with_heads(ng, [&](auto NG) {
-        score_rows<T, decltype(NG)::value>(q + g0 * D, D, krows, count, p.scale, s.scores.data() + g0 * kChunk);
-      });
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float* sc = s.scores.data() + g * kChunk;
-      if (p.soft_cap > 0.0f) {
-        for (int64_t t = 0; t < count; ++t) sc[t] = p.soft_cap * std::tanh(sc[t] / p.soft_cap);
+    for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+      for (int64_t t = 0; t < count; ++t) {
+        krows[t] = key_cache + row_offsets[t] + h * D;
+        vrows[t] = value_cache + row_offsets[t] + h * D;
       }
-      float chunk_max = *std::max_element(sc, sc + count);
-      float new_max = std::max(s.max[g], chunk_max);
-      if (new_max > s.max[g] && s.max[g] != kNegInf) {
-        const float alpha = std::exp(s.max[g] - new_max);
-        s.sum[g] *= alpha;
-        float* a = s.acc.data() + g * D;
-        for (int64_t i = 0; i < D; ++i) a[i] *= alpha;
+      for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxHeadsPerPass) {
+        const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, (h + 1) * G - g0));
+        with_heads(ng, [&](auto NG) {
+          score_rows<T, decltype(NG)::value>(q + g0 * D, D, krows, count, p.scale,
+                                             s.scores.data() + g0 * kChunk);
+        });
       }
-      s.max[g] = new_max;
-      s.sum[g] += exp_shifted_sum(sc, count, new_max);
-    }
-    for (int64_t g0 = 0; g0 < G; g0 += kMaxHeadsPerPass) {
-      const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, G - g0));
-      with_heads(ng, [&](auto NG) {
-        accumulate_rows<T, decltype(NG)::value>(s.scores.data() + g0 * kChunk, vrows, count, D,
-                                     s.acc.data() + g0 * D);
-      });
+      for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+        softmax_update(s.scores.data() + g * kChunk, count, p.soft_cap, s.max[g], s.sum[g],
+                       s.acc.data() + g * D, D);
+      }
+      for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxHeadsPerPass) {
+        const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, (h + 1) * G - g0));
+        with_heads(ng, [&](auto NG) {
+          accumulate_rows<T, decltype(NG)::value>(s.scores.data() + g0 * kChunk, vrows, count, D,
+                                                  s.acc.data() + g0 * D);
+        });
+      }
     }
   }
   return true;
 }
 
+// Partition size: the requested one, halved (down to 2 chunks) until there are enough work items
+// to keep every thread busy.
+int64_t choose_partition_size(const Params& p, const int32_t* seq_lens, int64_t num_threads) {
+  int64_t size = p.partition_size;
+  while (size > 2 * kChunk) {
+    int64_t num_items = 0;
+    for (int64_t r = 0; r < p.num_rows; ++r) num_items += (seq_lens[r] + size - 1) / size;
+    if (num_items >= 4 * num_threads) break;
+    size /= 2;
+  }
+  return size;
+}
+
 template <typename T>
 void paged_decode_impl(const Params& p, const T* query, const T* key_cache, const T* value_cache,
                        const int32_t* block_tables, const int32_t* seq_lens, T* out) {
-  const int64_t G = p.group, D = p.head_size, Hkv = p.num_kv_heads;
+  const int64_t Hq = p.num_heads, D = p.head_size;
+  const int64_t num_threads = at::get_num_threads();
+  const int64_t part_size = choose_partition_size(p, seq_lens, num_threads);
   // Work items per row: the visible token range [begin, seq_len) split into partitions.
   std::vector<WorkItem> items;
   std::vector<int64_t> num_partitions(p.num_rows), first_partition(p.num_rows);
-  int64_t total_partials = 0;
+  int64_t num_partials = 0;
   for (int64_t r = 0; r < p.num_rows; ++r) {
     const int64_t seq_len = seq_lens[r];
     TORCH_CHECK(seq_len > 0 && seq_len <= p.max_blocks_per_seq * p.block_size, "row ", r,
                 " has seq_len ", seq_len, " outside (0, ", p.max_blocks_per_seq * p.block_size,
                 "]: the block table is too short or the length is wrong");
-    const int64_t begin = p.sliding_window > 0 ? std::max<int64_t>(0, seq_len - p.sliding_window) : 0;
-    const int64_t n = (seq_len - begin + p.partition_size - 1) / p.partition_size;
+    const int64_t begin =
+        p.sliding_window > 0 ? std::max<int64_t>(0, seq_len - p.sliding_window) : 0;
+    const int64_t n = (seq_len - begin + part_size - 1) / part_size;
     num_partitions[r] = n;
-    first_partition[r] = total_partials;
-    if (n > 1) total_partials += n;
+    first_partition[r] = num_partials;
+    if (n > 1) num_partials += n;
     for (int64_t i = 0; i < n; ++i) {
-      items.push_back({r, i, begin + i * p.partition_size,
-                       std::min(seq_len, begin + (i + 1) * p.partition_size)});
+      items.push_back(
+          {r, i, begin + i * part_size, std::min(seq_len, begin + (i + 1) * part_size)});
     }
   }
-  // Partial results of multi-partition rows: [partial, Hkv, G, D] acc and [partial, Hkv, G] max/sum.
-  std::vector<float> part_acc(total_partials * Hkv * G * D), part_max(total_partials * Hkv * G),
-      part_sum(total_partials * Hkv * G);
-  const int64_t num_items = static_cast<int64_t>(items.size()) * Hkv;
+  // NOTE: longest items first, so that the dynamic queue ends with short ones.
+  std::stable_sort(items.begin(), items.end(), [](const WorkItem& a, const WorkItem& b) {
+    return a.tok_end - a.tok_begin > b.tok_end - b.tok_begin;
+  });
+  // Partial results of multi-partition rows: acc [partial, Hq, D], max/sum [partial, Hq].
+  std::vector<float> part_acc(num_partials * Hq * D), part_max(num_partials * Hq),
+      part_sum(num_partials * Hq);
+  const int64_t num_items = static_cast<int64_t>(items.size());
   std::atomic<int64_t> next{0};
   std::atomic<bool> bad_block{false};
-  const int64_t num_workers = std::min<int64_t>(at::get_num_threads(), num_items);
-  at::parallel_for(0, num_workers, 1, [&](int64_t, int64_t) {
-    Scratch s(G, D);
+  at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
+    Scratch s(Hq, D);
     for (int64_t w = next.fetch_add(1); w < num_items; w = next.fetch_add(1)) {
-      const WorkItem& item = items[w / Hkv];
-      const int64_t h = w % Hkv;
-      const T* q = query + (item.row * p.num_heads + h * G) * D;
+      const WorkItem& item = items[w];
       if (!attend_partition<T>(p, key_cache, value_cache,
-                               block_tables + item.row * p.max_blocks_per_seq, h, item.tok_begin,
-                               item.tok_end, q, s)) {
+                               block_tables + item.row * p.max_blocks_per_seq, item.tok_begin,
+                               item.tok_end, query + item.row * Hq * D, s)) {
         bad_block = true;
         continue;
       }
       if (num_partitions[item.row] == 1) {
-        T* o = out + (item.row * p.num_heads + h * G) * D;
-        for (int64_t g = 0; g < G; ++g) {
+        T* o = out + item.row * Hq * D;
+        for (int64_t g = 0; g < Hq; ++g) {
           const float inv = 1.0f / s.sum[g];
           for (int64_t i = 0; i < D; ++i) o[g * D + i] = static_cast<T>(s.acc[g * D + i] * inv);
         }
       } else {
-        const int64_t base = (first_partition[item.row] + item.partition) * Hkv + h;
-        std::copy(s.acc.begin(), s.acc.end(), part_acc.begin() + base * G * D);
-        std::copy(s.max.begin(), s.max.end(), part_max.begin() + base * G);
-        std::copy(s.sum.begin(), s.sum.end(), part_sum.begin() + base * G);
+        const int64_t base = first_partition[item.row] + item.partition;
+        std::copy(s.acc.begin(), s.acc.end(), part_acc.begin() + base * Hq * D);
+        std::copy(s.max.begin(), s.max.end(), part_max.begin() + base * Hq);
+        std::copy(s.sum.begin(), s.sum.end(), part_sum.begin() + base * Hq);
       }
     }
   });
   TORCH_CHECK(!bad_block, "a block table entry read by paged_decode is outside [0, ",
               p.num_blocks, "): the block tables do not match the KV cache");
-  if (total_partials == 0) return;
-  // Merge the partitions of each (row, kv head, query head) with log-sum-exp weights.
+  // Merge the partitions of each (row, query head) with log-sum-exp weights.
+  std::vector<float> merged(D);
   for (int64_t r = 0; r < p.num_rows; ++r) {
     if (num_partitions[r] == 1) continue;
-    for (int64_t h = 0; h < Hkv; ++h) {
-      for (int64_t g = 0; g < G; ++g) {
-        auto at = [&](int64_t i) { return (first_partition[r] + i) * Hkv * G + h * G + g; };
-        float global_max = kNegInf;
-        for (int64_t i = 0; i < num_partitions[r]; ++i) global_max = std::max(global_max, part_max[at(i)]);
-        std::vector<float> merged(D, 0.0f);
-        float total = 0.0f;
-        for (int64_t i = 0; i < num_partitions[r]; ++i) {
-          const float w = std::exp(part_max[at(i)] - global_max);
-          total += w * part_sum[at(i)];
-          const float* a = part_acc.data() + at(i) * D;
-          for (int64_t d = 0; d < D; ++d) merged[d] += w * a[d];
-        }
-        T* o = out + (r * p.num_heads + h * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(merged[d] / total);
+    for (int64_t g = 0; g < Hq; ++g) {
+      auto at = [&](int64_t i) { return (first_partition[r] + i) * Hq + g; };
+      float global_max = kNegInf;
+      for (int64_t i = 0; i < num_partitions[r]; ++i) {
+        global_max = std::max(global_max, part_max[at(i)]);
       }
+      std::fill(merged.begin(), merged.end(), 0.0f);
+      float total = 0.0f;
+      for (int64_t i = 0; i < num_partitions[r]; ++i) {
+        const float w = std::exp(part_max[at(i)] - global_max);
+        total += w * part_sum[at(i)];
+        const float* a = part_acc.data() + at(i) * D;
+        for (int64_t d = 0; d < D; ++d) merged[d] += w * a[d];
+      }
+      T* o = out + (r * Hq + g) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(merged[d] / total);
     }
   }
 }
@@ -387,6 +452,7 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
   p.scale = static_cast<float>(scale);
   p.soft_cap = static_cast<float>(soft_cap);
   p.partition_size = partition_size;
+  p.prefetch = getenv("PA_PREFETCH") != nullptr;
   if (p.num_rows == 0) return;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();

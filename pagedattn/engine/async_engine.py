@@ -228,7 +228,9 @@ class AsyncLLMEngine:
         self._dead = error
         for cmd in pending:
             if isinstance(cmd, _Add | _Call):
-                (cmd.accepted if isinstance(cmd, _Add) else cmd.result).set_exception(error)
+                future = cmd.accepted if isinstance(cmd, _Add) else cmd.result
+                if future.set_running_or_notify_cancel():
+                    future.set_exception(error)
         ids = list(self._states)
         for state in self._states.values():
             state.put(error)
@@ -240,6 +242,11 @@ class AsyncLLMEngine:
 
     def _apply(self, cmd: _Add | _Abort | _Call) -> None:
         if isinstance(cmd, _Add):
+            # NOTE: False when the caller was cancelled while queued: then nobody would read the
+            # outputs, so the request is not added at all. Once running, the future cannot be
+            # cancelled, so setting its result below cannot race with the caller.
+            if not cmd.accepted.set_running_or_notify_cancel():
+                return
             try:
                 self.engine.add_request(
                     cmd.state.request_id,
@@ -260,7 +267,7 @@ class AsyncLLMEngine:
                 self.metrics.observe_finished(
                     time.monotonic() - state.arrival_time, ABORT_FINISH_REASON
                 )
-        else:
+        elif cmd.result.set_running_or_notify_cancel():
             try:
                 cmd.result.set_result(cmd.fn(self.engine))
             except Exception as exc:

@@ -226,7 +226,7 @@ class LLMEngine:
             hash_seed=self.config.cache.hash_seed,
         )
         seed = ereq.params.seed
-        generator = None if seed is None else make_generator(seed + index)
+        generator = None if seed is None else make_generator(seed + index, self.config.model.device)
         ereq.seqs.append(SeqState(ereq, index, core, self.tokenizer, generator))
         return core
 

@@ -204,6 +204,7 @@ BAD_BODIES = {
     "prompt too long": ({"model": "{model}", "prompt": "word " * 400}, "prompt"),
     "empty prompt": ({"model": "{model}", "prompt": ""}, "prompt"),
     "n 0": ({"model": "{model}", "prompt": "hi", "n": 0}, "n"),
+    "empty stop string": ({"model": "{model}", "prompt": "hi", "stop": [""]}, "stop"),
 }
 
 

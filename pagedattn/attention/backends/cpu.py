@@ -9,6 +9,10 @@ copy. The classic layout would need a permute (a copy) before any matmul.
 Decode batches every decode sequence into one SDPA call ([S, Hkv, G, D] queries, GQA grouped,
 length mask only when lengths differ); prefill spans run one SDPA per sequence. Long decode
 contexts are not partitioned here: SDPA's CPU kernel already tiles over keys.
+
+When the compiled kernel (cpu_ext, csrc/paged_attention_cpu.cpp) builds, decode rows (pure-decode
+batches and the decode rows of mixed batches) skip the gather: it reads K/V through the block
+tables directly. The PyTorch path above stays as the fallback and for prefill spans.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from pagedattn.attention.backends import cpu_ext
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.layout import KVCacheLayout, layout_of
 from pagedattn.attention.metadata import AttentionMetadata
@@ -82,13 +87,24 @@ def masked_attention(
 
 
 class CpuBackend(AttentionBackend):
-    """Vectorised PyTorch paged attention for CPU (flash layout)."""
+    """Paged attention for CPU (flash layout): compiled decode kernel, vectorised PyTorch else."""
 
     name = "cpu"
     layout = KVCacheLayout.FLASH
 
-    def __init__(self) -> None:
+    def __init__(self, use_extension: bool | None = None) -> None:
+        """use_extension: None = the compiled decode kernel if it builds, False = PyTorch only,
+        True = require it (raises cpu_ext.ExtensionBuildError if it cannot be built)."""
         self._buffers = GatherBuffers()
+        if use_extension is None:
+            self._use_extension = cpu_ext.get_extension() is not None
+        else:
+            self._use_extension = use_extension and cpu_ext.load_extension() is not None
+
+    @property
+    def uses_extension(self) -> bool:
+        """Whether decode rows run on the compiled kernel (when their dtypes allow it)."""
+        return self._use_extension
 
     def forward(
         self,
@@ -161,7 +177,18 @@ class CpuBackend(AttentionBackend):
         sliding_window: int | None,
         logits_soft_cap: float | None,
     ) -> torch.Tensor:
-        """One query per sequence; all sequences padded to max_seq_len in one batched SDPA."""
+        """One query per sequence: the compiled kernel, else one padded, batched SDPA."""
+        if self._use_extension and cpu_ext.supports(query, key_cache):
+            return cpu_ext.paged_decode(
+                query,
+                key_cache,
+                value_cache,
+                block_tables,
+                seq_lens,
+                scale=scale,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+            )
         num_seqs, num_heads, head_size = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
         group = num_heads // num_kv_heads

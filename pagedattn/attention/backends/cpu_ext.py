@@ -78,7 +78,7 @@ def load_extension(verbose: bool = False) -> ModuleType:
             build_directory=str(build_dir),
             verbose=verbose,
         )
-    except Exception as exc:  # noqa: BLE001 - any compiler/loader failure means "no extension"
+    except Exception as exc:  # NOTE: any compiler or loader failure means "no extension".
         _error = f"{type(exc).__name__}: {exc}"
         raise ExtensionBuildError(
             f"building {SOURCE.name} in {build_dir} failed ({_error}); it needs a C++17 compiler "
@@ -90,10 +90,10 @@ def load_extension(verbose: bool = False) -> ModuleType:
 def get_extension() -> ModuleType | None:
     """The loaded extension, or None when disabled or unbuildable (the reason is logged once)."""
     global _error
-    if _module is not None:
-        return _module
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0") or _error is not None:
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return None
+    if _module is not None or _error is not None:
+        return _module
     try:
         return load_extension()
     except ExtensionBuildError as exc:

@@ -122,7 +122,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def _on_value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return _error(400, str(exc), "invalid_request_error")
+        # SamplingParams errors read "name=value is invalid: ..."; name the field when they do.
+        name = str(exc).partition("=")[0]
+        return _error(400, str(exc), "invalid_request_error", name if name.isidentifier() else None)
 
     @app.exception_handler(EngineDeadError)
     async def _on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:

@@ -1,0 +1,190 @@
+"""The measured side of the throughput benchmark: run options, results, and the pagedattn runner.
+
+Each runner warms its engine up, then times the whole workload (every request arrives at t0) and
+returns a RunResult. The benchmark calls each runner in a fresh subprocess, so the peak RSS it
+reports belongs to that engine alone. ``measure_ceiling`` times the decode step's matmuls alone.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.workloads import Workload
+
+WARMUP_PROMPT_LEN = 16
+WARMUP_MAX_TOKENS = 4
+_STEP_FIELDS = ("schedule", "prepare", "forward", "sample", "process")
+
+
+class PeerUnavailableError(RuntimeError):
+    """A peer engine cannot run here (not installed, wrong model format); the message says why."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What every engine shares: model, dtype, threads, plus engine-specific knobs."""
+
+    model: str | None
+    dtype: str = "bfloat16"
+    threads: int = 2
+    seed: int = 0
+    block_size: int = 16
+    num_blocks: int | None = None
+    hf_batch_size: int = 32
+    llama_batched_bench: str | None = None
+
+
+@dataclass
+class RunResult:
+    """Measured numbers of one engine on one workload (times in seconds)."""
+
+    engine: str
+    workload: str
+    elapsed_s: float
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int  # useful tokens: each request's own, not padding or overrun
+    ttft_s: list[float]
+    tpot_s: list[float]
+    peak_rss_mib: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def peak_rss_mib() -> float:
+    """This process's peak resident set (VmHWM) plus that of its finished children, in MiB."""
+    own = 0.0
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            own = int(line.split()[1]) / 1024
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return max(own, children)
+
+
+def warmup_ids(workload: Workload) -> list[int]:
+    return workload.requests[0].prompt_token_ids[:WARMUP_PROMPT_LEN]
+
+
+# pagedattn.
+
+
+def auto_num_blocks(workload: Workload, block_size: int) -> int:
+    """Blocks for every request of the workload at once (no prefix sharing) plus the warm-ups."""
+    lens = [len(r.prompt_token_ids) + r.max_tokens for r in workload.requests]
+    lens += [len(workload.warm_prefix or []) + 1] + [WARMUP_PROMPT_LEN + WARMUP_MAX_TOKENS] * 2
+    return sum(-(-n // block_size) for n in lens) + 1
+
+
+def run_pagedattn(
+    opts: RunOptions, workload: Workload, *, prefix_caching: bool = True
+) -> RunResult:
+    """Drive LLM's engine step by step (as LLM.generate does), timing every step."""
+    from pagedattn import LLM, SamplingParams
+
+    llm = LLM(
+        opts.model,
+        dtype=opts.dtype,
+        block_size=opts.block_size,
+        num_blocks=opts.num_blocks or auto_num_blocks(workload, opts.block_size),
+        enable_prefix_caching=prefix_caching,
+        num_threads=opts.threads,
+        seed=opts.seed,
+    )
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    llm.generate([warmup_ids(workload)] * 2, SamplingParams(max_tokens=WARMUP_MAX_TOKENS, **greedy))
+    if workload.warm_prefix:
+        llm.generate([workload.warm_prefix], SamplingParams(max_tokens=1, **greedy))
+    engine = llm.engine
+    stats0 = llm.get_stats()
+    t0 = time.perf_counter()
+    for i, req in enumerate(workload.requests):
+        engine.add_request(
+            f"bench-{i}", req.prompt_token_ids, SamplingParams(max_tokens=req.max_tokens, **greedy)
+        )
+    steps, finished = [], {}
+    times = engine.step_times
+    while engine.has_unfinished_requests():
+        before = [getattr(times, f) for f in _STEP_FIELDS]
+        num_prompt, num_gen = engine.num_prompt_tokens, engine.num_generation_tokens
+        ts = time.perf_counter()
+        outputs = engine.step()
+        wall = time.perf_counter() - ts
+        parts = [getattr(times, f) - b for f, b in zip(_STEP_FIELDS, before, strict=True)]
+        steps.append(
+            (
+                wall,
+                *parts,
+                engine.num_prompt_tokens - num_prompt,
+                engine.num_generation_tokens - num_gen,
+            )
+        )
+        finished |= {o.request_id: o for o in outputs if o.finished}
+    elapsed = time.perf_counter() - t0
+    outs = [finished[f"bench-{i}"] for i in range(len(workload.requests))]
+    stats = llm.get_stats()
+    extra = {
+        "steps": steps,
+        "prefix_caching": prefix_caching,
+        "prefix_cache_hits": stats.prefix_cache_hits - stats0.prefix_cache_hits,
+        "prefix_cache_queries": stats.prefix_cache_queries - stats0.prefix_cache_queries,
+        "num_preemptions": stats.num_preemptions - stats0.num_preemptions,
+        "num_blocks": stats.num_blocks,
+    }
+    return RunResult(
+        engine="pagedattn" if prefix_caching else "pagedattn_nocache",
+        workload=workload.name,
+        elapsed_s=elapsed,
+        num_requests=len(outs),
+        num_prompt_tokens=workload.num_prompt_tokens,
+        num_output_tokens=sum(len(o.outputs[0].token_ids) for o in outs),
+        ttft_s=[o.metrics.ttft for o in outs if o.metrics.ttft is not None],
+        tpot_s=[o.metrics.tpot for o in outs if o.metrics.tpot is not None],
+        extra=extra,
+    )
+
+
+def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
+    """Decode-step matmuls alone (the model's own weights, LM head included) and copy bandwidth."""
+    import torch.nn.functional as F
+
+    from pagedattn.model.loader import load_model
+    from pagedattn.worker.model_runner import ModelRunner
+
+    loaded = load_model(opts.model, opts.dtype, "cpu", None)
+    params = dict(loaded.model.named_parameters())
+    weights = [p for n, p in params.items() if p.ndim == 2 and "embed_tokens" not in n]
+    if not any("lm_head" in n for n in params):  # tied: the embedding is the LM head
+        weights += [p for n, p in params.items() if "embed_tokens" in n]
+    dtype = weights[0].dtype
+    result = {
+        "matmul_s": {},
+        "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
+        "kv_bytes_per_token": ModelRunner.kv_cache_bytes_per_block(loaded.model, 1, dtype),
+    }
+    with torch.inference_mode():
+        for batch in batches:
+            xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
+            samples = []
+            for _ in range(reps + 2):
+                t = time.perf_counter()
+                for w in weights:
+                    F.linear(xs[w.shape[1]], w)
+                samples.append(time.perf_counter() - t)
+            result["matmul_s"][str(batch)] = sorted(samples[2:])[len(samples[2:]) // 2]
+        src = torch.ones(256 * 2**20, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        samples = []
+        for _ in range(7):
+            t = time.perf_counter()
+            dst.copy_(src)
+            samples.append(time.perf_counter() - t)
+        # NOTE: a copy reads and writes each byte, so it moves twice the buffer size.
+        result["bandwidth_Bps"] = 2 * src.numel() / sorted(samples)[len(samples) // 2]
+    return result

@@ -1,0 +1,191 @@
+"""The compiled CPU paged-decode kernel against dense attention and the torch reference backend.
+
+The first run compiles the extension (about a minute; cached under ~/.cache/pagedattn/ext). A
+failed build fails these tests: this machine and CI have g++ and ninja.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from pagedattn.attention.backends import cpu_ext, get_attn_backend
+from pagedattn.attention.backends.cpu import CpuBackend
+
+from ..paged_case import assert_matches_dense, dense_reference, make_case, mixed_specs
+
+DTYPES = [torch.float32, torch.bfloat16]
+TOLERANCES = {torch.float32: 2e-4, torch.bfloat16: 3e-2}
+# Small partitions split every row, so the log-sum-exp merge is exercised on short contexts.
+PARTITION_SIZES = [cpu_ext.DEFAULT_PARTITION_SIZE, 16]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    return cpu_ext.load_extension()  # raises (fails the tests) if the build fails
+
+
+def decode_specs(block_size: int) -> list[tuple[int, int]]:
+    """Decode rows around block boundaries, one past a chunk (64 tokens) and one of length 1."""
+    return [(5 * block_size + 3, 1), (3 * block_size - 1, 1), (block_size + 1, 1), (1, 1), (150, 1)]
+
+
+def run_decode(case, *, partition_size=cpu_ext.DEFAULT_PARTITION_SIZE, **kwargs) -> torch.Tensor:
+    meta = case.metadata
+    return cpu_ext.paged_decode(
+        case.query,
+        case.key_cache,
+        case.value_cache,
+        meta.block_tables,
+        meta.seq_lens,
+        partition_size=partition_size,
+        **kwargs,
+    )
+
+
+def assert_close_to_dense(case, out, **kwargs) -> None:
+    expected = dense_reference(case, **kwargs)
+    assert out.dtype == case.query.dtype and out.shape == case.query.shape
+    atol = TOLERANCES[case.query.dtype]
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("num_kv_heads,group", [(2, 1), (3, 3), (1, 8)])
+@pytest.mark.parametrize("partition_size", PARTITION_SIZES)
+def test_decode_matches_dense(dtype, block_size, num_kv_heads, group, partition_size):
+    case = make_case(
+        decode_specs(block_size),
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_size=64,
+        dtype=dtype,
+        seed=block_size + group,
+    )
+    out = run_decode(case, partition_size=partition_size, scale=0.125)
+    assert_close_to_dense(case, out, scale=0.125)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [48, 128])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(sliding_window=7),
+        dict(sliding_window=100),
+        dict(logits_soft_cap=2.0),
+        dict(sliding_window=1, logits_soft_cap=5.0),
+    ],
+)
+def test_window_softcap_head_sizes(dtype, head_size, options):
+    # head_size 48 leaves a 16-element tail after the 32-wide bf16 dot products.
+    case = make_case(
+        decode_specs(16), block_size=16, num_kv_heads=2, group=3, head_size=head_size, dtype=dtype
+    )
+    for partition_size in PARTITION_SIZES:
+        out = run_decode(case, partition_size=partition_size, scale=0.3, **options)
+        assert_close_to_dense(case, out, scale=0.3, **options)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_threads", [1, 2])
+def test_long_rows_match_torch_reference(dtype, num_threads):
+    # Long, uneven rows: several 512-token partitions per row, balanced across threads.
+    specs = [(1300, 1), (700, 1), (64, 1), (513, 1)]
+    case = make_case(specs, block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        out = run_decode(case, scale=0.125)
+    finally:
+        torch.set_num_threads(before)
+    reference = get_attn_backend("torch").forward(
+        case.query, case.key_cache, case.value_cache, case.metadata, scale=0.125
+    )
+    atol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.float(), reference.float(), atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_cpu_backend_uses_kernel_in_mixed_batches(dtype, block_size):
+    backend = CpuBackend(use_extension=True)
+    assert backend.uses_extension
+    case = make_case(
+        mixed_specs(block_size), block_size=block_size, num_kv_heads=2, group=3, dtype=dtype
+    )
+    assert_matches_dense(backend, case)
+    assert_matches_dense(backend, case, sliding_window=5, logits_soft_cap=3.0)
+    decode = make_case(decode_specs(block_size), block_size=block_size, num_kv_heads=2, group=3)
+    assert decode.metadata.is_pure_decode
+    assert_matches_dense(backend, decode)
+
+
+def test_padding_table_entries_are_not_read():
+    case = make_case([(24, 1), (9, 1)], block_size=8, num_kv_heads=2, group=3, head_size=32)
+    tables = case.metadata.block_tables
+    tables[1, 2:] = -1  # past seq_len 9 (2 blocks of 8): never dereferenced
+    out = run_decode(case, scale=0.17)
+    assert_close_to_dense(case, out, scale=0.17)
+
+
+def test_bad_block_id_raises():
+    case = make_case([(24, 1), (9, 1)], block_size=8, num_kv_heads=2, group=3, head_size=32)
+    case.metadata.block_tables[0, 1] = case.key_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block table entry"):
+        run_decode(case, scale=0.17)
+    case.metadata.block_tables[0, 1] = -1
+    with pytest.raises(RuntimeError, match="block table entry"):
+        run_decode(case, scale=0.17)
+
+
+def test_rejects_mismatched_inputs():
+    case = make_case([(10, 1)], block_size=8, num_kv_heads=2, group=3, head_size=32)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        cpu_ext.paged_decode(
+            case.query.double(),
+            case.key_cache,
+            case.value_cache,
+            case.metadata.block_tables,
+            case.metadata.seq_lens,
+            scale=1.0,
+        )
+    with pytest.raises(RuntimeError, match="seq_len"):
+        cpu_ext.paged_decode(
+            case.query,
+            case.key_cache,
+            case.value_cache,
+            case.metadata.block_tables,
+            torch.tensor([17], dtype=torch.int32),  # 2 blocks of 8 hold at most 16
+            scale=1.0,
+        )
+    assert not cpu_ext.supports(case.query.double(), case.key_cache)
+    assert not cpu_ext.supports(case.query[..., :24], case.key_cache)
+
+
+def test_build_failure_falls_back_once(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(cpu_ext, "_module", None)
+    monkeypatch.setattr(cpu_ext, "_error", None)
+    monkeypatch.setattr(cpu_ext, "SOURCE", tmp_path / "missing.cpp")
+    with pytest.raises(cpu_ext.ExtensionBuildError, match="missing.cpp"):
+        cpu_ext.load_extension()
+    with caplog.at_level(logging.WARNING, logger=cpu_ext.__name__):
+        assert cpu_ext.get_extension() is None
+        assert cpu_ext.get_extension() is None
+    assert len(caplog.records) == 1 and "PyTorch path" in caplog.records[0].getMessage()
+    backend = CpuBackend()
+    assert not backend.uses_extension
+    case = make_case(decode_specs(8), block_size=8, num_kv_heads=2, group=3)
+    assert_matches_dense(backend, case)
+
+
+def test_disable_env_turns_kernel_off(monkeypatch):
+    monkeypatch.setenv(cpu_ext.DISABLE_ENV, "1")
+    assert cpu_ext.get_extension() is None
+    assert not CpuBackend().uses_extension
+    monkeypatch.delenv(cpu_ext.DISABLE_ENV)
+    assert CpuBackend().uses_extension
