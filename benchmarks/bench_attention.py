@@ -1,11 +1,16 @@
 """Paged decode attention on CPU: paged vs contiguous SDPA, block-size sweep, memory bandwidth.
 
+Paged rows: "cpu-torch" (the cpu backend's gather + SDPA path) and "cpu-ext" (the compiled kernel
+reading K/V through the block tables, when it builds). Peers are timed interleaved, call by call,
+so that load from other processes hits them alike.
+
 Run: python -m benchmarks.bench_attention --seed 0 [--threads 2] [--out bench_out/] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import statistics
 import time
@@ -15,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from pagedattn.attention.backends import cpu_ext
 from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.ops import reshape_and_cache
@@ -23,6 +29,10 @@ from pagedattn.attention.ops import reshape_and_cache
 HEAD_CONFIGS = {"9/3x64": (9, 3, 64), "32/8x128": (32, 8, 128)}
 SWEEP_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 DTYPE = torch.bfloat16
+# kernel_time_by_block_size: a fixed representative decode batch.
+KERNEL_TIME_NUM_SEQS = 32
+KERNEL_TIME_MEAN_LEN = 500.0
+KERNEL_TIME_WARMUP, KERNEL_TIME_REPEATS = 2, 10
 
 
 def median_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
@@ -35,6 +45,30 @@ def median_ms(fn: Callable[[], object], warmup: int, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times) * 1e3
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], warmup: int, repeats: int) -> dict:
+    """Median wall time (ms) of each fn, calling them in turn so that they share any noise."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+
+
+def paged_backends() -> dict[str, CpuBackend]:
+    """The cpu backend without and (if it builds) with the compiled decode kernel."""
+    backends = {"cpu-torch": CpuBackend(use_extension=False)}
+    if cpu_ext.get_extension() is not None:
+        backends["cpu-ext"] = CpuBackend(use_extension=True)
+    else:
+        print("note: the compiled kernel is unavailable (see the warning above); no cpu-ext rows")
+    return backends
 
 
 def machine_bandwidth_gbs(warmup: int, repeats: int, num_bytes: int = 1 << 29) -> float:
@@ -70,8 +104,8 @@ def build_decode_batch(
 
 
 def bench_paged_vs_contiguous(args, gen: torch.Generator, bandwidth: float) -> list[dict]:
-    """Decode, all sequences at one context length: cpu backend vs SDPA on contiguous K/V."""
-    rows, backend = [], CpuBackend()
+    """Decode, all sequences at one context length: cpu backends vs SDPA on contiguous K/V."""
+    rows, backends = [], paged_backends()
     for name in args.heads:
         num_heads, num_kv_heads, head_size = HEAD_CONFIGS[name]
         group = num_heads // num_kv_heads
@@ -88,24 +122,30 @@ def bench_paged_vs_contiguous(args, gen: torch.Generator, bandwidth: float) -> l
             q = query.view(args.num_seqs, num_kv_heads, group, head_size)  # [S, Hkv, G, D]
             scale = head_size**-0.5
 
-            def paged(query=query, kc=key_cache, vc=value_cache, meta=meta, scale=scale):
-                return backend.forward(query, kc, vc, meta, scale=scale)
-
             def contiguous(q=q, key=key, value=value, scale=scale):
                 return F.scaled_dot_product_attention(q, key, value, scale=scale)
 
-            diff = (paged().float() - contiguous().reshape(query.shape).float()).abs().max()
-            paged_ms = median_ms(paged, args.warmup, args.repeats)
-            contiguous_ms = median_ms(contiguous, args.warmup, args.repeats)
+            fns = {"contiguous": contiguous}
+            for backend_name, backend in backends.items():
+                fns[backend_name] = functools.partial(
+                    backend.forward, query, key_cache, value_cache, meta, scale=scale
+                )
+            expected = contiguous().reshape(query.shape).float()
+            diffs = {b: float((fns[b]().float() - expected).abs().max()) for b in backends}
+            times = interleaved_ms(fns, args.warmup, args.repeats)
             kv_bytes = 2 * key.numel() * key.element_size()
-            achieved = kv_bytes / paged_ms / 1e6
-            row = dict(heads=name, context=context, paged_ms=paged_ms,
-                       contiguous_ms=contiguous_ms, ratio=paged_ms / contiguous_ms,
-                       gbs=achieved, frac=achieved / bandwidth, diff=float(diff))  # fmt: skip
-            print(f"decode {name} ctx={context}: paged {paged_ms:.2f} ms, contiguous SDPA "
-                  f"{contiguous_ms:.2f} ms, ratio {row['ratio']:.2f}, {achieved:.1f} GB/s "
-                  f"({row['frac']:.0%} of machine), max|diff| {row['diff']:.2e}")  # fmt: skip
-            rows.append(row)
+            for backend_name in backends:
+                paged_ms, contiguous_ms = times[backend_name], times["contiguous"]
+                achieved = kv_bytes / paged_ms / 1e6
+                row = dict(heads=name, context=context, backend=backend_name, paged_ms=paged_ms,
+                           contiguous_ms=contiguous_ms, ratio=paged_ms / contiguous_ms,
+                           gbs=achieved, contiguous_gbs=kv_bytes / contiguous_ms / 1e6,
+                           frac=achieved / bandwidth, diff=diffs[backend_name])  # fmt: skip
+                print(f"decode {name} ctx={context} {backend_name}: paged {paged_ms:.2f} ms, "
+                      f"contiguous SDPA {contiguous_ms:.2f} ms, ratio {row['ratio']:.2f}, "
+                      f"{achieved:.1f} GB/s ({row['frac']:.0%} of machine), "
+                      f"max|diff| {row['diff']:.2e}")  # fmt: skip
+                rows.append(row)
             del key_cache, value_cache, key, value
     return rows
 
@@ -119,25 +159,48 @@ def lognormal_seq_lens(num_seqs: int, mean: float, gen: torch.Generator) -> list
 
 
 def bench_block_sizes(args, gen: torch.Generator) -> list[dict]:
-    """Decode kernel time and internal fragmentation per block size, same sequence lengths."""
+    """Decode time per backend and internal fragmentation per block size, same sequence lengths."""
     num_heads, num_kv_heads, head_size = HEAD_CONFIGS["9/3x64"]
     seq_lens = lognormal_seq_lens(args.num_seqs, args.mean_len, gen)
     query = torch.randn(args.num_seqs, num_heads, head_size, generator=gen).to(DTYPE)
-    rows, backend = [], CpuBackend()
+    rows, backends = [], paged_backends()
     for block_size in args.block_sizes:
         key_cache, value_cache, meta, _, _ = build_decode_batch(
             seq_lens, block_size, num_kv_heads, head_size, gen
         )
         allocated = key_cache.shape[0] * block_size
         waste = (allocated - sum(seq_lens)) / allocated
-
-        def run(kc=key_cache, vc=value_cache, meta=meta):
-            return backend.forward(query, kc, vc, meta, scale=head_size**-0.5)
-
-        ms = median_ms(run, args.warmup, args.repeats)
-        print(f"block_size={block_size}: decode {ms:.2f} ms, internal fragmentation {waste:.1%}")
-        rows.append(dict(block_size=block_size, ms=ms, fragmentation=waste))
+        fns = {
+            name: functools.partial(
+                backend.forward, query, key_cache, value_cache, meta, scale=head_size**-0.5
+            )
+            for name, backend in backends.items()
+        }
+        times = interleaved_ms(fns, args.warmup, args.repeats)
+        print(f"block_size={block_size}: decode "
+              + ", ".join(f"{name} {ms:.2f} ms" for name, ms in times.items())
+              + f"; internal fragmentation {waste:.1%}")  # fmt: skip
+        rows.append(dict(block_size=block_size, ms=times, fragmentation=waste))
     return rows
+
+
+def kernel_time_by_block_size(block_sizes: list[int], *, seed: int) -> dict[int, float]:
+    """Microseconds per decode call of the cpu backend (compiled kernel if it builds) per block
+    size: 32 sequences, log-normal lengths (mean 500), 9 q / 3 kv heads x 64, bf16."""
+    gen = torch.Generator().manual_seed(seed)
+    num_heads, num_kv_heads, head_size = HEAD_CONFIGS["9/3x64"]
+    seq_lens = lognormal_seq_lens(KERNEL_TIME_NUM_SEQS, KERNEL_TIME_MEAN_LEN, gen)
+    query = torch.randn(KERNEL_TIME_NUM_SEQS, num_heads, head_size, generator=gen).to(DTYPE)
+    backend, times = CpuBackend(), {}
+    for block_size in block_sizes:
+        key_cache, value_cache, meta, _, _ = build_decode_batch(
+            seq_lens, block_size, num_kv_heads, head_size, gen
+        )
+        run = functools.partial(
+            backend.forward, query, key_cache, value_cache, meta, scale=head_size**-0.5
+        )
+        times[block_size] = 1e3 * median_ms(run, KERNEL_TIME_WARMUP, KERNEL_TIME_REPEATS)
+    return times
 
 
 def write_report(out: Path, bandwidth: float, decode: list[dict], sweep: list[dict], args) -> None:
@@ -149,16 +212,20 @@ def write_report(out: Path, bandwidth: float, decode: list[dict], sweep: list[di
         "",
         f"Machine bandwidth (copy/sum, max): {bandwidth:.1f} GB/s",
         "",
-        "| heads | context | paged ms | contiguous SDPA ms | ratio | K/V GB/s | of machine |",
-        "|---|---|---|---|---|---|---|",
+        "| heads | context | backend | paged ms | contiguous SDPA ms | ratio | K/V GB/s "
+        "| SDPA GB/s | of machine |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in decode:
-        lines.append(f"| {r['heads']} | {r['context']} | {r['paged_ms']:.2f} | "
+        lines.append(f"| {r['heads']} | {r['context']} | {r['backend']} | {r['paged_ms']:.2f} | "
                      f"{r['contiguous_ms']:.2f} | {r['ratio']:.2f} | {r['gbs']:.1f} | "
-                     f"{r['frac']:.0%} |")  # fmt: skip
+                     f"{r['contiguous_gbs']:.1f} | {r['frac']:.0%} |")  # fmt: skip
+    names = list(sweep[0]["ms"]) if sweep else []
     lines += ["", f"Block-size sweep (log-normal lengths, mean {args.mean_len})", "",
-              "| block size | decode ms | internal fragmentation |", "|---|---|---|"]  # fmt: skip
-    lines += [f"| {r['block_size']} | {r['ms']:.2f} | {r['fragmentation']:.1%} |" for r in sweep]
+              "| block size | " + " | ".join(f"{n} ms" for n in names)
+              + " | internal fragmentation |", "|---" * (len(names) + 2) + "|"]  # fmt: skip
+    lines += [f"| {r['block_size']} | " + " | ".join(f"{r['ms'][n]:.2f}" for n in names)
+              + f" | {r['fragmentation']:.1%} |" for r in sweep]  # fmt: skip
     text = "\n".join(lines) + "\n"
     (out / "bench_attention.md").write_text(text)
     print(text)
@@ -169,14 +236,16 @@ def write_report(out: Path, bandwidth: float, decode: list[dict], sweep: list[di
 
     fig, ax = plt.subplots(figsize=(6, 4))
     sizes = [r["block_size"] for r in sweep]
-    ax.plot(sizes, [r["ms"] for r in sweep], "o-", color="tab:blue", label="decode time")
+    for name, marker in zip(names, "o^", strict=False):
+        ax.plot(sizes, [r["ms"][name] for r in sweep], marker + "-", label=name)
+    ax.legend(loc="upper center")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("block size B (tokens)")
-    ax.set_ylabel("decode time (ms)", color="tab:blue")
+    ax.set_ylabel("decode time (ms)")
     twin = ax.twinx()
     twin.plot(sizes, [100 * r["fragmentation"] for r in sweep], "s--", color="tab:red")
     twin.set_ylabel("internal fragmentation (%)", color="tab:red")
-    ax.set_title("Paged decode (cpu backend, bf16): time vs fragmentation")
+    ax.set_title("Paged decode (cpu backends, bf16): time vs fragmentation")
     fig.tight_layout()
     fig.savefig(out / "bench_attention.png", dpi=120)
     print(f"wrote {out / 'bench_attention.md'} and {out / 'bench_attention.png'}")

@@ -1,6 +1,6 @@
 """Serving benchmark: Poisson arrivals of ShareGPT-like requests against live HTTP servers.
 
-    python -m benchmarks.bench_serving --seed 0 [--model M] [--rates 1,4] [--num-prompts 24]
+    python -m benchmarks.bench_serving --seed 0 [--model M] [--rates 1,4] [--num-prompts 16]
 
 Starts `pagedattn serve` on a free port and, beside it, `transformers serve` on the same weights
 when that runs offline on this machine (else it prints why and skips that column). Both get the
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")
     parser.add_argument("--rates", default="1,4", help="request rates (req/s), 'inf' = burst")
-    parser.add_argument("--num-prompts", type=int, default=24, help="requests per rate")
+    parser.add_argument("--num-prompts", type=int, default=16, help="requests per rate")
     parser.add_argument("--threads", type=int, default=None, help="torch threads per server")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per request")
     parser.add_argument("--skip-transformers", action="store_true")

@@ -59,7 +59,7 @@ class RunResult:
 
 
 def peak_rss_mib() -> float:
-    """This process's peak resident set (VmHWM) plus that of its finished children, in MiB."""
+    """Peak resident set in MiB: this process's VmHWM, or a finished child's if larger."""
     own = 0.0
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):

@@ -95,54 +95,80 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
   return total;
 }
 
-// scores[g * kChunk + t] = scale * dot(q[g], key row t) for NG heads.
-template <typename T, int NG>
-void score_rows(const T* q, int64_t head_size, const T* const* rows, int64_t count, float scale,
-                float* scores) {
-  int64_t t = 0;
+#ifdef __AVX512F__
+// Lane i of the result = sum of the 16 lanes of v[i] (a transpose-and-add tree: 45 ops for 16).
+inline __m512 hsum16(const __m512* v) {
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i) {
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                          _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    __m512d a = _mm512_castps_pd(s1[2 * i]), b = _mm512_castps_pd(s1[2 * i + 1]);
+    s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88),
+                       _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+}
+
+// acc[j] += q[i:i+step] . row_j[i:i+step] for 16 rows; step = 32 for bf16 (dot products), else 16.
+template <typename T>
+inline void dot16_step(__m512* acc, const T* q, const T* const* rows, int64_t i, bool half) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
-    for (; t < count; ++t) {
-      const T* k = rows[t];
-      __m512 acc[NG];
-      for (int g = 0; g < NG; ++g) acc[g] = _mm512_setzero_ps();
-      int64_t i = 0;
-      for (; i + 32 <= head_size; i += 32) {
-        __m512bh kv = (__m512bh)_mm512_loadu_si512(k + i);
-        for (int g = 0; g < NG; ++g) {
-          __m512bh qv = (__m512bh)_mm512_loadu_si512(q + g * head_size + i);
-          acc[g] = _mm512_dpbf16_ps(acc[g], qv, kv);
-        }
-      }
-      if (i < head_size) {  // a 16-element tail, zero-extended to 32
-        __m512bh kv = (__m512bh)_mm512_zextsi256_si512(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + i)));
-        for (int g = 0; g < NG; ++g) {
-          __m512bh qv = (__m512bh)_mm512_zextsi256_si512(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * head_size + i)));
-          acc[g] = _mm512_dpbf16_ps(acc[g], qv, kv);
-        }
-      }
-      for (int g = 0; g < NG; ++g) scores[g * kChunk + t] = scale * _mm512_reduce_add_ps(acc[g]);
-    }
+    auto load = [half](const T* ptr) {
+      return half ? _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ptr)))
+                  : _mm512_loadu_si512(ptr);
+    };
+    const __m512bh qv = (__m512bh)load(q + i);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)load(rows[j] + i));
     return;
   }
 #endif
+  const __m512 qv = load16(q + i);
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(rows[j] + i), acc[j]);
+}
+#endif
+
+// scores[g * kChunk + t] = scale * dot(q[g], key row t) for num_heads heads. AVX-512: 16 rows at a
+// time per head, accumulators in registers, one reduction tree per 16 scores; the rows stay in L1
+// across the heads of the GQA group, so each K row comes from memory once.
+template <typename T>
+void score_rows(const T* q, int64_t num_heads, int64_t head_size, const T* const* krows,
+                int64_t count, float scale, float* scores) {
 #ifdef __AVX512F__
-  for (; t < count; ++t) {
-    const T* k = rows[t];
-    __m512 acc[NG];
-    for (int g = 0; g < NG; ++g) acc[g] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < head_size; i += 16) {
-      __m512 kv = load16(k + i);
-      for (int g = 0; g < NG; ++g) acc[g] = _mm512_fmadd_ps(load16(q + g * head_size + i), kv, acc[g]);
+#if defined(__AVX512BF16__)
+  constexpr int64_t step = std::is_same_v<T, bf16> ? 32 : 16;
+#else
+  constexpr int64_t step = 16;
+#endif
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < count; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, count - t0);
+    const T* rows[16];
+    for (int64_t j = 0; j < 16; ++j) rows[j] = krows[t0 + std::min(j, n - 1)];  // pad: repeat
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t g = 0; g < num_heads; ++g) {
+      const T* qg = q + g * head_size;
+      __m512 acc[16];
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+      int64_t i = 0;
+      for (; i + step <= head_size; i += step) dot16_step<T>(acc, qg, rows, i, false);
+      if (i < head_size) dot16_step<T>(acc, qg, rows, i, true);  // bf16: a 16-element tail
+      _mm512_mask_storeu_ps(scores + g * kChunk + t0, mask, _mm512_mul_ps(hsum16(acc), vscale));
     }
-    for (int g = 0; g < NG; ++g) scores[g * kChunk + t] = scale * _mm512_reduce_add_ps(acc[g]);
   }
 #else
-  for (; t < count; ++t) {
-    const T* k = rows[t];
-    for (int g = 0; g < NG; ++g) {
+  for (int64_t g = 0; g < num_heads; ++g) {
+    for (int64_t t = 0; t < count; ++t) {
+      const T* k = krows[t];
       float acc = 0.0f;
       for (int64_t i = 0; i < head_size; ++i) acc += to_float(q[g * head_size + i]) * to_float(k[i]);
       scores[g * kChunk + t] = scale * acc;
@@ -290,13 +316,7 @@ bool attend_partition(const Params& p, const T* key_cache, const T* value_cache,
         krows[t] = key_cache + row_offsets[t] + h * D;
         vrows[t] = value_cache + row_offsets[t] + h * D;
       }
-      for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxHeadsPerPass) {
-        const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, (h + 1) * G - g0));
-        with_heads(ng, [&](auto NG) {
-          score_rows<T, decltype(NG)::value>(q + g0 * D, D, krows, count, p.scale,
-                                             s.scores.data() + g0 * kChunk);
-        });
-      }
+      score_rows<T>(q + h * G * D, G, D, krows, count, p.scale, s.scores.data() + h * G * kChunk);
       for (int64_t g = h * G; g < (h + 1) * G; ++g) {
         softmax_update(s.scores.data() + g * kChunk, count, p.soft_cap, s.max[g], s.sum[g],
                        s.acc.data() + g * D, D);

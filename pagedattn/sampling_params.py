@@ -76,6 +76,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._normalise()
         self._validate()
+        self._reset_greedy()
 
     def _normalise(self) -> None:
         # NOTE: frozen dataclass; normalisation writes through object.__setattr__ once, here.
@@ -96,11 +97,14 @@ class SamplingParams:
                 f"{name}={value!r} is invalid: use a number",
             )
             set_(self, name, float(value))
-        if 0 <= self.temperature < SAMPLING_EPS:
+
+    def _reset_greedy(self) -> None:
+        # NOTE: after validation, so that an out-of-range value is an error even when greedy.
+        if self.temperature < SAMPLING_EPS:
             # Greedy: the truncation knobs cannot change argmax, so reset them (as vLLM does).
-            set_(self, "top_p", 1.0)
-            set_(self, "top_k", None)
-            set_(self, "min_p", 0.0)
+            object.__setattr__(self, "top_p", 1.0)
+            object.__setattr__(self, "top_k", None)
+            object.__setattr__(self, "min_p", 0.0)
 
     def _validate(self) -> None:
         _require(_is_int(self.n) and self.n >= 1, f"n={self.n!r} is invalid: use an integer >= 1")

@@ -1,1 +1,1 @@
-"""The OpenAI-compatible server: `server.build_app`, `server.run_server`, `server.add_serve_args`."""
+"""The OpenAI-compatible server: see `server` (build_app, run_server, add_serve_args)."""
