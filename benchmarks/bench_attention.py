@@ -184,22 +184,33 @@ def bench_block_sizes(args, gen: torch.Generator) -> list[dict]:
     return rows
 
 
-def kernel_time_by_block_size(block_sizes: list[int], *, seed: int) -> dict[int, float]:
+def kernel_time_by_block_size(
+    block_sizes: list[int], *, seed: int, num_threads: int = 1
+) -> dict[int, float]:
     """Microseconds per decode call of the cpu backend (compiled kernel if it builds) per block
-    size: 32 sequences, log-normal lengths (mean 500), 9 q / 3 kv heads x 64, bf16."""
+    size: 32 sequences, log-normal lengths (mean 500), 9 q / 3 kv heads x 64, bf16.
+
+    NOTE: one thread by default: on a shared, oversubscribed machine a 2-thread parallel region
+    waits for a descheduled thread (a whole time slice), which swamps the block-size differences.
+    """
     gen = torch.Generator().manual_seed(seed)
     num_heads, num_kv_heads, head_size = HEAD_CONFIGS["9/3x64"]
     seq_lens = lognormal_seq_lens(KERNEL_TIME_NUM_SEQS, KERNEL_TIME_MEAN_LEN, gen)
     query = torch.randn(KERNEL_TIME_NUM_SEQS, num_heads, head_size, generator=gen).to(DTYPE)
     backend, times = CpuBackend(), {}
-    for block_size in block_sizes:
-        key_cache, value_cache, meta, _, _ = build_decode_batch(
-            seq_lens, block_size, num_kv_heads, head_size, gen
-        )
-        run = functools.partial(
-            backend.forward, query, key_cache, value_cache, meta, scale=head_size**-0.5
-        )
-        times[block_size] = 1e3 * median_ms(run, KERNEL_TIME_WARMUP, KERNEL_TIME_REPEATS)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(num_threads)
+    try:
+        for block_size in block_sizes:
+            key_cache, value_cache, meta, _, _ = build_decode_batch(
+                seq_lens, block_size, num_kv_heads, head_size, gen
+            )
+            run = functools.partial(
+                backend.forward, query, key_cache, value_cache, meta, scale=head_size**-0.5
+            )
+            times[block_size] = 1e3 * median_ms(run, KERNEL_TIME_WARMUP, KERNEL_TIME_REPEATS)
+    finally:
+        torch.set_num_threads(threads_before)
     return times
 
 

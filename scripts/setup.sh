@@ -19,4 +19,7 @@ if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt
     (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
         || echo "setup: chromium could not be installed; the browser test will skip"
 fi
+# Build the CPU paged-attention kernel now (about a minute, once; cached in ~/.cache/pagedattn).
+.venv/bin/python -c "from pagedattn.attention.backends.cpu_ext import load_extension; load_extension()" \
+    || echo "setup: the C++ attention kernel did not build; the PyTorch CPU path will be used"
 .venv/bin/python -c "import torch, pagedattn; print('setup ok: torch', torch.__version__)"

@@ -16,7 +16,7 @@ def main() -> int:
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
             first = doc.strip().splitlines()[0] if doc.strip() else "(package marker)"
             lines.append(f"- `{path.relative_to(ROOT)}`: {first}")
-    lines += ["", "Native code: `csrc/*.cpp` (CPU paged attention, built on first use).", ""]
+    lines += ["", "Native code: `pagedattn/csrc/paged_attention_cpu.cpp` (CPU paged decode attention, built on first use).", ""]
     sys.stdout.write("\n".join(lines))
     return 0
 

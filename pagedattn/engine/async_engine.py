@@ -86,7 +86,7 @@ class AsyncLLMEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._states: dict[str, _RequestState] = {}
         self._thread: threading.Thread | None = None
-        self._start_lock = threading.Lock()
+        self._lock = threading.Lock()
         self._dead: BaseException | None = None
 
     @property
@@ -108,7 +108,12 @@ class AsyncLLMEngine:
 
     def start(self) -> None:
         """Start the loop thread (idempotent; `add_request` starts it too)."""
-        with self._start_lock:
+        self._submit(None)
+
+    def _submit(self, cmd: _Add | _Call | None) -> None:
+        # NOTE: under the lock that `_stop` takes, so no command can slip in after the final
+        # drain of a stopped loop (its future would never be resolved).
+        with self._lock:
             if self._dead is not None:
                 raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
             if self._thread is None:
@@ -116,13 +121,16 @@ class AsyncLLMEngine:
                     target=self._run, name="pagedattn-engine-loop", daemon=True
                 )
                 self._thread.start()
+            if cmd is not None:
+                self._commands.put(cmd)
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Abort whatever is still in flight and stop the loop thread."""
-        if self._thread is None or not self._thread.is_alive():
-            self._dead = self._dead or EngineDeadError("the engine was shut down")
-            return
-        self._commands.put(_STOP)
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._dead = self._dead or EngineDeadError("the engine was shut down")
+                return
+            self._commands.put(_STOP)
         self._thread.join(timeout)
 
     async def add_request(
@@ -135,11 +143,10 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Queue a request; raises the engine's error if it rejects it, else returns its stream."""
-        self.start()
         loop = asyncio.get_running_loop()
         state = _RequestState(request_id, loop, asyncio.Queue(), time.monotonic())
         accepted: Future = Future()
-        self._commands.put(_Add(state, prompt, params, priority, cache_salt, accepted))
+        self._submit(_Add(state, prompt, params, priority, cache_salt, accepted))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -187,9 +194,8 @@ class AsyncLLMEngine:
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """Run `fn(engine)` on the loop thread between steps and return its result."""
-        self.start()
         result: Future = Future()
-        self._commands.put(_Call(fn, result))
+        self._submit(_Call(fn, result))
         return await asyncio.wrap_future(result)
 
     async def kv_snapshot(self) -> dict:
@@ -225,7 +231,13 @@ class AsyncLLMEngine:
             self._stop(EngineDeadError(f"the engine loop failed: {exc!r}"), [])
 
     def _stop(self, error: EngineDeadError, pending: list) -> None:
-        self._dead = error
+        with self._lock:
+            self._dead = error
+        while True:
+            try:
+                pending.append(self._commands.get_nowait())
+            except queue.Empty:
+                break
         for cmd in pending:
             if isinstance(cmd, _Add | _Call):
                 future = cmd.accepted if isinstance(cmd, _Add) else cmd.result

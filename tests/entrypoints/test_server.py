@@ -344,3 +344,5 @@ def test_metrics_exposes_engine_state(server, client, model):
     kv = httpx.get(f"{server.base_url}/debug/kv", headers={"Authorization": f"Bearer {KEY_A}"})
     assert kv.status_code == 200 and isinstance(kv.json(), dict)
     assert httpx.get(f"{server.base_url}/debug/kv").status_code == 401
+    page = httpx.get(f"{server.base_url}/dashboard")
+    assert page.status_code == 200 and "/debug/kv" in page.text

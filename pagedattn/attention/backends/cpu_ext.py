@@ -1,4 +1,4 @@
-"""The compiled CPU paged-decode kernel (csrc/paged_attention_cpu.cpp): build, load, call.
+"""The compiled CPU paged-decode kernel (pagedattn/csrc/paged_attention_cpu.cpp): build, load, call.
 
 The C++ source is compiled on first use with ``torch.utils.cpp_extension.load`` (``-O3
 -march=native -fopenmp``; about a minute) and cached under ``~/.cache/pagedattn/ext`` (override with
@@ -20,7 +20,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[3] / "csrc" / "paged_attention_cpu.cpp"
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "paged_attention_cpu.cpp"
 BUILD_DIR_ENV = "PAGEDATTN_EXT_DIR"
 DISABLE_ENV = "PAGEDATTN_DISABLE_CPU_EXT"
 DEFAULT_BUILD_DIR = Path.home() / ".cache" / "pagedattn" / "ext"

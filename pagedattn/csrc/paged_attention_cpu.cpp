@@ -122,8 +122,8 @@ inline void dot16_step(__m512* acc, const T* q, const T* const* rows, int64_t i,
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
     auto load = [half](const T* ptr) {
-      return half ? _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ptr)))
-                  : _mm512_loadu_si512(ptr);
+      const auto* half_ptr = reinterpret_cast<const __m256i*>(ptr);
+      return half ? _mm512_zextsi256_si512(_mm256_loadu_si256(half_ptr)) : _mm512_loadu_si512(ptr);
     };
     const __m512bh qv = (__m512bh)load(q + i);
 #pragma GCC unroll 16
@@ -170,27 +170,57 @@ void score_rows(const T* q, int64_t num_heads, int64_t head_size, const T* const
     for (int64_t t = 0; t < count; ++t) {
       const T* k = krows[t];
       float acc = 0.0f;
-      for (int64_t i = 0; i < head_size; ++i) acc += to_float(q[g * head_size + i]) * to_float(k[i]);
+      for (int64_t i = 0; i < head_size; ++i) {
+        acc += to_float(q[g * head_size + i]) * to_float(k[i]);
+      }
       scores[g * kChunk + t] = scale * acc;
     }
   }
 #endif
 }
 
+#ifdef __AVX512F__
+// acc[g][i0 : i0 + 16 * NS] += sum_t probs[g * kChunk + t] * row_t[...]: NG * NS independent
+// accumulator chains, so the FMA latency is hidden.
+template <typename T, int NG, int NS>
+inline void accumulate_tile(const float* probs, const T* const* rows, int64_t count,
+                            int64_t head_size, int64_t i0, float* acc) {
+  __m512 a[NG][NS];
+  for (int g = 0; g < NG; ++g) {
+    for (int s = 0; s < NS; ++s) a[g][s] = _mm512_loadu_ps(acc + g * head_size + i0 + 16 * s);
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    __m512 v[NS];
+    for (int s = 0; s < NS; ++s) v[s] = load16(rows[t] + i0 + 16 * s);
+    for (int g = 0; g < NG; ++g) {
+      const __m512 pv = _mm512_set1_ps(probs[g * kChunk + t]);
+      for (int s = 0; s < NS; ++s) a[g][s] = _mm512_fmadd_ps(pv, v[s], a[g][s]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    for (int s = 0; s < NS; ++s) _mm512_storeu_ps(acc + g * head_size + i0 + 16 * s, a[g][s]);
+  }
+}
+#endif
+
 // acc[g] += sum_t probs[g * kChunk + t] * value row t, for NG heads (acc: [NG, head_size] fp32).
 template <typename T, int NG>
 void accumulate_rows(const float* probs, const T* const* rows, int64_t count, int64_t head_size,
                      float* acc) {
 #ifdef __AVX512F__
-  for (int64_t i = 0; i < head_size; i += 16) {
-    __m512 a[NG];
-    for (int g = 0; g < NG; ++g) a[g] = _mm512_loadu_ps(acc + g * head_size + i);
-    for (int64_t t = 0; t < count; ++t) {
-      __m512 v = load16(rows[t] + i);
-      for (int g = 0; g < NG; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g * kChunk + t]), v, a[g]);
+  int64_t i = 0;
+  if constexpr (NG <= 2) {
+    for (; i + 128 <= head_size; i += 128) {
+      accumulate_tile<T, NG, 8>(probs, rows, count, head_size, i, acc);
     }
-    for (int g = 0; g < NG; ++g) _mm512_storeu_ps(acc + g * head_size + i, a[g]);
   }
+  for (; i + 64 <= head_size; i += 64) {
+    accumulate_tile<T, NG, 4>(probs, rows, count, head_size, i, acc);
+  }
+  for (; i + 32 <= head_size; i += 32) {
+    accumulate_tile<T, NG, 2>(probs, rows, count, head_size, i, acc);
+  }
+  for (; i < head_size; i += 16) accumulate_tile<T, NG, 1>(probs, rows, count, head_size, i, acc);
 #else
   for (int64_t t = 0; t < count; ++t) {
     const T* v = rows[t];
@@ -200,6 +230,24 @@ void accumulate_rows(const float* probs, const T* const* rows, int64_t count, in
     }
   }
 #endif
+}
+
+// max(x[0..n)), n >= 1.
+inline float max_of(const float* x, int64_t n) {
+  int64_t i = 0;
+  float result = kNegInf;
+#ifdef __AVX512F__
+  __m512 m = _mm512_set1_ps(kNegInf);
+  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+  if (i < n) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
+    m = _mm512_mask_max_ps(m, mask, m, _mm512_maskz_loadu_ps(mask, x + i));
+    i = n;
+  }
+  result = _mm512_reduce_max_ps(m);
+#endif
+  for (; i < n; ++i) result = std::max(result, x[i]);
+  return result;
 }
 
 // Dispatch a templated NG to the runtime number of heads in this pass (1..kMaxHeadsPerPass).
@@ -219,7 +267,6 @@ struct Params {
   int64_t sliding_window;  // 0: none
   float scale, soft_cap;   // soft_cap 0: none
   int64_t partition_size;
-  bool prefetch;
 };
 
 struct WorkItem {
@@ -240,7 +287,7 @@ inline void softmax_update(float* sc, int64_t count, float soft_cap, float& max,
   if (soft_cap > 0.0f) {
     for (int64_t t = 0; t < count; ++t) sc[t] = soft_cap * std::tanh(sc[t] / soft_cap);
   }
-  const float new_max = std::max(max, *std::max_element(sc, sc + count));
+  const float new_max = std::max(max, max_of(sc, count));
   if (new_max > max && max != kNegInf) {
     const float alpha = std::exp(max - new_max);
     sum *= alpha;
@@ -272,7 +319,7 @@ inline int64_t chunk_row_offsets(const Params& p, const int32_t* block_table, in
 }
 
 
-// Ask for a token row (all kv heads) in L2 ahead of use: the next chunk's blocks are scattered.
+// Ask for a token row (all kv heads) in L2 ahead of use.
 template <typename T>
 inline void prefetch_row(const T* row, int64_t num_elems) {
   const char* bytes = reinterpret_cast<const char*>(row);
@@ -304,11 +351,10 @@ bool attend_partition(const Params& p, const T* key_cache, const T* value_cache,
       const int64_t next_count =
           chunk_row_offsets(p, block_table, c0 + kChunk, tok_end, next_offsets);
       if (next_count == 0) return false;
-      if (p.prefetch) {
-        for (int64_t t = 0; t < next_count; ++t) {
-          prefetch_row(key_cache + next_offsets[t], row_stride);
-          prefetch_row(value_cache + next_offsets[t], row_stride);
-        }
+      // NOTE: the next chunk's blocks are scattered, which the hardware prefetcher cannot guess.
+      for (int64_t t = 0; t < next_count; ++t) {
+        prefetch_row(key_cache + next_offsets[t], row_stride);
+        prefetch_row(value_cache + next_offsets[t], row_stride);
       }
     }
     for (int64_t h = 0; h < p.num_kv_heads; ++h) {
@@ -472,7 +518,6 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
   p.scale = static_cast<float>(scale);
   p.soft_cap = static_cast<float>(soft_cap);
   p.partition_size = partition_size;
-  p.prefetch = getenv("PA_PREFETCH") != nullptr;
   if (p.num_rows == 0) return;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
@@ -481,7 +526,8 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
                              value_cache.data_ptr<float>(), tables, lens, out.data_ptr<float>());
   } else if (query.scalar_type() == at::kBFloat16) {
     auto ptr = [](torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); };
-    paged_decode_impl<bf16>(p, ptr(query), ptr(key_cache), ptr(value_cache), tables, lens, ptr(out));
+    paged_decode_impl<bf16>(p, ptr(query), ptr(key_cache), ptr(value_cache), tables, lens,
+                            ptr(out));
   } else {
     TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, got ", query.dtype());
   }
