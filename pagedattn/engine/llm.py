@@ -114,11 +114,16 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation and generate a reply."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [
+        texts = [
             self.engine.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
             for conv in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        # NOTE: the template already holds the special tokens; encoding must not add a second BOS.
+        ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+        outputs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
+        for out, text in zip(outputs, texts, strict=True):
+            out.prompt = text
+        return outputs
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams):
         """Beam search per prompt; beams share blocks by fork and diverge by copy-on-write."""
