@@ -30,7 +30,7 @@ class RunOptions:
     """What every engine shares: model, dtype, threads, plus engine-specific knobs."""
 
     model: str | None
-    dtype: str = "bfloat16"
+    dtype: str = "float32"
     threads: int = 2
     seed: int = 0
     block_size: int = 16
@@ -150,6 +150,15 @@ def run_pagedattn(
     )
 
 
+def _median_time(fn, reps: int) -> float:
+    samples = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return sorted(samples)[reps // 2]
+
+
 def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
     """Decode-step matmuls alone (the model's own weights, LM head included) and copy bandwidth."""
     import torch.nn.functional as F
@@ -171,20 +180,22 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
     with torch.inference_mode():
         for batch in batches:
             xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
-            samples = []
-            for _ in range(reps + 2):
-                t = time.perf_counter()
+
+            def one_pass(xs=xs) -> None:
                 for w in weights:
                     F.linear(xs[w.shape[1]], w)
-                samples.append(time.perf_counter() - t)
-            result["matmul_s"][str(batch)] = sorted(samples[2:])[len(samples[2:]) // 2]
+
+            one_pass()  # warm-up
+            result["matmul_s"][str(batch)] = _median_time(one_pass, reps)
         src = torch.ones(256 * 2**20, dtype=torch.uint8)
         dst = torch.empty_like(src)
-        samples = []
-        for _ in range(7):
-            t = time.perf_counter()
-            dst.copy_(src)
-            samples.append(time.perf_counter() - t)
         # NOTE: a copy reads and writes each byte, so it moves twice the buffer size.
-        result["bandwidth_Bps"] = 2 * src.numel() / sorted(samples)[len(samples) // 2]
+        result["bandwidth_Bps"] = 2 * src.numel() / _median_time(lambda: dst.copy_(src), 7)
+        # NOTE: one decode-shaped linear with opts.threads and with 1 thread: when the first is
+        # much slower, the threads wait on each other (a busy machine), not on the work.
+        x, w = torch.randn(8, 576, dtype=dtype), torch.randn(3072, 576, dtype=dtype)
+        for key, threads in (("probe_linear_s", opts.threads), ("probe_linear_1thread_s", 1)):
+            torch.set_num_threads(threads)
+            result[key] = _median_time(lambda: F.linear(x, w), 21)
+        torch.set_num_threads(opts.threads)
     return result

@@ -220,8 +220,7 @@ def run_llama_cpp(opts: RunOptions, workload: Workload) -> RunResult:
         import llama_cpp
     except ImportError as exc:
         raise PeerUnavailableError(
-            "llama.cpp skipped: llama-cpp-python is not installed and no --llama-batched-bench "
-            "binary was given"
+            "llama-cpp-python is not installed and no --llama-batched-bench binary was given"
         ) from exc
     llm = llama_cpp.Llama(
         model_path=str(_gguf_path(opts)),

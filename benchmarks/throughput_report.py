@@ -10,6 +10,12 @@ STEP_PARTS = ("schedule", "prepare", "forward", "sample", "process")
 # Column order of one step record from peers.run_pagedattn.
 _WALL, _NUM_PROMPT, _NUM_GEN = 0, 6, 7
 PREFIX_TTFT_TARGET = 5.0
+# More threads being this much slower than one means they wait for each other, not for work.
+OVERSUBSCRIBED_FACTOR = 2.0
+THREAD_WARNING = (
+    " -- WARNING: threads are oversubscribed (the machine is busy); every timing of this run is "
+    "inflated, try --omp-wait-policy passive or --threads 1"
+)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -123,10 +129,17 @@ def ceiling_rows(
     paged = {
         r["workload"]: r for r in results if r["engine"] == "pagedattn" and r["status"] == "ok"
     }
-    rows, lines = (
-        [],
-        [f"copy bandwidth {bw / 1e9:.2f} GB/s, weights {ceiling['weight_bytes'] / 2**20:.0f} MiB"],
-    )
+    rows = []
+    lines = [
+        f"copy bandwidth {bw / 1e9:.2f} GB/s, weights {ceiling['weight_bytes'] / 2**20:.0f} MiB"
+    ]
+    probe, probe_1 = ceiling.get("probe_linear_s"), ceiling.get("probe_linear_1thread_s")
+    if probe and probe_1:
+        lines.append(
+            f"thread probe: [8, 576] x [576, 3072] linear {_ms(probe)} ms with the benchmark's "
+            f"threads, {_ms(probe_1)} ms with 1 thread"
+            + (THREAD_WARNING if probe > OVERSUBSCRIBED_FACTOR * probe_1 else "")
+        )
     for workload, name in points:
         batch = len(workload.requests)
         context = workload.mean_decode_context()

@@ -22,7 +22,7 @@ class LLM:
         self,
         model: str | os.PathLike | None = None,
         *,
-        dtype: str = "bfloat16",
+        dtype: str = "float32",
         device: str = "cpu",
         block_size: int = 16,
         num_blocks: int | None = None,

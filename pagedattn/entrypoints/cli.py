@@ -28,7 +28,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Options shared by every command that builds an engine."""
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="HF folder or .gguf file (default: SmolLM2-135M)")
-    g.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     g.add_argument("--device", default="cpu")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides memory)")

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from pagedattn.model.packed_linear import pack_linear_layers, pack_weight, packed_linear
 
 # HF projection name -> (our fused parameter name, shard index inside it).
 STACKED_PARAMS: dict[str, tuple[str, int]] = {
@@ -84,9 +85,29 @@ class PagedCausalLM(nn.Module):
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
+    def pack_for_cpu(self) -> None:
+        """Float32 on CPU: run every projection and the LM head on MKL's packed GEMM."""
+        self._packed_lm_head = None
+        if pack_linear_layers(self) == 0:
+            return
+        weight = self.lm_head_weight()
+        # NOTE: an untied lm_head is an nn.Linear and was packed above with the others.
+        if (
+            self.tie_word_embeddings
+            and weight.dtype == torch.float32
+            and weight.device.type == "cpu"
+        ):
+            self._packed_lm_head = pack_weight(weight.detach())
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V] (soft-capped when the model says so)."""
-        logits = (hidden @ self.lm_head_weight().t()).float()  # [N, V]
+        packed = getattr(self, "_packed_lm_head", None)
+        if packed is not None:
+            logits = packed_linear(hidden, packed, self.lm_head_weight(), None)  # [N, V]
+        elif not self.tie_word_embeddings:
+            logits = self.lm_head(hidden).float()  # [N, V]
+        else:
+            logits = (hidden @ self.lm_head_weight().t()).float()  # [N, V]
         cap = self.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -138,7 +138,9 @@ def build_model(
         net.load_weights(checkpoint.weights(config))
     else:
         net.load_weights(checkpoint.weights())
-    return net.eval().requires_grad_(False), config
+    net = net.eval().requires_grad_(False)
+    net.pack_for_cpu()
+    return net, config
 
 
 def load_model(

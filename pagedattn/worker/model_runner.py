@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedattn.attention.backends.base import AttentionBackend
+from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads
 from pagedattn.attention.ops import copy_blocks
 from pagedattn.worker.input_batch import InputBatch, ScheduledSeq, build_input_batch
 
@@ -40,6 +41,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_groups = num_groups
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            flush_denormals_all_threads()
         self.kv_caches = [
             attn_backend.allocate_kv_cache(
                 num_blocks, block_size, model.num_kv_heads, model.head_size, cache_dtype, device

@@ -95,6 +95,7 @@ def test_end_to_end_rows_ratios_ceiling_and_breakdown(tmp_path, tiny_model, caps
     for engine in ("pagedattn", "pagedattn_nocache", *PEERS):
         assert f"| {engine} |" in md
     assert "## Prefix caching" in md and "## pagedattn step breakdown" in md
+    assert "thread probe:" in md
     printed = capsys.readouterr().out
     assert printed.count("uniform        pagedattn ") == 1  # one line per result
     # The saved trace replays the same requests.

@@ -153,3 +153,17 @@ def paged_decode(
         partition_size,
     )
     return out
+
+
+def flush_denormals_all_threads() -> bool:
+    """Flush denormals to zero in this thread and every intra-op worker (False if unavailable).
+
+    NOTE: ``torch.set_flush_denormal`` only sets the calling thread's MXCSR; threads the OpenMP
+    pool created earlier keep computing on denormals, 5-10x slower.
+    """
+    torch.set_flush_denormal(True)
+    ext = get_extension()
+    if ext is None:
+        return False
+    ext.set_flush_denormal_all_threads(True)
+    return True
