@@ -154,8 +154,8 @@ class KVCacheManager:
                 break
             max_length = num_hit_blocks * self.block_size
         num_hit_tokens = num_hit_blocks * self.block_size
-        self._num_queries += request.num_tokens
-        self._num_hits += num_hit_tokens
+        # NOTE: queries and hits are counted when the admission's allocate_slots succeeds, so a
+        # request that waits at the head of the queue for k steps counts once, not k times.
         return KVCacheBlocks(tuple(hits)), num_hit_tokens
 
     def allocate_slots(
@@ -236,6 +236,9 @@ class KVCacheManager:
             for m, blocks in zip(managers, computed, strict=True):
                 m.save_new_computed_blocks(request_id, blocks)
             self.requests[request_id] = request
+            if new_computed_blocks is not None and self.enable_caching:
+                self._num_queries += request.num_tokens
+                self._num_hits += num_new_computed_tokens
         for m in managers:
             if m.copy_on_write(request_id, num_computed, num_tokens, self._block_copies):
                 self._cow_request_ids.add(request_id)

@@ -384,3 +384,22 @@ def test_hybrid_groups_need_one_block_size():
         KVCacheManager(groups, 8)
     with pytest.raises(KVCacheSpecError, match="sliding_window"):
         SlidingWindowSpec(16, sliding_window=0)
+
+
+def test_prefix_query_counts_once_per_admission_not_per_waiting_step():
+    manager = make_manager(num_blocks=4, block_size=4)
+    first = make_request(manager, "a", list(range(12)))
+    assert admit(manager, first) is not None  # 3 blocks held, 1 free
+    manager.make_stats()  # reset the counters
+    waiting = make_request(manager, "b", list(range(8)) + [99, 98, 97, 96, 95])
+    for _ in range(3):  # it waits: 8 tokens hit, but 2 more blocks do not fit
+        blocks, num_hit = manager.get_computed_blocks(waiting)
+        assert num_hit == 8
+        assert manager.allocate_slots(waiting, 13 - num_hit, blocks, num_hit) is None
+    stats = manager.make_stats(reset=False)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (0, 0)
+    manager.free(first)
+    blocks, num_hit = manager.get_computed_blocks(waiting)
+    assert manager.allocate_slots(waiting, 13 - num_hit, blocks, num_hit) is not None
+    stats = manager.make_stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (13, 8)
