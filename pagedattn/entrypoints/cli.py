@@ -33,6 +33,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None, help="KV blocks (overrides memory)")
     g.add_argument("--kv-cache-memory", default=None, help="KV cache bytes, e.g. 2GiB")
+    g.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        default=0.2,
+        help="without --kv-cache-memory/--num-blocks: this share of free memory (default 0.2)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -52,6 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         block_size=args.block_size,
         num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_memory_fraction=args.kv_cache_memory_fraction,
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -128,3 +128,19 @@ def test_bad_input_is_rejected_and_engine_keeps_serving(llm, prompt, kwargs, err
 def test_unknown_model_path():
     with pytest.raises(ModelNotFoundError, match="no/such/model"):
         LLM("no/such/model")
+
+
+def test_kv_capacity_from_a_byte_budget_and_a_fraction(tmp_path):
+    from pagedattn.worker.model_runner import ModelRunner
+
+    path = make_tiny_llama(tmp_path)
+    llm = LLM(path, dtype="float32", kv_cache_memory="1MiB", block_size=16)
+    model = llm.engine.model
+    per_block = ModelRunner.kv_cache_bytes_per_block(model, 16, model.dtype)
+    assert per_block == 2 * model.num_layers * 16 * model.num_kv_heads * model.head_size * 4
+    assert llm.engine.kv_cache_manager.num_blocks == 2**20 // per_block
+    assert f"{2**20 // per_block} blocks x 16 tokens" in llm.engine.kv_summary
+    # ~20 KB and ~40 KB of the free memory: a handful of 4 KiB blocks, far below the cap.
+    small = LLM(path, dtype="float32", kv_cache_memory_fraction=1e-6)
+    big = LLM(path, dtype="float32", kv_cache_memory_fraction=2e-6)
+    assert small.engine.kv_cache_manager.num_blocks < big.engine.kv_cache_manager.num_blocks
