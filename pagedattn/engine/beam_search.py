@@ -10,7 +10,6 @@ import torch
 from pagedattn.engine.errors import InvalidRequestError
 from pagedattn.request import Request, RequestStatus
 from pagedattn.sampling_params import BeamSearchParams
-from pagedattn.worker.input_batch import ScheduledSeq
 
 _beam_ids = itertools.count()
 
@@ -76,19 +75,7 @@ def run_beam_search(engine, prompt: str | list[int], params: BeamSearchParams) -
     try:
         while beams:
             sched = scheduler.schedule()
-            seqs = []
-            for req_id, n in sched.num_scheduled_tokens.items():
-                core = scheduler.requests[req_id]
-                start = core.num_computed_tokens - n
-                seqs.append(
-                    ScheduledSeq(
-                        req_id,
-                        core.all_token_ids[start : start + n],
-                        start,
-                        manager.get_block_ids(req_id),
-                        core.num_computed_tokens == core.num_tokens,
-                    )
-                )
+            seqs = engine.scheduled_seqs(sched)
             logits, sampled_ids = engine.runner.execute(seqs, sched.block_copies)
             logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_sampled, vocab]
             for row, req_id in enumerate(sampled_ids):

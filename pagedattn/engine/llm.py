@@ -15,6 +15,15 @@ Prompt = str | list[int]
 Message = dict[str, str]
 
 
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text or token ids) or many -> a list of prompts."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+    ):
+        return [prompts]
+    return list(prompts)
+
+
 class LLM:
     """Batch generation on the paged engine; every call runs the engine until its requests end."""
 
@@ -76,11 +85,7 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Generate for each prompt (text or token ids); outputs come back in prompt order."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
@@ -129,11 +134,7 @@ class LLM:
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams):
         """Beam search per prompt; beams share blocks by fork and diverge by copy-on-write."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
-            prompts = [prompts]
-        return [self.engine.beam_search(p, params) for p in prompts]
+        return [self.engine.beam_search(p, params) for p in _as_prompt_list(prompts)]
 
     def get_stats(self) -> EngineStats:
         """KV usage, prefix-cache hit rate, preemptions and fragmentation so far."""

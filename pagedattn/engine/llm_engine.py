@@ -13,6 +13,7 @@ from pagedattn.attention.backends.base import get_attn_backend
 from pagedattn.config import EngineConfig
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.scheduler import RequestRejectedError, Scheduler
+from pagedattn.core.scheduler_output import SchedulerOutput
 from pagedattn.engine.errors import InvalidRequestError
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.engine.request_state import EngineRequest, SeqState
@@ -258,20 +259,12 @@ class LLMEngine:
         if sched.is_empty:
             return []
         requests = self.scheduler.requests
-        seqs = []
-        for req_id, num_tokens in sched.num_scheduled_tokens.items():
-            core = requests[req_id]
-            start = core.num_computed_tokens - num_tokens  # schedule() already advanced it
-            seqs.append(
-                ScheduledSeq(
-                    req_id=req_id,
-                    token_ids=core.all_token_ids[start : start + num_tokens],
-                    start_pos=start,
-                    block_ids=self.kv_cache_manager.get_block_ids(req_id),
-                    needs_sample=core.num_computed_tokens == core.num_tokens,
-                )
+        seqs = self.scheduled_seqs(sched)
+        for seq in seqs:
+            core = requests[seq.req_id]
+            self.num_prompt_tokens += max(
+                0, min(core.num_prompt_tokens - seq.start_pos, len(seq.token_ids))
             )
-            self.num_prompt_tokens += max(0, min(core.num_prompt_tokens - start, num_tokens))
         logits, sampled_ids = self.runner.execute(seqs, sched.block_copies)
         times.prepare += self.runner.last_timings.prepare
         times.forward += self.runner.last_timings.forward
@@ -336,6 +329,24 @@ class LLMEngine:
         times.process += time.perf_counter() - t3
         times.num_steps += 1
         return outputs
+
+    def scheduled_seqs(self, sched: SchedulerOutput) -> list[ScheduledSeq]:
+        """The runner's view of a scheduled step: each request's new tokens and block tables."""
+        requests = self.scheduler.requests
+        seqs = []
+        for req_id, num_tokens in sched.num_scheduled_tokens.items():
+            core = requests[req_id]
+            start = core.num_computed_tokens - num_tokens  # schedule() already advanced it
+            seqs.append(
+                ScheduledSeq(
+                    req_id=req_id,
+                    token_ids=core.all_token_ids[start : start + num_tokens],
+                    start_pos=start,
+                    block_ids=self.kv_cache_manager.get_block_ids(req_id),
+                    needs_sample=core.num_computed_tokens == core.num_tokens,
+                )
+            )
+        return seqs
 
     def _fork_siblings(self, parent: SeqState) -> list[SeqState]:
         ereq = parent.owner

@@ -10,6 +10,7 @@ import torch
 
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads
+from pagedattn.attention.layout import bytes_per_block
 from pagedattn.attention.ops import copy_blocks
 from pagedattn.worker.input_batch import InputBatch, ScheduledSeq, build_input_batch
 
@@ -56,8 +57,9 @@ class ModelRunner:
         model: torch.nn.Module, block_size: int, dtype: torch.dtype
     ) -> int:
         """Bytes one block id costs across all layers (K and V)."""
-        elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * model.num_layers * block_size * model.num_kv_heads * model.head_size * elem
+        return bytes_per_block(
+            model.num_layers, block_size, model.num_kv_heads, model.head_size, dtype
+        )
 
     def copy_blocks(self, src_to_dst: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks in every layer before the step writes into them."""
