@@ -70,6 +70,15 @@ class EngineStats:
 def _free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
+    # MemAvailable counts reclaimable page cache; SC_AVPHYS_PAGES (free pages) does not, and
+    # after a large file read it can be a small fraction of what the cache could really use.
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 

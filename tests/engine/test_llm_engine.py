@@ -130,7 +130,8 @@ def test_unknown_model_path():
         LLM("no/such/model")
 
 
-def test_kv_capacity_from_a_byte_budget_and_a_fraction(tmp_path):
+def test_kv_capacity_from_a_byte_budget_and_a_fraction(tmp_path, monkeypatch):
+    from pagedattn.engine import llm_engine
     from pagedattn.worker.model_runner import ModelRunner
 
     path = make_tiny_llama(tmp_path)
@@ -140,7 +141,10 @@ def test_kv_capacity_from_a_byte_budget_and_a_fraction(tmp_path):
     assert per_block == 2 * model.num_layers * 16 * model.num_kv_heads * model.head_size * 4
     assert llm.engine.kv_cache_manager.num_blocks == 2**20 // per_block
     assert f"{2**20 // per_block} blocks x 16 tokens" in llm.engine.kv_summary
-    # ~20 KB and ~40 KB of the free memory: a handful of 4 KiB blocks, far below the cap.
+    # Free memory pinned at 16 GiB: the fractions give ~16 KiB and ~32 KiB, a handful of 4 KiB
+    # blocks, far below the cap; the real free memory varies from run to run.
+    monkeypatch.setattr(llm_engine, "_free_memory_bytes", lambda device: 16 * 2**30)
     small = LLM(path, dtype="float32", kv_cache_memory_fraction=1e-6)
     big = LLM(path, dtype="float32", kv_cache_memory_fraction=2e-6)
     assert small.engine.kv_cache_manager.num_blocks < big.engine.kv_cache_manager.num_blocks
+    assert big.engine.kv_cache_manager.num_blocks == int(16 * 2**30 * 2e-6) // per_block
