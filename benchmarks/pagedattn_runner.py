@@ -159,31 +159,52 @@ def _median_time(fn, reps: int) -> float:
     return sorted(samples)[reps // 2]
 
 
+def _linear_bytes(module: torch.nn.Module) -> int:
+    """Bytes a linear layer reads per call: its panels, MKL-packed or plain weight."""
+    for name in ("panels", "packed_weight", "weight"):
+        t = getattr(module, name, None)
+        if t is not None and t.numel() > 0:
+            return t.numel() * t.element_size()
+    return 0
+
+
 def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
-    """Decode-step matmuls alone (the model's own weights, LM head included) and copy bandwidth."""
+    """Decode-step matmuls alone (the model's own linear layers and LM head, through the same
+    kernels the engine runs) and copy bandwidth."""
     import torch.nn.functional as F
+    from torch import nn
 
     from pagedattn.model.loader import load_model
+    from pagedattn.model.packed_linear import linear_kernel
     from pagedattn.worker.model_runner import ModelRunner
 
     loaded = load_model(opts.model, opts.dtype, "cpu", None)
-    params = dict(loaded.model.named_parameters())
-    weights = [p for n, p in params.items() if p.ndim == 2 and "embed_tokens" not in n]
-    if not any("lm_head" in n for n in params):  # tied: the embedding is the LM head
-        weights += [p for n, p in params.items() if "embed_tokens" in n]
-    dtype = weights[0].dtype
+    model = loaded.model
+    untied_head = getattr(model, "lm_head", None)
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not untied_head]
+    packed_head = getattr(model, "_packed_lm_head", None)
+    if untied_head is not None:
+        head_bytes = _linear_bytes(untied_head)
+    else:
+        head = model.lm_head_weight() if packed_head is None else packed_head
+        head_bytes = head.numel() * head.element_size()
+    dtype = model.dtype
+    hidden_size = model.model.embed_tokens.weight.shape[1]
     result = {
         "matmul_s": {},
-        "weight_bytes": sum(w.numel() * w.element_size() for w in weights),
-        "kv_bytes_per_token": ModelRunner.kv_cache_bytes_per_block(loaded.model, 1, dtype),
+        "linear_kernel": linear_kernel(),
+        "weight_bytes": sum(_linear_bytes(m) for m in linears) + head_bytes,
+        "kv_bytes_per_token": ModelRunner.kv_cache_bytes_per_block(model, 1, dtype),
     }
     with torch.inference_mode():
         for batch in batches:
-            xs = {w.shape[1]: torch.randn(batch, w.shape[1], dtype=dtype) for w in weights}
+            xs = {m.in_features: torch.randn(batch, m.in_features, dtype=dtype) for m in linears}
+            xh = torch.randn(batch, hidden_size, dtype=dtype)
 
-            def one_pass(xs=xs) -> None:
-                for w in weights:
-                    F.linear(xs[w.shape[1]], w)
+            def one_pass(xs=xs, xh=xh) -> None:
+                for m in linears:
+                    m(xs[m.in_features])
+                model.compute_logits(xh)
 
             one_pass()  # warm-up
             result["matmul_s"][str(batch)] = _median_time(one_pass, reps)

@@ -131,7 +131,8 @@ def ceiling_rows(
     }
     rows = []
     lines = [
-        f"copy bandwidth {bw / 1e9:.2f} GB/s, weights {ceiling['weight_bytes'] / 2**20:.0f} MiB"
+        f"copy bandwidth {bw / 1e9:.2f} GB/s, weights {ceiling['weight_bytes'] / 2**20:.0f} MiB "
+        f"(linear kernel: {ceiling.get('linear_kernel', '?')})"
     ]
     probe, probe_1 = ceiling.get("probe_linear_s"), ceiling.get("probe_linear_1thread_s")
     if probe and probe_1:

@@ -557,7 +557,21 @@ int64_t set_flush_denormal_all_threads(bool on) {
 #endif
 }
 
+// linear_cpu.cpp
+torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
+                            c10::optional<torch::Tensor> bias);
+bool linear_packed_vectorized();
+// step_ops_cpu.cpp
+void cache_write(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+                 torch::Tensor value_cache, torch::Tensor slot_mapping);
+void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear_packed", &linear_packed, "y = x @ W^T (+ bias) over 32-column weight panels");
+  m.def("linear_packed_vectorized", &linear_packed_vectorized,
+        "Whether linear_packed runs the AVX-512 micro-kernel");
+  m.def("cache_write", &cache_write, "Write K/V rows into a flash-layout paged cache by slot");
+  m.def("rotary_inplace", &rotary_inplace, "Neox rotary embedding of [T, H, D] in place");
   m.def("paged_decode", &paged_decode, "Paged decode attention over a flash-layout KV cache");
   m.def("set_flush_denormal_all_threads", &set_flush_denormal_all_threads,
         "Flush denormals to zero (FTZ/DAZ) in the calling thread and every intra-op thread");

@@ -8,7 +8,15 @@ import torch
 from torch import nn
 
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
-from pagedattn.model.packed_linear import pack_linear_layers, pack_weight, packed_linear
+from pagedattn.model.packed_linear import (
+    linear_kernel,
+    pack_linear_layers,
+    pack_panels,
+    pack_weight,
+    packable,
+    packed_linear,
+    panel_linear,
+)
 
 # HF projection name -> (our fused parameter name, shard index inside it).
 STACKED_PARAMS: dict[str, tuple[str, int]] = {
@@ -86,24 +94,28 @@ class PagedCausalLM(nn.Module):
         return self.lm_head.weight
 
     def pack_for_cpu(self) -> None:
-        """Float32 on CPU: run every projection and the LM head on MKL's packed GEMM."""
-        self._packed_lm_head = None
-        if pack_linear_layers(self) == 0:
+        """On CPU: run every projection and the LM head on a packed GEMM (see packed_linear)."""
+        self._lm_head_kernel = None
+        kernel = linear_kernel()
+        if pack_linear_layers(self, kernel) == 0:
             return
-        weight = self.lm_head_weight()
-        # NOTE: an untied lm_head is an nn.Linear and was packed above with the others.
-        if (
-            self.tie_word_embeddings
-            and weight.dtype == torch.float32
-            and weight.device.type == "cpu"
-        ):
-            self._packed_lm_head = pack_weight(weight.detach())
+        weight = self.lm_head_weight().detach()
+        # NOTE: an untied lm_head is an nn.Linear and was packed above with the others; a tied
+        # one is the embedding, which lookups still need, so the LM head gets its own copy.
+        if self.tie_word_embeddings and packable(weight, kernel):
+            self._lm_head_kernel = kernel
+            self._packed_lm_head = (
+                pack_panels(weight) if kernel == "panels" else pack_weight(weight)
+            )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V] (soft-capped when the model says so)."""
-        packed = getattr(self, "_packed_lm_head", None)
-        if packed is not None:
-            logits = packed_linear(hidden, packed, self.lm_head_weight(), None)  # [N, V]
+        kernel = getattr(self, "_lm_head_kernel", None)
+        if kernel == "panels":
+            vocab = self.lm_head_weight().shape[0]
+            logits = panel_linear(hidden, self._packed_lm_head, vocab, None).float()  # [N, V]
+        elif kernel == "mkl":
+            logits = packed_linear(hidden, self._packed_lm_head, self.lm_head_weight(), None)
         elif not self.tie_word_embeddings:
             logits = self.lm_head(hidden).float()  # [N, V]
         else:

@@ -8,6 +8,7 @@ from torch import nn
 from transformers import PreTrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+from pagedattn.attention.backends import cpu_ext
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.metadata import AttentionMetadata
 
@@ -24,6 +25,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused kernel; the same fp32 math as below (bitwise equal on CPU).
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -105,6 +109,28 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotary`` written into x itself; returns x.
+
+    x [T, num_heads, head_size] may be a strided view (e.g. the q and k columns of a fused qkv
+    output). On CPU the compiled kernel does it in one pass with the same rounding; elsewhere the
+    PyTorch result is copied back.
+    """
+    if (
+        x.device.type == "cpu"
+        and x.dtype in (torch.float32, torch.bfloat16)
+        and x.stride(-1) == 1
+        and cos.dtype == x.dtype
+        and cpu_ext.get_extension() is not None
+    ):
+        num_tokens = x.shape[0]
+        cpu_ext.load_extension().rotary_inplace(
+            x, cos.reshape(num_tokens, -1).contiguous(), sin.reshape(num_tokens, -1).contiguous()
+        )
+        return x
+    return x.copy_(apply_rotary(x, cos, sin))
 
 
 class PagedAttention(nn.Module):

@@ -16,6 +16,7 @@ from pagedattn.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     apply_rotary,
+    apply_rotary_,
     silu_and_mul,
 )
 
@@ -93,13 +94,17 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """hidden [T, H] -> [T, H]."""
         qkv = self.qkv_proj(hidden)  # [T, q_size + 2 * kv_size]
+        if not self.qk_norm:
+            # q and k side by side: one rotation over [T, num_heads + num_kv_heads, head_size].
+            qk = qkv[:, : self.q_size + self.kv_size]
+            apply_rotary_(qk.view(qkv.shape[0], -1, self.head_size), cos, sin)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_size)  # [T, num_heads, head_size]
         k = k.view(-1, self.num_kv_heads, self.head_size)  # [T, num_kv_heads, head_size]
         v = v.view(-1, self.num_kv_heads, self.head_size)  # [T, num_kv_heads, head_size]
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
 
 

@@ -1,4 +1,4 @@
-"""MKL packed linear layers compute what F.linear computes, for any batch size."""
+"""Packed linear layers (panel GEMM and MKL) compute what F.linear computes, for any batch size."""
 
 from __future__ import annotations
 
@@ -7,29 +7,93 @@ import torch
 from torch import nn
 
 from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads
-from pagedattn.model.packed_linear import mkl_packing_available, pack_linear_layers
+from pagedattn.model.packed_linear import (
+    linear_kernel,
+    mkl_packing_available,
+    pack_linear_layers,
+    pack_panels,
+    panel_kernel_available,
+    panel_linear,
+)
 
-pytestmark = pytest.mark.skipif(not mkl_packing_available(), reason="torch built without MKL")
+needs_panels = pytest.mark.skipif(not panel_kernel_available(), reason="no AVX-512 extension")
+needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="torch built without MKL")
 
 
+@needs_mkl
 @pytest.mark.parametrize("num_tokens", [0, 1, 7, 32, 300])
-def test_packed_linear_matches_f_linear(num_tokens):
+def test_mkl_packed_linear_matches_f_linear(num_tokens):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 48, bias=False))
     x = torch.randn(num_tokens, 96)
     with torch.no_grad():
         expected = model(x)
-        assert pack_linear_layers(model) == 2
+        assert pack_linear_layers(model, "mkl") == 2
         assert all(hasattr(m, "packed_weight") for m in model)
         got = model(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_bfloat16_layers_are_left_alone():
-    model = nn.Linear(16, 16).bfloat16()
+@needs_panels
+@pytest.mark.parametrize("num_tokens", [0, 1, 5, 12, 13, 32, 150])
+@pytest.mark.parametrize("out_features", [7, 32, 45, 96])
+def test_panel_linear_matches_f_linear_fp32(num_tokens, out_features):
+    # Row counts around the 12-row micro-kernel and the 128-row chunk; columns around a panel.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 72), nn.Linear(72, out_features, bias=False))
+    x = torch.randn(3, num_tokens, 40)  # leading dims are kept
+    with torch.no_grad():
+        expected = model(x)
+        assert pack_linear_layers(model, "panels") == 2
+        got = model(x)
+    assert all(m.weight.numel() == 0 for m in model)  # the panels are the only copy
+    assert got.shape == expected.shape
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_panels
+def test_panel_linear_bf16_is_a_bf16_gemm_with_fp32_accumulation():
+    torch.manual_seed(0)
+    w = torch.randn(70, 64).bfloat16()
+    bias = torch.randn(70)
+    x = torch.randn(9, 64).bfloat16()
+    panels = pack_panels(w)
+    assert panels.dtype == torch.bfloat16 and panels.shape == (3, 64, 32)
+    got = panel_linear(x, panels, 70, bias)
+    assert got.dtype == torch.bfloat16
+    # Products of bf16 numbers are exact in fp32; the sum runs in fp32, rounded to bf16 once.
+    expected = (x.double() @ w.double().t() + bias.double()).bfloat16()
+    assert (got.float() - expected.float()).abs().max() <= 2**-7 * expected.float().abs().max()
+    assert torch.equal(
+        panel_linear(x.float(), panels, 70, bias), panel_linear(x.float(), panels, 70, bias)
+    )
+
+
+@needs_panels
+def test_panels_interleave_bf16_halves():
+    w = torch.arange(32 * 2, dtype=torch.float32).view(32, 2).bfloat16()  # w[n, k] = 2n + k
+    panels = pack_panels(w)  # [1, 2, 32]
+    assert panels[0, 0, 0].item() == 0 and panels[0, 0, 1].item() == 32  # columns 0 and 16
+    assert panels[0, 1, 2].item() == 3  # column 1, k=1
+    assert torch.equal(pack_panels(w.float())[0, 1, :4], torch.tensor([1.0, 3.0, 5.0, 7.0]))
+
+
+def test_linear_kernel_env(monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_LINEAR", "torch")
+    assert linear_kernel() == "torch"
+    model = nn.Linear(8, 8)
     assert pack_linear_layers(model) == 0
-    assert not hasattr(model, "packed_weight")
+    monkeypatch.setenv("PAGEDATTN_LINEAR", "fast")
+    with pytest.raises(ValueError, match="PAGEDATTN_LINEAR='fast' is invalid"):
+        linear_kernel()
+
+
+def test_float16_layers_are_left_alone():
+    model = nn.Linear(16, 16).half()
+    assert pack_linear_layers(model, "panels") == 0
+    assert pack_linear_layers(model, "mkl") == 0
+    assert model.weight.shape == (16, 16)
 
 
 def test_flush_denormals_reaches_the_worker_threads():

@@ -106,6 +106,30 @@ class CpuBackend(AttentionBackend):
         """Whether decode rows run on the compiled kernel (when their dtypes allow it)."""
         return self._use_extension
 
+    def reshape_and_cache(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """Write key/value [T, num_kv_heads, head_size] into their slots (PAD_SLOT_ID skipped).
+
+        One compiled call (row copies by slot) when the dtypes match, else the PyTorch op.
+        """
+        if (
+            self._use_extension
+            and key.dtype == key_cache.dtype
+            and value.dtype == value_cache.dtype
+            and key.stride(-1) == 1
+            and value.stride(-1) == 1
+            and key_cache.dim() == 4
+        ):
+            cpu_ext.load_extension().cache_write(key, value, key_cache, value_cache, slot_mapping)
+            return
+        super().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
     def forward(
         self,
         query: torch.Tensor,

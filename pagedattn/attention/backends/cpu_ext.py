@@ -21,6 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "paged_attention_cpu.cpp"
+SOURCES = (SOURCE, SOURCE.with_name("linear_cpu.cpp"), SOURCE.with_name("step_ops_cpu.cpp"))
 BUILD_DIR_ENV = "PAGEDATTN_EXT_DIR"
 DISABLE_ENV = "PAGEDATTN_DISABLE_CPU_EXT"
 DEFAULT_BUILD_DIR = Path.home() / ".cache" / "pagedattn" / "ext"
@@ -60,9 +61,10 @@ def load_extension(verbose: bool = False) -> ModuleType:
     global _module, _error
     if _module is not None:
         return _module
-    if not SOURCE.is_file():
+    missing = [s for s in SOURCES if not s.is_file()]
+    if missing:
         raise ExtensionBuildError(
-            f"{SOURCE} is missing: the compiled CPU kernel needs a source checkout "
+            f"{missing[0]} is missing: the compiled CPU kernel needs a source checkout "
             "(pip install -e .)"
         )
     from torch.utils.cpp_extension import load
@@ -72,7 +74,7 @@ def load_extension(verbose: bool = False) -> ModuleType:
     try:
         _module = load(
             name="pagedattn_cpu_ext",
-            sources=[str(SOURCE)],
+            sources=[str(s) for s in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),

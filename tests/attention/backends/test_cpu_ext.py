@@ -170,7 +170,7 @@ def test_rejects_mismatched_inputs():
 def test_build_failure_falls_back_once(monkeypatch, tmp_path, caplog):
     monkeypatch.setattr(cpu_ext, "_module", None)
     monkeypatch.setattr(cpu_ext, "_error", None)
-    monkeypatch.setattr(cpu_ext, "SOURCE", tmp_path / "missing.cpp")
+    monkeypatch.setattr(cpu_ext, "SOURCES", (tmp_path / "missing.cpp",))
     with pytest.raises(cpu_ext.ExtensionBuildError, match="missing.cpp"):
         cpu_ext.load_extension()
     with caplog.at_level(logging.WARNING, logger=cpu_ext.__name__):
