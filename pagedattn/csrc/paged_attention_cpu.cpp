@@ -17,6 +17,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
 
+#include "vec_cpu.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -53,22 +55,7 @@ inline __m512 load16(const bf16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// exp(x) for x <= 0 (softmax arguments); Cephes-style range reduction and degree-6 polynomial.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
+using pagedattn_vec::exp16;
 #endif
 
 // x[i] = exp(x[i] - shift) for i < n; returns the sum.
@@ -565,6 +552,10 @@ bool linear_packed_vectorized();
 void cache_write(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
                  torch::Tensor value_cache, torch::Tensor slot_mapping);
 void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                       c10::optional<torch::Tensor> residual);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor argmax_last_dim(torch::Tensor logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed", &linear_packed, "y = x @ W^T (+ bias) over 32-column weight panels");
@@ -572,6 +563,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Whether linear_packed runs the AVX-512 micro-kernel");
   m.def("cache_write", &cache_write, "Write K/V rows into a flash-layout paged cache by slot");
   m.def("rotary_inplace", &rotary_inplace, "Neox rotary embedding of [T, H, D] in place");
+  m.def("rms_norm", &rms_norm, "RMSNorm of [T, H], optionally adding a residual in place first");
+  m.def("silu_and_mul", &silu_and_mul, "SwiGLU of a fused [T, 2I] gate/up projection");
+  m.def("argmax_last_dim", &argmax_last_dim, "First index of each row's maximum");
   m.def("paged_decode", &paged_decode, "Paged decode attention over a flash-layout KV cache");
   m.def("set_flush_denormal_all_threads", &set_flush_denormal_all_threads,
         "Flush denormals to zero (FTZ/DAZ) in the calling thread and every intra-op thread");

@@ -1,16 +1,25 @@
 // Small per-layer ops of a CPU forward step, each one call instead of a chain of PyTorch ops:
-// writing K/V into the paged cache through the slot mapping, and the rotary embedding in place.
+// writing K/V into the paged cache through the slot mapping, the rotary embedding in place,
+// RMSNorm (optionally adding the residual first), SwiGLU, and the greedy argmax over logits.
 //
-// Both compute exactly what the PyTorch code they replace computes (pagedattn.attention.ops.
-// reshape_and_cache and pagedattn.model.layers.apply_rotary): the cache write is a copy, and the
-// rotation rounds after every multiply and add, in the tensor's dtype, with no fused multiply-add.
+// The cache write and the rotation compute exactly what the PyTorch code they replace computes
+// (pagedattn.attention.ops.reshape_and_cache, pagedattn.model.layers.apply_rotary): a copy, and a
+// rotation that rounds after every multiply and add, in the tensor's dtype, with no fused
+// multiply-add. RMSNorm and SwiGLU round where the PyTorch code rounds, but sum squares and take
+// exp in their own order, so they can differ from it in the last bit of fp32.
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "vec_cpu.h"
 
 namespace {
 
@@ -67,6 +76,142 @@ void rotate(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin
   });
 }
 
+// Rows below this count run on the calling thread (a parallel region costs more than the work).
+constexpr int64_t kSerialRows = 256;
+
+template <typename T>
+inline T round_to(float v) {
+  return static_cast<T>(v);
+}
+
+// out = weight * T(x * rsqrt(mean(x^2) + eps)), with x = T(x + residual) stored back into
+// residual first when residual is given. Llama's RMSNorm, in fp32 between the roundings.
+template <typename T>
+void rms_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, int64_t H,
+              float eps) {
+  auto body = [&](int64_t r0, int64_t r1) {
+    std::vector<float> row(H);
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * H;
+      float ss = 0.0f;
+      if (residual != nullptr) {
+        T* res = residual + r * H;
+        for (int64_t i = 0; i < H; ++i) {
+          const T sum = round_to<T>(static_cast<float>(xr[i]) + static_cast<float>(res[i]));
+          res[i] = sum;
+          row[i] = static_cast<float>(sum);
+        }
+      } else {
+        for (int64_t i = 0; i < H; ++i) row[i] = static_cast<float>(xr[i]);
+      }
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += row[i] * row[i];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+      T* o = out + r * H;
+      for (int64_t i = 0; i < H; ++i) {
+        const float normed = static_cast<float>(round_to<T>(row[i] * inv));
+        o[i] = round_to<T>(static_cast<float>(weight[i]) * normed);
+      }
+    }
+  };
+  if (rows <= kSerialRows) {
+    body(0, rows);
+  } else {
+    at::parallel_for(0, rows, kSerialRows / 4, body);
+  }
+}
+
+// out[t, i] = T(T(silu(g)) * u) with g = gate_up[t, i], u = gate_up[t, I + i].
+template <typename T>
+void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
+  auto body = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gate_up + r * 2 * I;
+      const T* u = g + I;
+      T* o = out + r * I;
+      int64_t i = 0;
+#ifdef __AVX512F__
+      if (std::is_same<T, float>::value) {
+        const float* gf = reinterpret_cast<const float*>(g);
+        const float* uf = reinterpret_cast<const float*>(u);
+        float* of = reinterpret_cast<float*>(o);
+        const __m512 one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= I; i += 16) {
+          const __m512 gv = _mm512_loadu_ps(gf + i);
+          // silu(g) = g / (1 + exp(-g)); exp16 takes arguments <= 0, so use exp(-|g|):
+          // for g < 0, g / (1 + exp(-g)) = g * e / (1 + e) with e = exp(g).
+          const __m512 e = pagedattn_vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(),
+                                                              _mm512_abs_ps(gv)));
+          const __m512 denom = _mm512_add_ps(one, e);
+          const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+          const __m512 numer = _mm512_mask_mul_ps(gv, neg, gv, e);
+          const __m512 silu = _mm512_div_ps(numer, denom);
+          _mm512_storeu_ps(of + i, _mm512_mul_ps(silu, _mm512_loadu_ps(uf + i)));
+        }
+      }
+#endif
+      for (; i < I; ++i) {
+        const float gv = static_cast<float>(g[i]);
+        const T silu = round_to<T>(gv / (1.0f + std::exp(-gv)));
+        o[i] = round_to<T>(static_cast<float>(silu) * static_cast<float>(u[i]));
+      }
+    }
+  };
+  if (rows <= kSerialRows / 4) {
+    body(0, rows);
+  } else {
+    at::parallel_for(0, rows, 16, body);
+  }
+}
+
+// Index of the first maximum of each row; a NaN counts as the maximum (the first NaN wins), as
+// in torch.argmax. Two passes: the maximum (and whether any NaN exists), then its first position.
+void argmax_rows(const float* x, int64_t* out, int64_t rows, int64_t V) {
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = x + r * V;
+      float best = -std::numeric_limits<float>::infinity();
+      bool has_nan = false;
+      int64_t i = 0;
+#ifdef __AVX512F__
+      __m512 vmax = _mm512_set1_ps(best);
+      __mmask16 nan_lanes = 0;
+      for (; i + 16 <= V; i += 16) {
+        const __m512 v = _mm512_loadu_ps(row + i);
+        nan_lanes |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        vmax = _mm512_max_ps(vmax, v);
+      }
+      best = _mm512_reduce_max_ps(vmax);
+      has_nan = nan_lanes != 0;
+#endif
+      for (; i < V; ++i) {
+        const float v = row[i];
+        has_nan |= std::isnan(v);
+        best = v > best ? v : best;
+      }
+      int64_t idx = -1;
+      i = 0;
+#ifdef __AVX512F__
+      if (!has_nan) {
+        const __m512 target = _mm512_set1_ps(best);
+        for (; i + 16 <= V; i += 16) {
+          const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), target, _CMP_EQ_OQ);
+          if (hit != 0) {
+            idx = i + __builtin_ctz(static_cast<unsigned>(hit));
+            break;
+          }
+        }
+      }
+#endif
+      for (; idx < 0 && i < V; ++i) {
+        if (has_nan ? std::isnan(row[i]) : row[i] == best) idx = i;
+      }
+      idx = idx < 0 ? 0 : idx;
+      out[r] = idx;
+    }
+  });
+}
+
 }  // namespace
 
 // key/value [T, Hkv, D] (any row strides, D contiguous); caches [num_blocks, B, Hkv, D]
@@ -113,4 +258,57 @@ void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "rotary_inplace takes float32 or bfloat16");
     rotate<bf16>(x, cos, sin);
   }
+}
+
+// x [T, H] contiguous; weight [H]; residual [T, H] (updated in place to x + residual) or None.
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                       c10::optional<torch::Tensor> residual) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, H] tensor");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(1) && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be [H] in x's dtype");
+  if (residual.has_value()) {
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->is_contiguous() &&
+                    residual->scalar_type() == x.scalar_type(),
+                "residual must be contiguous, with x's shape and dtype");
+  }
+  auto out = torch::empty_like(x);
+  const int64_t rows = x.size(0), H = x.size(1);
+  if (x.scalar_type() == torch::kFloat32) {
+    rms_rows<float>(x.data_ptr<float>(),
+                    residual.has_value() ? residual->data_ptr<float>() : nullptr,
+                    weight.data_ptr<float>(), out.data_ptr<float>(), rows, H,
+                    static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "rms_norm takes float32 or bfloat16");
+    rms_rows<bf16>(x.data_ptr<bf16>(), residual.has_value() ? residual->data_ptr<bf16>() : nullptr,
+                   weight.data_ptr<bf16>(), out.data_ptr<bf16>(), rows, H,
+                   static_cast<float>(eps));
+  }
+  return out;
+}
+
+// gate_up [T, 2I] contiguous -> [T, I].
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be a contiguous [T, 2I] tensor");
+  const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, I}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat32) {
+    silu_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, I);
+  } else {
+    TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "silu_and_mul: float32 or bfloat16");
+    silu_mul_rows<bf16>(gate_up.data_ptr<bf16>(), out.data_ptr<bf16>(), rows, I);
+  }
+  return out;
+}
+
+// logits [N, V] float32 contiguous -> [N] int64: the first index of each row's maximum.
+torch::Tensor argmax_last_dim(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
+                  logits.scalar_type() == torch::kFloat32 && logits.size(1) > 0,
+              "logits must be a contiguous float32 [N, V] tensor with V > 0");
+  auto out = torch::empty({logits.size(0)}, logits.options().dtype(torch::kInt64));
+  argmax_rows(logits.data_ptr<float>(), out.data_ptr<int64_t>(), logits.size(0), logits.size(1));
+  return out;
 }

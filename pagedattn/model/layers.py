@@ -16,6 +16,13 @@ from pagedattn.attention.metadata import AttentionMetadata
 _DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
 
 
+def compiled_ops_for(x: torch.Tensor):
+    """The compiled CPU extension when it can take x (CPU, float32/bfloat16), else None."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return cpu_ext.get_extension()
+
+
 class RMSNorm(nn.Module):
     """Llama RMSNorm: normalise in fp32, cast back, then scale by ``weight``."""
 
@@ -24,13 +31,28 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
+    def _compiled(self, x: torch.Tensor):
+        ext = compiled_ops_for(x)
+        ok = ext is not None and x.dim() == 2 and x.is_contiguous()
+        return ext if ok and self.weight.dtype == x.dtype else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused kernel; the same fp32 math as below (bitwise equal on CPU).
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        ext = self._compiled(x)
+        if ext is not None:
+            return ext.rms_norm(x, self.weight, self.eps, None)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x); on CPU one pass that updates residual in place."""
+        ext = self._compiled(x)
+        if ext is not None and residual.is_contiguous() and residual.dtype == x.dtype:
+            return ext.rms_norm(x, self.weight, self.eps, residual), residual
+        residual = residual + x
+        return self(residual), residual
 
 
 class GemmaRMSNorm(nn.Module):
@@ -49,6 +71,9 @@ class GemmaRMSNorm(nn.Module):
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [T, 2 * I] gate/up projection -> [T, I]."""
+    ext = compiled_ops_for(gate_up)
+    if ext is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
+        return ext.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 

@@ -141,14 +141,25 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """hidden [T, H] -> [T, H]."""
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) [T, H] each -> the same after this layer.
+
+        The residual stream is carried separately (as in vLLM) so that each residual add is
+        fused into the RMSNorm that follows it: the sum equals HF's ``residual + hidden``.
+        """
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -204,6 +215,10 @@ class LlamaForCausalLM(PagedCausalLM):
         """input_ids, positions [T] -> final hidden states [T, H]."""
         hidden = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, 1, head_size] each
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            hidden = layer(hidden, cos, sin, kv_caches[i], attn_metadata[self.layer_group[i]])
-        return self.model.norm(hidden)
+            metadata = attn_metadata[self.layer_group[i]]
+            hidden, residual = layer(hidden, residual, cos, sin, kv_caches[i], metadata)
+        if residual is None:  # no layers
+            return self.model.norm(hidden)
+        return self.model.norm.add_and_norm(hidden, residual)[0]

@@ -6,6 +6,7 @@ from typing import NamedTuple
 
 import torch
 
+from pagedattn.attention.backends import cpu_ext
 from pagedattn.sampling_params import SAMPLING_EPS
 from pagedattn.worker.logprobs import TokenLogprobs, compute_logprobs, gather_logprobs
 from pagedattn.worker.sampling_metadata import SamplingMetadata
@@ -23,6 +24,15 @@ class SamplerOutput(NamedTuple):
 
     sampled_token_ids: torch.Tensor  # [num_reqs] int64
     logprobs: list[TokenLogprobs | None] | None  # per request; None when no request asked
+
+
+def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (first index on ties); one compiled pass on CPU."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        ext = cpu_ext.get_extension()
+        if ext is not None and logits.dim() == 2 and logits.shape[1] > 0:
+            return ext.argmax_last_dim(logits)
+    return logits.argmax(dim=-1)
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -206,7 +216,7 @@ class Sampler:
         """Greedy rows take the argmax (lowest id on ties); the others sample. [num_reqs] int64."""
         greedy_sampled = None
         if not metadata.all_random:
-            greedy_sampled = logits.argmax(dim=-1)
+            greedy_sampled = _argmax_rows(logits)
             if metadata.all_greedy:
                 return greedy_sampled
         temperature = metadata.temperature

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 from pagedattn.attention.backends import cpu_ext
 from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.attention.metadata import PAD_SLOT_ID
 from pagedattn.attention.ops import reshape_and_cache
-from pagedattn.model.layers import RMSNorm, apply_rotary, apply_rotary_
+from pagedattn.model.layers import RMSNorm, apply_rotary, apply_rotary_, silu_and_mul
 
 pytestmark = pytest.mark.skipif(cpu_ext.get_extension() is None, reason="extension unavailable")
 
@@ -71,13 +70,53 @@ def test_rotary_in_place_fallback_writes_back(monkeypatch):
     assert torch.equal(x, expected)
 
 
-@pytest.mark.parametrize("shape", [(1, 64), (32, 576), (5, 3, 100)])
-def test_fused_rms_norm_is_bitwise_the_reference(shape):
+def _reference_rms_norm(x, weight, eps):
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 32, 300])
+def test_compiled_rms_norm_and_residual_add(dtype, rows):
     torch.manual_seed(0)
-    norm = RMSNorm(shape[-1], 1e-5)
+    norm = RMSNorm(576, 1e-5).to(dtype)
     with torch.no_grad():
-        norm.weight.copy_(torch.randn(shape[-1]))
-    x = torch.randn(*shape) * 3
-    x32 = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)
-    assert torch.equal(norm(x), norm.weight * x32)
-    assert isinstance(norm, nn.Module)
+        norm.weight.copy_(torch.randn(576))
+    x = (torch.randn(rows, 576) * 3).to(dtype)
+    residual = torch.randn(rows, 576).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    torch.testing.assert_close(norm(x), _reference_rms_norm(x, norm.weight, norm.eps), **tol)
+    expected_sum = residual + x  # HF's order; rounded once to the dtype
+    expected = _reference_rms_norm(expected_sum, norm.weight, norm.eps)
+    normed, new_residual = norm.add_and_norm(x, residual)
+    assert new_residual is residual  # updated in place
+    assert torch.equal(new_residual, expected_sum)
+    torch.testing.assert_close(normed, expected, **tol)
+    # Non-contiguous input (a q/k-norm view) takes the PyTorch path and still works.
+    wide = torch.randn(4, 2 * 576).to(dtype)
+    view = wide[:, :576]
+    assert torch.equal(norm(view), _reference_rms_norm(view, norm.weight, norm.eps))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_silu_and_mul(dtype):
+    torch.manual_seed(0)
+    gate_up = (torch.randn(37, 2 * 200) * 6).to(dtype)  # I = 200: vector body and scalar tail
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    torch.testing.assert_close(silu_and_mul(gate_up), expected, **tol)
+    assert silu_and_mul(gate_up).shape == (37, 200)
+
+
+def test_compiled_argmax_first_index_and_nan():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000)
+    logits[1, 10] = logits[1, 900] = 50.0  # a tie: the first wins
+    logits[2, 999] = 60.0  # in the scalar tail (1000 = 62 * 16 + 8)
+    logits[3, 5] = logits[3, 7] = float("nan")  # NaN is the maximum: the first NaN
+    logits[4] = float("-inf")
+    got = cpu_ext.load_extension().argmax_last_dim(logits)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    assert got.tolist()[1:5] == [10, 999, 5, 0]
