@@ -220,38 +220,136 @@ def run_llama_cpp(opts: RunOptions, workload: Workload) -> RunResult:
         import llama_cpp
     except ImportError as exc:
         raise PeerUnavailableError(
-            "llama-cpp-python is not installed and no --llama-batched-bench binary was given"
+            "llama-cpp-python is not installed (make bench-peers installs it) and no "
+            "--llama-batched-bench binary was given"
         ) from exc
-    llm = llama_cpp.Llama(
-        model_path=str(_gguf_path(opts)),
-        n_ctx=4096,
-        n_threads=opts.threads,
-        n_batch=512,
-        verbose=False,
-    )
-    ttft, tpot, num_out = [], [], 0
+    return _run_llama_cpp_python(llama_cpp, opts, workload)
+
+
+def _run_llama_cpp_python(L, opts: RunOptions, workload: Workload) -> RunResult:  # noqa: N803
+    """Continuous batching through llama.cpp's C API (as llama-server's slots do it).
+
+    Up to ``hf_batch_size`` sequences run at once, each with its own sequence id in one unified
+    KV cache; every llama_decode call carries one token per running sequence plus prompt tokens
+    of newly admitted ones (up to n_batch), greedy argmax over each returned row of logits. A
+    finished sequence's cells are released (llama_memory_seq_rm) and the next request takes its
+    slot. No prefix reuse between sequences.
+    """
+    import numpy as np
+
+    path = str(_gguf_path(opts))
+    L.llama_backend_init()
+    model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path}")
+    reqs = workload.requests
+    slots = max(1, min(opts.hf_batch_size, len(reqs)))
+    longest = sorted((len(r.prompt_token_ids) + r.max_tokens for r in reqs), reverse=True)
+    n_batch = 2048
+    cparams = L.llama_context_default_params()
+    cparams.n_ctx = sum(longest[:slots]) + 256
+    cparams.n_batch = n_batch
+    cparams.n_ubatch = 512
+    cparams.n_seq_max = slots
+    cparams.kv_unified = True
+    cparams.n_threads = cparams.n_threads_batch = opts.threads
+    ctx = L.llama_init_from_model(model, cparams)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch = L.llama_batch_init(n_batch, 0, 1)
+    memory = L.llama_get_memory(ctx)
+
+    def decode(entries: list[tuple[int, int, int, bool]]) -> None:
+        """entries: (token, position, seq_id, wants_logits)."""
+        for i, (tok, pos, seq, want) in enumerate(entries):
+            batch.token[i] = tok
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = want
+        batch.n_tokens = len(entries)
+        rc = L.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def argmax(i: int) -> int:
+        row = np.ctypeslib.as_array(L.llama_get_logits_ith(ctx, i), shape=(n_vocab,))
+        return int(row.argmax())
+
+    # Warm-up on a throwaway sequence.
+    warm = warmup_ids(workload)
+    decode([(t, p, 0, p == len(warm) - 1) for p, t in enumerate(warm)])
+    L.llama_memory_seq_rm(memory, 0, -1, -1)
+
+    free_slots = list(range(slots))
+    waiting = list(range(len(reqs)))
+    running: dict[int, dict] = {}  # seq id -> state
+    ttft, tpot, num_out = [0.0] * len(reqs), [], 0
     t0 = time.perf_counter()
-    for req in workload.requests:  # NOTE: the Python binding serves one sequence at a time
-        llm.reset()
-        stamps = [time.perf_counter()]
-        for _ in llm.generate(req.prompt_token_ids, temp=0.0, top_k=1, reset=True):
-            stamps.append(time.perf_counter())
-            if len(stamps) > req.max_tokens:
-                break
-        num_out += len(stamps) - 1
-        ttft.append(stamps[1] - t0)
-        if len(stamps) > 2:
-            tpot.append((stamps[-1] - stamps[1]) / (len(stamps) - 2))
+    while waiting or running:
+        entries, owners = [], []
+        for seq, st in running.items():
+            if st["prefilled"]:
+                entries.append((st["out"][-1], st["pos"], seq, True))
+                owners.append(seq)
+        budget = n_batch - len(entries)
+        for seq, st in running.items():  # continue prompts admitted earlier, chunk by chunk
+            while not st["prefilled"] and budget > 0:
+                prompt = reqs[st["req"]].prompt_token_ids
+                p = st["pos"]
+                last = p == len(prompt) - 1
+                entries.append((prompt[p], p, seq, last))
+                owners.append(seq if last else -1)
+                st["pos"] += 1
+                st["prefilled"] = last
+                budget -= 1
+        while waiting and free_slots and budget > 0:
+            seq = free_slots.pop(0)
+            running[seq] = {"req": waiting.pop(0), "pos": 0, "prefilled": False, "out": []}
+            st, prompt = running[seq], reqs[running[seq]["req"]].prompt_token_ids
+            while not st["prefilled"] and budget > 0:
+                p = st["pos"]
+                last = p == len(prompt) - 1
+                entries.append((prompt[p], p, seq, last))
+                owners.append(seq if last else -1)
+                st["pos"] += 1
+                st["prefilled"] = last
+                budget -= 1
+        decode(entries)
+        now = time.perf_counter()
+        for i, seq in enumerate(owners):
+            if seq < 0:
+                continue
+            st = running[seq]
+            if st["out"]:
+                st["pos"] += 1  # the token fed this step now sits in the cache
+            st["out"].append(argmax(i))
+            if len(st["out"]) == 1:
+                st["first"] = now
+                ttft[st["req"]] = now - t0
+            if len(st["out"]) >= reqs[st["req"]].max_tokens:
+                num_out += len(st["out"])
+                if len(st["out"]) > 1:
+                    tpot.append((now - st["first"]) / (len(st["out"]) - 1))
+                L.llama_memory_seq_rm(memory, seq, -1, -1)
+                del running[seq]
+                free_slots.append(seq)
+    elapsed = time.perf_counter() - t0
+    L.llama_batch_free(batch)
+    L.llama_free(ctx)
+    L.llama_model_free(model)
     return RunResult(
         "llama_cpp",
         workload.name,
-        time.perf_counter() - t0,
-        len(workload.requests),
+        elapsed,
+        len(reqs),
         workload.num_prompt_tokens,
         num_out,
         ttft,
         tpot,
-        extra={"note": "llama-cpp-python, sequential, GGUF weights"},
+        extra={
+            "note": f"llama-cpp-python {L.__version__}, continuous batching over {slots} "
+            "sequences, GGUF weights (not dequantised), no prefix reuse",
+        },
     )
 
 
