@@ -229,8 +229,10 @@ def run_llama_cpp(opts: RunOptions, workload: Workload) -> RunResult:
 def _run_llama_cpp_python(L, opts: RunOptions, workload: Workload) -> RunResult:  # noqa: N803
     """Continuous batching through llama.cpp's C API (as llama-server's slots do it).
 
-    Up to ``hf_batch_size`` sequences run at once, each with its own sequence id in one unified
-    KV cache; every llama_decode call carries one token per running sequence plus prompt tokens
+    Up to ``hf_batch_size`` sequences run at once, each with its own sequence id and its own KV
+    stream sized for the longest request (llama.cpp's default, non-unified cache: with a unified
+    one every token attends over all cells, masked, and a 32-sequence uniform run measured 62.6
+    tok/s); every llama_decode call carries one token per running sequence plus prompt tokens
     of newly admitted ones (up to n_batch), greedy argmax over each returned row of logits. A
     finished sequence's cells are released (llama_memory_seq_rm) and the next request takes its
     slot. No prefix reuse between sequences.
@@ -244,14 +246,15 @@ def _run_llama_cpp_python(L, opts: RunOptions, workload: Workload) -> RunResult:
         raise RuntimeError(f"llama.cpp could not load {path}")
     reqs = workload.requests
     slots = max(1, min(opts.hf_batch_size, len(reqs)))
-    longest = sorted((len(r.prompt_token_ids) + r.max_tokens for r in reqs), reverse=True)
+    per_seq = max(len(r.prompt_token_ids) + r.max_tokens for r in reqs) + 16
+    per_seq = -(-per_seq // 256) * 256
     n_batch = 2048
     cparams = L.llama_context_default_params()
-    cparams.n_ctx = sum(longest[:slots]) + 256
+    cparams.n_ctx = slots * per_seq
     cparams.n_batch = n_batch
     cparams.n_ubatch = 512
     cparams.n_seq_max = slots
-    cparams.kv_unified = True
+    cparams.kv_unified = False
     cparams.n_threads = cparams.n_threads_batch = opts.threads
     ctx = L.llama_init_from_model(model, cparams)
     n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))

@@ -16,7 +16,17 @@ def main() -> int:
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
             first = doc.strip().splitlines()[0] if doc.strip() else "(package marker)"
             lines.append(f"- `{path.relative_to(ROOT)}`: {first}")
-    lines += ["", "Native code: `pagedattn/csrc/paged_attention_cpu.cpp` (CPU paged decode attention, built on first use).", ""]
+    lines += [
+        "",
+        "Native code, one extension built on first use (`pagedattn/csrc`):",
+        "- `paged_attention_cpu.cpp`: CPU paged decode attention through the block tables, and the"
+        " module's bindings.",
+        "- `linear_cpu.cpp`: the panel GEMM every CPU linear layer and the LM head run on.",
+        "- `step_ops_cpu.cpp`: per-layer step ops: cache write, rotary, RMSNorm(+residual),"
+        " SwiGLU, greedy argmax.",
+        "- `vec_cpu.h`: shared AVX-512 helpers (exp).",
+        "",
+    ]
     sys.stdout.write("\n".join(lines))
     return 0
 

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -48,8 +49,23 @@ inline void load_panel_row(const bf16* w, __m512& lo, __m512& hi) {
   hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-template <int MR, typename T>
-void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, float* y, int64_t ldy,
+inline void store16(float* p, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(p, mask, v); }
+
+// Rounded to nearest even, as torch's float -> bfloat16 conversion.
+inline void store16(bf16* p, __mmask16 mask, __m512 v) {
+#ifdef __AVX512BF16__
+  _mm256_mask_storeu_epi16(p, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+#else
+  alignas(64) float tmp[16];
+  _mm512_store_ps(tmp, v);
+  for (int i = 0; i < 16; ++i) {
+    if (mask & (1u << i)) p[i] = static_cast<bf16>(tmp[i]);
+  }
+#endif
+}
+
+template <int MR, typename T, typename O>
+void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, O* y, int64_t ldy,
                   __mmask16 mask_lo, __mmask16 mask_hi, const float* bias) {
   __m512 acc[MR][2];
 #pragma GCC unroll 12
@@ -79,18 +95,18 @@ void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, float* y, 
   }
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, mask_lo, _mm512_add_ps(acc[r][0], b_lo));
-    _mm512_mask_storeu_ps(y + r * ldy + 16, mask_hi, _mm512_add_ps(acc[r][1], b_hi));
+    store16(y + r * ldy, mask_lo, _mm512_add_ps(acc[r][0], b_lo));
+    store16(y + r * ldy + 16, mask_hi, _mm512_add_ps(acc[r][1], b_hi));
   }
 }
 
-template <typename T>
-void rows_through_panel(int rows, const float* x, int64_t ldx, const T* w, int64_t K, float* y,
+template <typename T, typename O>
+void rows_through_panel(int rows, const float* x, int64_t ldx, const T* w, int64_t K, O* y,
                         int64_t ldy, __mmask16 mask_lo, __mmask16 mask_hi, const float* bias) {
   switch (rows) {
 #define PAGEDATTN_MR_CASE(R)                                                         \
   case R:                                                                            \
-    micro_kernel<R, T>(x, ldx, w, K, y, ldy, mask_lo, mask_hi, bias);                \
+    micro_kernel<R, T, O>(x, ldx, w, K, y, ldy, mask_lo, mask_hi, bias);             \
     break;
     PAGEDATTN_MR_CASE(1)
     PAGEDATTN_MR_CASE(2)
@@ -112,8 +128,8 @@ void rows_through_panel(int rows, const float* x, int64_t ldx, const T* w, int64
 #endif  // __AVX512F__
 
 // Portable path: the same panel order and the same in-order fp32 sum, one output at a time.
-template <typename T>
-void panel_scalar(int64_t rows, const float* x, int64_t ldx, const T* w, int64_t K, float* y,
+template <typename T, typename O>
+void panel_scalar(int64_t rows, const float* x, int64_t ldx, const T* w, int64_t K, O* y,
                   int64_t ldy, int64_t cols, const float* bias, bool interleaved) {
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < cols; ++j) {
@@ -123,18 +139,16 @@ void panel_scalar(int64_t rows, const float* x, int64_t ldx, const T* w, int64_t
       for (int64_t k = 0; k < K; ++k) {
         acc += x[r * ldx + k] * static_cast<float>(w[k * kPanel + lane]);
       }
-      y[r * ldy + j] = acc + (bias != nullptr ? bias[j] : 0.0f);
+      y[r * ldy + j] = static_cast<O>(acc + (bias != nullptr ? bias[j] : 0.0f));
     }
   }
 }
 
-template <typename T>
-void run(const torch::Tensor& x, const torch::Tensor& packed, const float* bias, torch::Tensor& y,
-         int64_t N) {
-  const int64_t M = x.size(0), K = x.size(1), P = packed.size(0);
-  const float* xp = x.data_ptr<float>();
+template <typename T, typename O>
+void run(const float* xp, int64_t M, int64_t K, const torch::Tensor& packed, const float* bias,
+         O* yp, int64_t N) {
+  const int64_t P = packed.size(0);
   const T* wp = reinterpret_cast<const T*>(packed.data_ptr());
-  float* yp = y.data_ptr<float>();
   constexpr bool kInterleaved = std::is_same<T, bf16>::value;
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t m1 = std::min(M, m0 + kRowChunk);
@@ -149,11 +163,11 @@ void run(const torch::Tensor& x, const torch::Tensor& packed, const float* bias,
             cols >= 32 ? 0xFFFF : (cols > 16 ? static_cast<__mmask16>((1u << (cols - 16)) - 1) : 0);
         for (int64_t m = m0; m < m1; m += kMaxRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - m));
-          rows_through_panel<T>(rows, xp + m * K, K, w, K, yp + m * N + p * kPanel, N, mask_lo,
+          rows_through_panel<T, O>(rows, xp + m * K, K, w, K, yp + m * N + p * kPanel, N, mask_lo,
                                 mask_hi, b);
         }
 #else
-        panel_scalar<T>(m1 - m0, xp + m0 * K, K, w, K, yp + m0 * N + p * kPanel, N, cols, b,
+        panel_scalar<T, O>(m1 - m0, xp + m0 * K, K, w, K, yp + m0 * N + p * kPanel, N, cols, b,
                         kInterleaved);
 #endif
       }
@@ -172,19 +186,23 @@ bool linear_packed_vectorized() {
 #endif
 }
 
-// x [M, K] float32 contiguous; packed [ceil(N / 32), K, 32] float32 or bfloat16 (interleaved);
-// bias [N] float32 or None. Returns y [M, N] float32.
+// x [M, K] float32 or bfloat16, contiguous; packed [ceil(N / 32), K, 32] float32 or bfloat16
+// (interleaved); bias [N] float32 or None. Returns y [M, N] in x's dtype: a bf16 x is widened to
+// fp32 once, and the fp32 sums are rounded to bf16 once, on store.
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
                             c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_packed runs on CPU");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(),
-              "x must be a contiguous float32 [M, K] tensor");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() &&
+                  (x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16),
+              "x must be a contiguous float32 or bfloat16 [M, K] tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kPanel && packed.is_contiguous(),
               "packed must be a contiguous [panels, K, 32] tensor from pack_linear_weight");
   TORCH_CHECK(packed.size(1) == x.size(1), "x has K=", x.size(1), ", the weight K=",
               packed.size(1));
   TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
               "N=", N, " does not match ", packed.size(0), " panels");
+  TORCH_CHECK(packed.scalar_type() == torch::kFloat32 || packed.scalar_type() == torch::kBFloat16,
+              "packed weights are float32 or bfloat16");
   const float* b = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
@@ -192,13 +210,34 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
                 "bias must be a contiguous float32 [N] tensor");
     b = bias->data_ptr<float>();
   }
-  auto y = torch::empty({x.size(0), N}, x.options());
-  if (x.size(0) == 0) return y;
-  if (packed.scalar_type() == torch::kFloat32) {
-    run<float>(x, packed, b, y, N);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  std::vector<float> widened;
+  const float* xp;
+  if (x.scalar_type() == torch::kFloat32) {
+    xp = x.data_ptr<float>();
   } else {
-    TORCH_CHECK(packed.scalar_type() == torch::kBFloat16, "packed weights are float32 or bfloat16");
-    run<bf16>(x, packed, b, y, N);
+    widened.resize(M * K);
+    const bf16* src = x.data_ptr<bf16>();
+    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
+    xp = widened.data();
+  }
+  const bool w32 = packed.scalar_type() == torch::kFloat32;
+  if (x.scalar_type() == torch::kFloat32) {
+    float* yp = y.data_ptr<float>();
+    if (w32) {
+      run<float, float>(xp, M, K, packed, b, yp, N);
+    } else {
+      run<bf16, float>(xp, M, K, packed, b, yp, N);
+    }
+  } else {
+    bf16* yp = y.data_ptr<bf16>();
+    if (w32) {
+      run<float, bf16>(xp, M, K, packed, b, yp, N);
+    } else {
+      run<bf16, bf16>(xp, M, K, packed, b, yp, N);
+    }
   }
   return y;
 }

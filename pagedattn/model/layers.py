@@ -20,7 +20,7 @@ def compiled_ops_for(x: torch.Tensor):
     """The compiled CPU extension when it can take x (CPU, float32/bfloat16), else None."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
-    return cpu_ext.get_extension()
+    return cpu_ext.step_ops()
 
 
 class RMSNorm(nn.Module):
@@ -148,10 +148,10 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
         and x.dtype in (torch.float32, torch.bfloat16)
         and x.stride(-1) == 1
         and cos.dtype == x.dtype
-        and cpu_ext.get_extension() is not None
+        and cpu_ext.step_ops() is not None
     ):
         num_tokens = x.shape[0]
-        cpu_ext.load_extension().rotary_inplace(
+        cpu_ext.step_ops().rotary_inplace(
             x, cos.reshape(num_tokens, -1).contiguous(), sin.reshape(num_tokens, -1).contiguous()
         )
         return x

@@ -29,7 +29,7 @@ class SamplerOutput(NamedTuple):
 def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` (first index on ties); one compiled pass on CPU."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
-        ext = cpu_ext.get_extension()
+        ext = cpu_ext.step_ops()
         if ext is not None and logits.dim() == 2 and logits.shape[1] > 0:
             return ext.argmax_last_dim(logits)
     return logits.argmax(dim=-1)

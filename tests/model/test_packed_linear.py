@@ -71,6 +71,19 @@ def test_panel_linear_bf16_is_a_bf16_gemm_with_fp32_accumulation():
 
 
 @needs_panels
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_bf16_activations_round_once_on_store(weight_dtype):
+    # A bf16 x is widened inside the kernel and the fp32 result rounded to bf16 on store: the
+    # same numbers as widening in PyTorch, running in fp32 and rounding with .to(bfloat16).
+    torch.manual_seed(1)
+    panels = pack_panels(torch.randn(100, 48).to(weight_dtype))
+    x = torch.randn(3, 13, 48).bfloat16()
+    got = panel_linear(x, panels, 100, None)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 13, 100)
+    assert torch.equal(got, panel_linear(x.float(), panels, 100, None).bfloat16())
+
+
+@needs_panels
 def test_panels_interleave_bf16_halves():
     w = torch.arange(32 * 2, dtype=torch.float32).view(32, 2).bfloat16()  # w[n, k] = 2n + k
     panels = pack_panels(w)  # [1, 2, 32]

@@ -118,15 +118,16 @@ class CpuBackend(AttentionBackend):
 
         One compiled call (row copies by slot) when the dtypes match, else the PyTorch op.
         """
+        ext = cpu_ext.step_ops() if self._use_extension else None
         if (
-            self._use_extension
+            ext is not None
             and key.dtype == key_cache.dtype
             and value.dtype == value_cache.dtype
             and key.stride(-1) == 1
             and value.stride(-1) == 1
             and key_cache.dim() == 4
         ):
-            cpu_ext.load_extension().cache_write(key, value, key_cache, value_cache, slot_mapping)
+            ext.cache_write(key, value, key_cache, value_cache, slot_mapping)
             return
         super().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 

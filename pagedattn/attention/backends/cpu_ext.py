@@ -1,11 +1,15 @@
-"""The compiled CPU paged-decode kernel (pagedattn/csrc/paged_attention_cpu.cpp): build, load, call.
+"""The compiled CPU extension (pagedattn/csrc): build, load, and call its paged-decode kernel.
 
-The C++ source is compiled on first use with ``torch.utils.cpp_extension.load`` (``-O3
--march=native -fopenmp``; about a minute) and cached under ``~/.cache/pagedattn/ext`` (override with
-``PAGEDATTN_EXT_DIR``); later processes load the cached library in well under a second. The build
-is keyed by the CPU's feature flags, so a shared home directory never hands an AVX-512 build to an
-older CPU. ``PAGEDATTN_DISABLE_CPU_EXT=1`` turns the kernel off. If the build fails,
-``get_extension`` logs why once and returns None, and callers keep the PyTorch path.
+Besides paged decode attention (paged_attention_cpu.cpp), the same module holds the panel GEMM
+(linear_cpu.cpp, used by pagedattn.model.packed_linear) and the per-layer step ops
+(step_ops_cpu.cpp: cache write, rotary, RMSNorm, SwiGLU, argmax). The C++ sources are compiled
+on first use with ``torch.utils.cpp_extension.load`` (``-O3 -march=native -fopenmp``; about a
+minute) and cached under ``~/.cache/pagedattn/ext`` (override with ``PAGEDATTN_EXT_DIR``); later
+processes load the cached library in well under a second. The build is keyed by the CPU's
+feature flags, so a shared home directory never hands an AVX-512 build to an older CPU.
+``PAGEDATTN_DISABLE_CPU_EXT=1`` turns all compiled code off, ``PAGEDATTN_DISABLE_STEP_OPS=1``
+only the step ops. If the build fails, ``get_extension`` logs why once and returns None, and
+callers keep the PyTorch path.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "paged_attention_cpu.cpp
 SOURCES = (SOURCE, SOURCE.with_name("linear_cpu.cpp"), SOURCE.with_name("step_ops_cpu.cpp"))
 BUILD_DIR_ENV = "PAGEDATTN_EXT_DIR"
 DISABLE_ENV = "PAGEDATTN_DISABLE_CPU_EXT"
+DISABLE_STEP_OPS_ENV = "PAGEDATTN_DISABLE_STEP_OPS"  # keep attention/GEMM, use PyTorch step ops
 DEFAULT_BUILD_DIR = Path.home() / ".cache" / "pagedattn" / "ext"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
@@ -102,6 +107,14 @@ def get_extension() -> ModuleType | None:
         _error = str(exc)
         logger.warning("compiled CPU attention unavailable, using the PyTorch path: %s", exc)
         return None
+
+
+def step_ops() -> ModuleType | None:
+    """The extension for the per-layer step ops (cache write, rotary, RMSNorm, SwiGLU, argmax),
+    or None when it is unavailable or PAGEDATTN_DISABLE_STEP_OPS is set (for measuring)."""
+    if os.environ.get(DISABLE_STEP_OPS_ENV, "") not in ("", "0"):
+        return None
+    return get_extension()
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:

@@ -120,3 +120,13 @@ def test_compiled_argmax_first_index_and_nan():
     got = cpu_ext.load_extension().argmax_last_dim(logits)
     assert torch.equal(got, logits.argmax(dim=-1))
     assert got.tolist()[1:5] == [10, 999, 5, 0]
+
+
+def test_step_ops_can_be_switched_off(monkeypatch):
+    monkeypatch.setenv("PAGEDATTN_DISABLE_STEP_OPS", "1")
+    assert cpu_ext.step_ops() is None
+    x = torch.randn(4, 64)
+    norm = RMSNorm(64, 1e-6)
+    assert torch.equal(norm(x), _reference_rms_norm(x, norm.weight, norm.eps))
+    monkeypatch.setenv("PAGEDATTN_DISABLE_STEP_OPS", "0")
+    assert cpu_ext.step_ops() is cpu_ext.get_extension()
