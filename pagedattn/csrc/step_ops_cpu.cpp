@@ -84,6 +84,41 @@ inline T round_to(float v) {
   return static_cast<T>(v);
 }
 
+// 16-lane loads/stores in fp32 registers; for bf16 a store rounds to nearest even (as torch does)
+// and vround(v) is v rounded to bf16 and widened back. Vector bf16 needs AVX512-BF16.
+#if defined(__AVX512F__)
+#define PAGEDATTN_VEC_F32 1
+inline __m512 vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline __m512 vround(__m512 v, const float*) { return v; }
+#if defined(__AVX512BF16__)
+#define PAGEDATTN_VEC_BF16 1
+inline __m512 vload(const bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void vstore(bf16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+}
+inline __m512 vround(__m512 v, const bf16*) {
+  const __m256i r = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
+}
+#endif
+#endif
+
+template <typename T>
+constexpr bool vectorized() {
+#if defined(PAGEDATTN_VEC_BF16)
+  return true;
+#elif defined(PAGEDATTN_VEC_F32)
+  return std::is_same<T, float>::value;
+#else
+  return false;
+#endif
+}
+
 // out = weight * T(x * rsqrt(mean(x^2) + eps)), with x = T(x + residual) stored back into
 // residual first when residual is given. Llama's RMSNorm, in fp32 between the roundings.
 template <typename T>
@@ -94,9 +129,19 @@ void rms_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
     for (int64_t r = r0; r < r1; ++r) {
       const T* xr = x + r * H;
       float ss = 0.0f;
+      int64_t i0 = 0;
       if (residual != nullptr) {
         T* res = residual + r * H;
-        for (int64_t i = 0; i < H; ++i) {
+#if defined(PAGEDATTN_VEC_F32)
+        if constexpr (vectorized<T>()) {
+          for (; i0 + 16 <= H; i0 += 16) {
+            const __m512 sum = _mm512_add_ps(vload(xr + i0), vload(res + i0));
+            vstore(res + i0, sum);
+            _mm512_storeu_ps(row.data() + i0, vround(sum, xr));
+          }
+        }
+#endif
+        for (int64_t i = i0; i < H; ++i) {
           const T sum = round_to<T>(static_cast<float>(xr[i]) + static_cast<float>(res[i]));
           res[i] = sum;
           row[i] = static_cast<float>(sum);
@@ -108,7 +153,17 @@ void rms_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
       for (int64_t i = 0; i < H; ++i) ss += row[i] * row[i];
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
       T* o = out + r * H;
-      for (int64_t i = 0; i < H; ++i) {
+      int64_t j0 = 0;
+#if defined(PAGEDATTN_VEC_F32)
+      if constexpr (vectorized<T>()) {
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (; j0 + 16 <= H; j0 += 16) {
+          const __m512 normed = vround(_mm512_mul_ps(_mm512_loadu_ps(row.data() + j0), vinv), o);
+          vstore(o + j0, _mm512_mul_ps(vload(weight + j0), normed));
+        }
+      }
+#endif
+      for (int64_t i = j0; i < H; ++i) {
         const float normed = static_cast<float>(round_to<T>(row[i] * inv));
         o[i] = round_to<T>(static_cast<float>(weight[i]) * normed);
       }
@@ -130,14 +185,11 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
       const T* u = g + I;
       T* o = out + r * I;
       int64_t i = 0;
-#ifdef __AVX512F__
-      if (std::is_same<T, float>::value) {
-        const float* gf = reinterpret_cast<const float*>(g);
-        const float* uf = reinterpret_cast<const float*>(u);
-        float* of = reinterpret_cast<float*>(o);
+#if defined(PAGEDATTN_VEC_F32)
+      if constexpr (vectorized<T>()) {
         const __m512 one = _mm512_set1_ps(1.0f);
         for (; i + 16 <= I; i += 16) {
-          const __m512 gv = _mm512_loadu_ps(gf + i);
+          const __m512 gv = vload(g + i);
           // silu(g) = g / (1 + exp(-g)); exp16 takes arguments <= 0, so use exp(-|g|):
           // for g < 0, g / (1 + exp(-g)) = g * e / (1 + e) with e = exp(g).
           const __m512 e = pagedattn_vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(),
@@ -145,8 +197,8 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
           const __m512 denom = _mm512_add_ps(one, e);
           const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
           const __m512 numer = _mm512_mask_mul_ps(gv, neg, gv, e);
-          const __m512 silu = _mm512_div_ps(numer, denom);
-          _mm512_storeu_ps(of + i, _mm512_mul_ps(silu, _mm512_loadu_ps(uf + i)));
+          const __m512 silu = vround(_mm512_div_ps(numer, denom), g);
+          vstore(o + i, _mm512_mul_ps(silu, vload(u + i)));
         }
       }
 #endif
