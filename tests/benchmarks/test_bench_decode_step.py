@@ -9,7 +9,7 @@ from tests.model.tiny import make_tiny_llama
 def test_ablation_rows(tmp_path, capsys):
     model = make_tiny_llama(tmp_path)
     argv = ["--model", str(model), "--batch", "4", "--prompt-len", "8", "--max-tokens", "6"]
-    argv += ["--measure", "3", "--configs", "default,no_step_ops"]
+    argv += ["--measure", "3", "--configs", "default,no_step_ops", "--rounds", "1"]
     assert bench_decode_step.main(argv) == 0
     out = capsys.readouterr().out
     assert "| default | everything on |" in out
