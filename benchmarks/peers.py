@@ -294,21 +294,12 @@ def _run_llama_cpp_python(L, opts: RunOptions, workload: Workload) -> RunResult:
             if st["prefilled"]:
                 entries.append((st["out"][-1], st["pos"], seq, True))
                 owners.append(seq)
-        budget = n_batch - len(entries)
-        for seq, st in running.items():  # continue prompts admitted earlier, chunk by chunk
-            while not st["prefilled"] and budget > 0:
-                prompt = reqs[st["req"]].prompt_token_ids
-                p = st["pos"]
-                last = p == len(prompt) - 1
-                entries.append((prompt[p], p, seq, last))
-                owners.append(seq if last else -1)
-                st["pos"] += 1
-                st["prefilled"] = last
-                budget -= 1
-        while waiting and free_slots and budget > 0:
+        while waiting and free_slots:  # admit into free slots; prompts are fed below
             seq = free_slots.pop(0)
             running[seq] = {"req": waiting.pop(0), "pos": 0, "prefilled": False, "out": []}
-            st, prompt = running[seq], reqs[running[seq]["req"]].prompt_token_ids
+        budget = n_batch - len(entries)
+        for seq, st in running.items():  # prompts in admission order, chunk by chunk
+            prompt = reqs[st["req"]].prompt_token_ids
             while not st["prefilled"] and budget > 0:
                 p = st["pos"]
                 last = p == len(prompt) - 1
