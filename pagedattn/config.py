@@ -53,6 +53,9 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float = 0.2
+    # "auto": the model's dtype. "bfloat16" beside a float32 model halves the cache's memory and
+    # the attention's memory traffic; attention then runs in bf16 (not HF's float32 math).
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     # Root of the chained block hashes; the same seed gives the same hashes in every process.
     hash_seed: str = "pagedattn"
@@ -73,6 +76,11 @@ class CacheConfig:
         _require(
             0.0 < self.kv_cache_memory_fraction <= 0.95,
             f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} is invalid: use (0, 0.95]",
+        )
+        _require(
+            self.kv_cache_dtype in ("auto", "float32", "bfloat16"),
+            f"kv_cache_dtype={self.kv_cache_dtype!r} is invalid: use 'auto', 'float32' or "
+            "'bfloat16'",
         )
 
 

@@ -37,6 +37,7 @@ class LLM:
         num_blocks: int | None = None,
         kv_cache_memory: int | str | None = None,
         kv_cache_memory_fraction: float = 0.2,
+        kv_cache_dtype: str = "auto",
         enable_prefix_caching: bool = True,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 2048,
@@ -57,6 +58,7 @@ class LLM:
                 num_blocks=num_blocks,
                 kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
                 kv_cache_memory_fraction=kv_cache_memory_fraction,
+                kv_cache_dtype=kv_cache_dtype,
                 enable_prefix_caching=enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(

@@ -103,7 +103,17 @@ class LLMEngine:
         )
         block_size = config.cache.block_size
         groups = self.model.kv_cache_groups(block_size)
-        num_blocks = self._num_blocks(config, device, dtype)
+        kv_dtype = (
+            dtype if config.cache.kv_cache_dtype == "auto" else _DTYPES[config.cache.kv_cache_dtype]
+        )
+        if kv_dtype != dtype and backend.name != "cpu":
+            raise InvalidRequestError(
+                f"kv_cache_dtype={config.cache.kv_cache_dtype} differs from the model's dtype "
+                f"{config.model.dtype}: only the cpu attention backend supports that, not "
+                f"{backend.name}"
+            )
+        self.kv_cache_dtype = kv_dtype
+        num_blocks = self._num_blocks(config, device, kv_dtype)
         self.kv_cache_manager = KVCacheManager(
             groups,
             num_blocks,
@@ -114,7 +124,7 @@ class LLMEngine:
             config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len
         )
         self.runner = ModelRunner(
-            self.model, backend, num_blocks, block_size, len(groups), device, dtype
+            self.model, backend, num_blocks, block_size, len(groups), device, kv_dtype
         )
         self.sampler = Sampler()
         self.requests: dict[str, EngineRequest] = {}
@@ -127,8 +137,10 @@ class LLMEngine:
         self.kv_summary = (
             f"KV cache: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} "
             f"token slots per layer group, "
-            f"{num_blocks * self._bytes_per_block(dtype) / 2**20:.1f} MiB "
-            f"({len(groups)} KV cache group(s), backend {backend.name}, {config.model.dtype})"
+            f"{num_blocks * self._bytes_per_block(kv_dtype) / 2**20:.1f} MiB "
+            f"({len(groups)} KV cache group(s), backend {backend.name}, {config.model.dtype}"
+            + ("" if kv_dtype == dtype else f", KV cache {config.cache.kv_cache_dtype}")
+            + ")"
         )
         if verbose:
             print(f"[pagedattn] model {self.model_name}; {self.kv_summary}")

@@ -39,6 +39,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=0.2,
         help="without --kv-cache-memory/--num-blocks: this share of free memory (default 0.2)",
     )
+    g.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16"],
+        help="KV cache dtype (auto: the model's); bfloat16 beside a float32 model halves the "
+        "cache and runs attention in bf16 (cpu backend)",
+    )
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -59,6 +66,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         num_blocks=args.num_blocks,
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_memory_fraction=args.kv_cache_memory_fraction,
+        kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -148,3 +148,31 @@ def test_kv_capacity_from_a_byte_budget_and_a_fraction(tmp_path, monkeypatch):
     big = LLM(path, dtype="float32", kv_cache_memory_fraction=2e-6)
     assert small.engine.kv_cache_manager.num_blocks < big.engine.kv_cache_manager.num_blocks
     assert big.engine.kv_cache_manager.num_blocks == int(16 * 2**30 * 2e-6) // per_block
+
+
+def test_bf16_kv_cache_beside_a_float32_model(tmp_path):
+    import torch
+
+    path = make_tiny_llama(tmp_path)
+    fp32 = LLM(path, dtype="float32", kv_cache_memory="1MiB", block_size=16)
+    bf16 = LLM(
+        path, dtype="float32", kv_cache_memory="1MiB", block_size=16, kv_cache_dtype="bfloat16"
+    )
+    assert all(k.dtype == torch.bfloat16 for k, _ in bf16.engine.runner.kv_caches)
+    # The same bytes hold twice the blocks.
+    assert bf16.engine.kv_cache_manager.num_blocks == 2 * fp32.engine.kv_cache_manager.num_blocks
+    assert "KV cache bfloat16" in bf16.engine.kv_summary
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
+    # Decode (the compiled kernel), then a prompt that extends a cached prefix (the prefill path).
+    for prompt in (PROMPT, PROMPT + [23, 24, 25]):
+        ref = fp32.generate([prompt], params)[0].outputs[0]
+        got = bf16.generate([prompt], params)[0].outputs[0]
+        assert len(got.token_ids) == 8
+        # bf16 K/V shift the logits slightly: the first token, whose logits see the fewest
+        # rounded values, agrees, and every chosen token's logprob stays close.
+        assert got.token_ids[0] == ref.token_ids[0]
+        first_ref = ref.logprobs[0][ref.token_ids[0]].logprob
+        assert abs(got.logprobs[0][got.token_ids[0]].logprob - first_ref) < 0.05
+    _assert_all_free(bf16)
+    with pytest.raises(InvalidRequestError, match="only the cpu attention backend"):
+        LLM(path, dtype="float32", kv_cache_dtype="bfloat16", attn_backend="torch")

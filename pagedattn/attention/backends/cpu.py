@@ -119,6 +119,8 @@ class CpuBackend(AttentionBackend):
         One compiled call (row copies by slot) when the dtypes match, else the PyTorch op.
         """
         ext = cpu_ext.step_ops() if self._use_extension else None
+        if ext is not None and key.dtype != key_cache.dtype:  # kv_cache_dtype: cast, then copy
+            key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
         if (
             ext is not None
             and key.dtype == key_cache.dtype
@@ -142,9 +144,24 @@ class CpuBackend(AttentionBackend):
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
     ) -> torch.Tensor:
-        """Attention of query [T, Hq, D] over the paged cache -> [T, Hq, D]."""
+        """Attention of query [T, Hq, D] over the paged cache -> [T, Hq, D].
+
+        A cache in another dtype than the query (kv_cache_dtype) runs the attention in the
+        cache's dtype: the query is cast to it and the output back.
+        """
         if layout_of(key_cache) is not KVCacheLayout.FLASH:
             raise ValueError("the cpu backend needs the flash KV cache layout; use 'torch'")
+        if query.dtype != key_cache.dtype:
+            out = self.forward(
+                query.to(key_cache.dtype),
+                key_cache,
+                value_cache,
+                metadata,
+                scale=scale,
+                sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap,
+            )
+            return out.to(query.dtype)
         kwargs = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
         query = query[: metadata.num_actual_tokens]
         query_lens = metadata.query_lens_cpu
