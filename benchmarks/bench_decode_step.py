@@ -19,6 +19,9 @@ import subprocess
 import sys
 import time
 
+# The child's kv_cache_dtype (so that a configuration can change it like any other switch).
+KV_DTYPE_ENV = "PAGEDATTN_BENCH_KV_CACHE_DTYPE"
+
 # name -> (environment overrides, what it switches off)
 CONFIGS: dict[str, tuple[dict[str, str], str]] = {
     "default": ({}, "everything on"),
@@ -26,6 +29,10 @@ CONFIGS: dict[str, tuple[dict[str, str], str]] = {
     "linear_mkl": ({"PAGEDATTN_LINEAR": "mkl"}, "MKL packed GEMM instead of the panel GEMM"),
     "linear_torch": ({"PAGEDATTN_LINEAR": "torch"}, "plain F.linear"),
     "no_step_ops": ({"PAGEDATTN_DISABLE_STEP_OPS": "1"}, "PyTorch norm/rope/SwiGLU/argmax/cache"),
+    "kv_cache_bf16": (
+        {KV_DTYPE_ENV: "bfloat16"},
+        "(on, not off) a bf16 KV cache beside the model's dtype",
+    ),
     "no_extension": (
         {"PAGEDATTN_DISABLE_CPU_EXT": "1"},
         "no compiled code: library GEMM, PyTorch attention and step ops",
@@ -36,7 +43,12 @@ CONFIGS: dict[str, tuple[dict[str, str], str]] = {
 def child(args: argparse.Namespace) -> None:
     from pagedattn import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        num_threads=args.threads,
+        kv_cache_dtype=os.environ.get(KV_DTYPE_ENV, "auto"),
+    )
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     vocab = engine.vocab_size
@@ -61,7 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--measure", type=int, default=100, help="last N decode steps timed")
-    p.add_argument("--configs", default=",".join(CONFIGS))
+    p.add_argument(
+        "--configs",
+        default=",".join(n for n in CONFIGS if n != "kv_cache_bf16"),
+        help=", ".join(CONFIGS),
+    )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
