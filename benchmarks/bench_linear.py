@@ -11,12 +11,11 @@ same products; the median of ``--reps`` passes is reported, with the speed-up ov
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks.pagedattn_runner import median_time
 from pagedattn.model.packed_linear import (
     mkl_packing_available,
     pack_panels,
@@ -29,16 +28,6 @@ from pagedattn.model.packed_linear import (
 # (out_features, in_features) of one SmolLM2 layer's projections, then the LM head.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD_SHAPE = (49152, 576)
-
-
-def _median_time(fn, reps: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t)
-    return statistics.median(samples)
 
 
 def kernels(weights: list[torch.Tensor]) -> dict[str, list]:
@@ -89,7 +78,8 @@ def main(argv: list[str] | None = None) -> int:
                     for (_, k), call in zip(shapes, calls, strict=True):
                         call(xs[k])
 
-                times[name] = _median_time(one_pass, args.reps)
+                one_pass()  # warm-up
+                times[name] = median_time(one_pass, args.reps)
             best = min(times.values())
             cells = " | ".join(f"{times[n] * 1e3:.1f}" for n in names)
             print(f"| {m} | {cells} | {times['F.linear'] / best:.2f}x |", flush=True)

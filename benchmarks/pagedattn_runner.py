@@ -150,7 +150,8 @@ def run_pagedattn(
     )
 
 
-def _median_time(fn, reps: int) -> float:
+def median_time(fn, reps: int) -> float:
+    """Median wall time of ``reps`` calls of fn (no warm-up: the caller does it if needed)."""
     samples = []
     for _ in range(reps):
         t = time.perf_counter()
@@ -207,16 +208,16 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
                 model.compute_logits(xh)
 
             one_pass()  # warm-up
-            result["matmul_s"][str(batch)] = _median_time(one_pass, reps)
+            result["matmul_s"][str(batch)] = median_time(one_pass, reps)
         src = torch.ones(256 * 2**20, dtype=torch.uint8)
         dst = torch.empty_like(src)
         # NOTE: a copy reads and writes each byte, so it moves twice the buffer size.
-        result["bandwidth_Bps"] = 2 * src.numel() / _median_time(lambda: dst.copy_(src), 7)
+        result["bandwidth_Bps"] = 2 * src.numel() / median_time(lambda: dst.copy_(src), 7)
         # NOTE: one decode-shaped linear with opts.threads and with 1 thread: when the first is
         # much slower, the threads wait on each other (a busy machine), not on the work.
         x, w = torch.randn(8, 576, dtype=dtype), torch.randn(3072, 576, dtype=dtype)
         for key, threads in (("probe_linear_s", opts.threads), ("probe_linear_1thread_s", 1)):
             torch.set_num_threads(threads)
-            result[key] = _median_time(lambda: F.linear(x, w), 21)
+            result[key] = median_time(lambda: F.linear(x, w), 21)
         torch.set_num_threads(opts.threads)
     return result

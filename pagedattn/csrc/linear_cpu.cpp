@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "vec_cpu.h"
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -49,20 +51,7 @@ inline void load_panel_row(const bf16* w, __m512& lo, __m512& hi) {
   hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-inline void store16(float* p, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(p, mask, v); }
-
-// Rounded to nearest even, as torch's float -> bfloat16 conversion.
-inline void store16(bf16* p, __mmask16 mask, __m512 v) {
-#ifdef __AVX512BF16__
-  _mm256_mask_storeu_epi16(p, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-#else
-  alignas(64) float tmp[16];
-  _mm512_store_ps(tmp, v);
-  for (int i = 0; i < 16; ++i) {
-    if (mask & (1u << i)) p[i] = static_cast<bf16>(tmp[i]);
-  }
-#endif
-}
+using pagedattn_vec::store16;
 
 template <int MR, typename T, typename O>
 void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, O* y, int64_t ldy,

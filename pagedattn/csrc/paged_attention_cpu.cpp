@@ -49,12 +49,7 @@ inline float to_float(bf16 x) { return static_cast<float>(x); }
 // Vector primitives: 16 fp32 lanes from a row of T.
 // ---------------------------------------------------------------------------------------------
 #ifdef __AVX512F__
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
+using pagedattn_vec::load16;
 using pagedattn_vec::exp16;
 #endif
 

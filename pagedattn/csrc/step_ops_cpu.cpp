@@ -84,23 +84,16 @@ inline T round_to(float v) {
   return static_cast<T>(v);
 }
 
-// 16-lane loads/stores in fp32 registers; for bf16 a store rounds to nearest even (as torch does)
-// and vround(v) is v rounded to bf16 and widened back. Vector bf16 needs AVX512-BF16.
+// Full 16-lane stores, and vround(v): v rounded to bf16 and widened back (a no-op for fp32).
+// Vector bf16 needs AVX512-BF16.
 #if defined(__AVX512F__)
 #define PAGEDATTN_VEC_F32 1
-inline __m512 vload(const float* p) { return _mm512_loadu_ps(p); }
-inline void vstore(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+using pagedattn_vec::load16;
+inline void store16(float* p, __m512 v) { pagedattn_vec::store16(p, 0xFFFF, v); }
 inline __m512 vround(__m512 v, const float*) { return v; }
 #if defined(__AVX512BF16__)
 #define PAGEDATTN_VEC_BF16 1
-inline __m512 vload(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline void vstore(bf16* p, __m512 v) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
-}
+inline void store16(bf16* p, __m512 v) { pagedattn_vec::store16(p, 0xFFFF, v); }
 inline __m512 vround(__m512 v, const bf16*) {
   const __m256i r = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
@@ -135,8 +128,8 @@ void rms_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
 #if defined(PAGEDATTN_VEC_F32)
         if constexpr (vectorized<T>()) {
           for (; i0 + 16 <= H; i0 += 16) {
-            const __m512 sum = _mm512_add_ps(vload(xr + i0), vload(res + i0));
-            vstore(res + i0, sum);
+            const __m512 sum = _mm512_add_ps(load16(xr + i0), load16(res + i0));
+            store16(res + i0, sum);
             _mm512_storeu_ps(row.data() + i0, vround(sum, xr));
           }
         }
@@ -159,7 +152,7 @@ void rms_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
         const __m512 vinv = _mm512_set1_ps(inv);
         for (; j0 + 16 <= H; j0 += 16) {
           const __m512 normed = vround(_mm512_mul_ps(_mm512_loadu_ps(row.data() + j0), vinv), o);
-          vstore(o + j0, _mm512_mul_ps(vload(weight + j0), normed));
+          store16(o + j0, _mm512_mul_ps(load16(weight + j0), normed));
         }
       }
 #endif
@@ -189,7 +182,7 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
       if constexpr (vectorized<T>()) {
         const __m512 one = _mm512_set1_ps(1.0f);
         for (; i + 16 <= I; i += 16) {
-          const __m512 gv = vload(g + i);
+          const __m512 gv = load16(g + i);
           // silu(g) = g / (1 + exp(-g)); exp16 takes arguments <= 0, so use exp(-|g|):
           // for g < 0, g / (1 + exp(-g)) = g * e / (1 + e) with e = exp(g).
           const __m512 e = pagedattn_vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(),
@@ -198,7 +191,7 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
           const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
           const __m512 numer = _mm512_mask_mul_ps(gv, neg, gv, e);
           const __m512 silu = vround(_mm512_div_ps(numer, denom), g);
-          vstore(o + i, _mm512_mul_ps(silu, vload(u + i)));
+          store16(o + i, _mm512_mul_ps(silu, load16(u + i)));
         }
       }
 #endif

@@ -143,15 +143,10 @@ def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     output). On CPU the compiled kernel does it in one pass with the same rounding; elsewhere the
     PyTorch result is copied back.
     """
-    if (
-        x.device.type == "cpu"
-        and x.dtype in (torch.float32, torch.bfloat16)
-        and x.stride(-1) == 1
-        and cos.dtype == x.dtype
-        and cpu_ext.step_ops() is not None
-    ):
+    ext = compiled_ops_for(x)
+    if ext is not None and x.stride(-1) == 1 and cos.dtype == x.dtype:
         num_tokens = x.shape[0]
-        cpu_ext.step_ops().rotary_inplace(
+        ext.rotary_inplace(
             x, cos.reshape(num_tokens, -1).contiguous(), sin.reshape(num_tokens, -1).contiguous()
         )
         return x

@@ -119,18 +119,12 @@ class CpuBackend(AttentionBackend):
         One compiled call (row copies by slot) when the dtypes match, else the PyTorch op.
         """
         ext = cpu_ext.step_ops() if self._use_extension else None
-        if ext is not None and key.dtype != key_cache.dtype:  # kv_cache_dtype: cast, then copy
+        if ext is not None and key_cache.dim() == 4:
+            # kv_cache_dtype: cast first (.to is a no-op when the dtypes already match).
             key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
-        if (
-            ext is not None
-            and key.dtype == key_cache.dtype
-            and value.dtype == value_cache.dtype
-            and key.stride(-1) == 1
-            and value.stride(-1) == 1
-            and key_cache.dim() == 4
-        ):
-            ext.cache_write(key, value, key_cache, value_cache, slot_mapping)
-            return
+            if key.stride(-1) == 1 and value.stride(-1) == 1:
+                ext.cache_write(key, value, key_cache, value_cache, slot_mapping)
+                return
         super().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def forward(
