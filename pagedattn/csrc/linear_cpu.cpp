@@ -8,8 +8,9 @@
 //
 // The micro-kernel keeps an MR x 32 block of y in 2 * MR zmm accumulators and, for each k, loads
 // the panel's 32 weights once and multiplies them with MR broadcast activations. Threads split the
-// panels; every thread runs all rows of a chunk of up to kRowChunk rows through its panels, so the
-// weights of a decode step stream from memory once and the activations stay in L2. The sum over k
+// panels; every thread runs all rows of a chunk (at least 128 rows, or as many as fit in 1 MB of
+// activations) through its panels, so the weights of a decode step stream from memory once, a
+// prefill re-reads them once per chunk, and the activations stay in L2. The sum over k
 // runs in order, one fused multiply-add per term, in fp32 whatever the storage.
 
 #include <ATen/Parallel.h>
@@ -30,7 +31,13 @@ namespace {
 
 constexpr int64_t kPanel = 32;      // output columns per panel
 constexpr int kMaxRows = 12;        // MR: rows per micro-kernel call (24 accumulators)
-constexpr int64_t kRowChunk = 128;  // rows that share one pass over the weights
+#ifndef PAGEDATTN_CHUNK_BYTES
+#define PAGEDATTN_CHUNK_BYTES (1 << 20)
+#endif
+constexpr int64_t kMinRowChunk = 128;  // rows that share one pass over the weights, at least
+// ... and at most this many bytes of fp32 activations, so that the chunk stays in L2 while every
+// panel runs over it (fewer passes over the weights in a long prefill).
+constexpr int64_t kChunkBytes = PAGEDATTN_CHUNK_BYTES;
 #ifndef PAGEDATTN_PREFETCH
 #define PAGEDATTN_PREFETCH 32
 #endif
@@ -139,8 +146,10 @@ void run(const float* xp, int64_t M, int64_t K, const torch::Tensor& packed, con
   const int64_t P = packed.size(0);
   const T* wp = reinterpret_cast<const T*>(packed.data_ptr());
   constexpr bool kInterleaved = std::is_same<T, bf16>::value;
-  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-    const int64_t m1 = std::min(M, m0 + kRowChunk);
+  const int64_t fit = kChunkBytes / (K * static_cast<int64_t>(sizeof(float))) / kMaxRows * kMaxRows;
+  const int64_t row_chunk = std::max(kMinRowChunk, fit);
+  for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
+    const int64_t m1 = std::min(M, m0 + row_chunk);
     at::parallel_for(0, P, 1, [&](int64_t p_begin, int64_t p_end) {
       for (int64_t p = p_begin; p < p_end; ++p) {
         const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);

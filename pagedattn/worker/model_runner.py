@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedattn.attention.backends.base import AttentionBackend
-from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads
+from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads, keep_freed_heap_memory
 from pagedattn.attention.layout import bytes_per_block
 from pagedattn.attention.ops import copy_blocks
 from pagedattn.worker.input_batch import InputBatch, ScheduledSeq, build_input_batch
@@ -44,6 +44,7 @@ class ModelRunner:
         self.device = torch.device(device)
         if self.device.type == "cpu":
             flush_denormals_all_threads()
+            keep_freed_heap_memory()
         self.kv_caches = [
             attn_backend.allocate_kv_cache(
                 num_blocks, block_size, model.num_kv_heads, model.head_size, cache_dtype, device

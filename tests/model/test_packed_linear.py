@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import resource
+
 import pytest
 import torch
 from torch import nn
 
-from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads
+from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads, keep_freed_heap_memory
 from pagedattn.model.packed_linear import (
     linear_kernel,
     mkl_packing_available,
@@ -50,6 +52,18 @@ def test_panel_linear_matches_f_linear_fp32(num_tokens, out_features):
     assert all(m.weight.numel() == 0 for m in model)  # the panels are the only copy
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_panels
+@pytest.mark.parametrize("in_features", [1000, 4096])
+def test_panel_linear_over_several_activation_chunks(in_features):
+    # Rows are cut into chunks of ~1 MB of activations (252 rows at K=1000, the 128-row floor at
+    # K=4096); 600 rows span several chunks with a short last one.
+    torch.manual_seed(2)
+    w = torch.randn(40, in_features) * 0.03
+    x = torch.randn(600, in_features)
+    got = panel_linear(x, pack_panels(w), 40, None)
+    torch.testing.assert_close(got, x @ w.t(), atol=1e-4, rtol=1e-4)
 
 
 @needs_panels
@@ -114,3 +128,19 @@ def test_flush_denormals_reaches_the_worker_threads():
     x = torch.full((1 << 20,), 1e-39)  # a denormal float32, large enough to run in parallel
     # An intra-op parallel kernel: every thread must now treat denormal inputs as zero.
     assert torch.count_nonzero(x * 1.0).item() == 0
+
+
+def test_keep_freed_heap_memory_stops_page_faults_on_reallocation():
+    if not keep_freed_heap_memory():
+        pytest.skip("not glibc")
+
+    def touch_fresh_tensor() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        x = torch.empty(6 << 20, dtype=torch.uint8)  # 6 MB, like one step's activations
+        x.fill_(1)
+        del x
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    touch_fresh_tensor()
+    # glibc's default would mmap and fault in all 1,536 pages again every time.
+    assert touch_fresh_tensor() < 100
