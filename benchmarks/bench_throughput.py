@@ -72,6 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-blocks", type=int, help="pagedattn KV blocks (default: all requests fit at once)"
     )
     p.add_argument("--llama-batched-bench", help="path of a llama-batched-bench binary")
+    p.add_argument(
+        "--llama-cpp-weights",
+        default="dtype",
+        choices=["dtype", "f32", "bf16", "f16", "gguf"],
+        help="llama.cpp's weights: the GGUF's numbers retyped to --dtype (default) or to the "
+        "named type (benchmarks/gguf_retype.py), or 'gguf': the file as shipped (quantised)",
+    )
     p.add_argument("--ceiling-reps", type=int, default=20, help="repetitions of the matmul pass")
     p.add_argument("--no-ceiling", action="store_true", help="skip the matmul/bandwidth probes")
     p.add_argument("--child-timeout", type=float, default=3600.0)
@@ -97,6 +104,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
         num_blocks=args.num_blocks,
         hf_batch_size=args.hf_batch_size,
         llama_batched_bench=args.llama_batched_bench,
+        llama_cpp_weights=args.llama_cpp_weights,
     )
 
 
@@ -172,6 +180,7 @@ def spawn_child(
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
     cmd += ["--llama-batched-bench", args.llama_batched_bench] if args.llama_batched_bench else []
+    cmd += ["--llama-cpp-weights", args.llama_cpp_weights]
     env = dict(
         os.environ,
         OMP_NUM_THREADS=str(args.threads),

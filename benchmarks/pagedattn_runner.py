@@ -37,6 +37,9 @@ class RunOptions:
     num_blocks: int | None = None
     hf_batch_size: int = 32
     llama_batched_bench: str | None = None
+    # llama.cpp's weights: "dtype" = the GGUF's numbers retyped to `dtype` (F32 / BF16), "f16" /
+    # "bf16" / "f32" = retyped to that type, "gguf" = the file as shipped (Q4_1 for SmolLM2).
+    llama_cpp_weights: str = "dtype"
 
 
 @dataclass

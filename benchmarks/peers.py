@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gguf_retype import gguf_type_name, retyped_gguf
 from benchmarks.pagedattn_runner import (
     WARMUP_MAX_TOKENS,
     PeerUnavailableError,
@@ -190,14 +191,18 @@ def run_hf_batch(opts: RunOptions, workload: Workload) -> RunResult:
 # llama.cpp.
 
 
-def _gguf_path(opts: RunOptions) -> Path:
+def _gguf_path(opts: RunOptions) -> tuple[Path, str]:
+    """The GGUF file llama.cpp runs (see RunOptions.llama_cpp_weights) and its weight type."""
     from pagedattn.model.gguf_loader import GGUFCheckpoint
     from pagedattn.model.loader import resolve_checkpoint
 
     ckpt = resolve_checkpoint(opts.model)
     if not isinstance(ckpt, GGUFCheckpoint):
         raise PeerUnavailableError(f"llama.cpp needs a .gguf model; {opts.model!r} is not one")
-    return ckpt.path
+    if opts.llama_cpp_weights == "gguf":
+        return ckpt.path, "as shipped: " + ckpt.path.stem.rsplit(".", 1)[-1]
+    dtype = opts.dtype if opts.llama_cpp_weights == "dtype" else opts.llama_cpp_weights
+    return retyped_gguf(ckpt.path, dtype), gguf_type_name(dtype) + ", dequantised from the GGUF"
 
 
 def parse_batched_bench(text: str) -> dict[str, float]:
@@ -239,7 +244,8 @@ def _run_llama_cpp_python(L, opts: RunOptions, workload: Workload) -> RunResult:
     """
     import numpy as np
 
-    path = str(_gguf_path(opts))
+    gguf_file, weights = _gguf_path(opts)
+    path = str(gguf_file)
     L.llama_backend_init()
     model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
     if not model:
@@ -342,7 +348,7 @@ def _run_llama_cpp_python(L, opts: RunOptions, workload: Workload) -> RunResult:
         tpot,
         extra={
             "note": f"llama-cpp-python {L.__version__}, continuous batching over {slots} "
-            "sequences, GGUF weights (not dequantised), no prefix reuse",
+            f"sequences, weights {weights}, no prefix reuse",
         },
     )
 
@@ -361,10 +367,11 @@ def _run_batched_bench(opts: RunOptions, workload: Workload) -> RunResult:
     num_prompt, num_new = max(shapes)
     batch = len(reqs)
     ctx = num_prompt + batch * num_new if shared else batch * (num_prompt + num_new)
+    gguf_file, weights = _gguf_path(opts)
     cmd = [
         binary,
         "-m",
-        str(_gguf_path(opts)),
+        str(gguf_file),
         "-c",
         str(ctx + 16),
         "-b",
@@ -395,7 +402,7 @@ def _run_batched_bench(opts: RunOptions, workload: Workload) -> RunResult:
         [row["T_PP s"]] * batch,
         [row["T_TG s"] / num_new] * batch,
         extra={
-            "note": "llama-batched-bench, GGUF weights (not dequantised)",
+            "note": f"llama-batched-bench, weights {weights}",
             "shared_prompt": shared,
             "row": row,
         },

@@ -262,8 +262,9 @@ def render_markdown(
         "Notes: TTFT counts from the moment all requests are submitted together. "
         "HF static: TTFT = time to its batch's first token (waiting for earlier batches "
         "included), TPOT = its batch's mean decode step; only each request's own tokens count "
-        "as output. Overhead = everything but forward and sampling. llama.cpp runs the GGUF's "
-        "quantised weights, the others dequantised weights in the chosen dtype.",
+        "as output. Overhead = everything but forward and sampling. Every engine runs the GGUF's "
+        "dequantised weights in the chosen dtype, llama.cpp from a GGUF file retyped to it "
+        "(unless --llama-cpp-weights says otherwise: its note in the JSON names the weights).",
         "",
     ]
     report = {

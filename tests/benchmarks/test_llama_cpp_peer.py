@@ -34,3 +34,25 @@ def test_llama_cpp_peer_generates_every_requested_token():
         assert result.num_output_tokens == sum(r.max_tokens for r in workload.requests)
         assert len(result.ttft_s) == len(workload.requests) and min(result.ttft_s) > 0
         assert "continuous batching over 3 sequences" in result.extra["note"]
+    assert "weights F32, dequantised from the GGUF" in result.extra["note"]
+
+
+def test_llama_cpp_on_the_retyped_gguf_generates_the_engines_greedy_tokens():
+    # Same numbers, same dtype: llama.cpp's float32 run and ours agree token for token.
+    llama_cpp = pytest.importorskip("llama_cpp")
+    from benchmarks.gguf_retype import retyped_gguf
+    from pagedattn import LLM, SamplingParams
+
+    src = packaged_model_path("smollm2-135m")
+    llm = LLM(str(src), num_threads=2)
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
+    model = llama_cpp.Llama(
+        model_path=str(retyped_gguf(src, "float32")), n_ctx=256, n_threads=2, verbose=False
+    )
+    theirs = []
+    for token in model.generate(llm.engine.tokenizer.encode(prompt), temp=0.0, top_k=1):
+        theirs.append(token)
+        if len(theirs) == 12:
+            break
+    assert theirs == list(ours.outputs[0].token_ids)
