@@ -178,10 +178,17 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
     import torch.nn.functional as F
     from torch import nn
 
+    from pagedattn.attention.backends.cpu_ext import (
+        flush_denormals_all_threads,
+        keep_freed_heap_memory,
+    )
     from pagedattn.model.loader import load_model
     from pagedattn.model.packed_linear import linear_kernel
     from pagedattn.worker.model_runner import ModelRunner
 
+    # NOTE: the process settings the engine's runner makes, so that the matmuls run as in a step.
+    flush_denormals_all_threads()
+    keep_freed_heap_memory()
     loaded = load_model(opts.model, opts.dtype, "cpu", None)
     model = loaded.model
     untied_head = getattr(model, "lm_head", None)
