@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "vec_cpu.h"
@@ -211,15 +212,18 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
   const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
-  std::vector<float> widened;
+  std::unique_ptr<float[]> widened;  // NOTE: not value-initialised: every element is written
   const float* xp;
   if (x.scalar_type() == torch::kFloat32) {
     xp = x.data_ptr<float>();
   } else {
-    widened.resize(M * K);
+    widened.reset(new float[M * K]);
     const bf16* src = x.data_ptr<bf16>();
-    for (int64_t i = 0; i < M * K; ++i) widened[i] = static_cast<float>(src[i]);
-    xp = widened.data();
+    float* dst = widened.get();
+    at::parallel_for(0, M, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * K; i < r1 * K; ++i) dst[i] = static_cast<float>(src[i]);
+    });
+    xp = widened.get();
   }
   const bool w32 = packed.scalar_type() == torch::kFloat32;
   if (x.scalar_type() == torch::kFloat32) {
