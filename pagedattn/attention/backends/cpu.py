@@ -274,26 +274,27 @@ class CpuBackend(AttentionBackend):
         value = value.view(-1, num_kv_heads, head_size)[:seq_len]
         key = key.transpose(0, 1)  # [Hkv, L, D]
         value = value.transpose(0, 1)
+        visible = None  # [q_len, L]; None: plain causal (no cached prefix, no window)
+        if q_len != seq_len or sliding_window is not None or logits_soft_cap is not None:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
+            visible = key_visibility(q_pos, torch.tensor(seq_len), seq_len, sliding_window)
         if logits_soft_cap is None:
             # 4-D inputs with GQA take SDPA's flash kernel for CPU (the 3-D grouped form below
             # falls back to the unfused math path: 3x slower on a 128-token SmolLM2 prompt).
             q = query.transpose(0, 1)[None]  # [1, Hq, q_len, D]
-            if q_len == seq_len and sliding_window is None:
-                out = F.scaled_dot_product_attention(
-                    q, key[None], value[None], is_causal=True, scale=scale, enable_gqa=True
-                )
-            else:
-                q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-                visible = key_visibility(q_pos, torch.tensor(seq_len), seq_len, sliding_window)
-                out = F.scaled_dot_product_attention(
-                    q, key[None], value[None], attn_mask=visible, scale=scale, enable_gqa=True
-                )
+            out = F.scaled_dot_product_attention(
+                q,
+                key[None],
+                value[None],
+                attn_mask=visible,
+                is_causal=visible is None,
+                scale=scale,
+                enable_gqa=True,
+            )
             return out[0].transpose(0, 1)  # [q_len, Hq, D]
         # [q_len, Hkv, G, D] -> [Hkv, G, q_len, D] -> [Hkv, G*q_len, D]: one row per (g, query).
         q = query.reshape(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
         q = q.reshape(num_kv_heads, group * q_len, head_size)
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        visible = key_visibility(q_pos, torch.tensor(seq_len), seq_len, sliding_window)
         visible = visible.repeat(group, 1)  # [G*q_len, L]
         out = masked_attention(q, key, value, visible, scale=scale, logits_soft_cap=logits_soft_cap)
         # [Hkv, G*q_len, D] -> [Hkv, G, q_len, D] -> [q_len, Hkv, G, D]

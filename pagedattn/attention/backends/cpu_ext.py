@@ -193,13 +193,10 @@ def keep_freed_heap_memory() -> bool:
     cost is that the process keeps its peak heap (as jemalloc and tcmalloc do).
     """
     import ctypes
-    import ctypes.util
 
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    # NOTE: the process's own symbols include libc's; ctypes.util.find_library("c") would run
+    # ldconfig in a subprocess on every engine start.
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3  # malloc.h
