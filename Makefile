@@ -8,14 +8,14 @@ demo: setup
 	.venv/bin/pagedattn generate
 
 lint:
-	.venv/bin/ruff format --check pagedattn tests benchmarks
-	.venv/bin/ruff check pagedattn tests benchmarks
+	.venv/bin/ruff format --check pagedattn tests
+	.venv/bin/ruff check pagedattn tests
 
 test: setup lint
 	.venv/bin/python -m pytest -q
 
 bench: setup
-	.venv/bin/python -m benchmarks.bench_allocator
+	.venv/bin/python -m pagedattn.benchmarks.bench_allocator
 
 # The llama.cpp peer of `pagedattn bench throughput`: llama-cpp-python, compiled from source for
 # this CPU (about 5 minutes on 2 cores). Optional: without it the benchmark skips llama.cpp.

@@ -17,7 +17,7 @@ from pagedattn.core.single_type_manager import (
 )
 
 if TYPE_CHECKING:
-    from pagedattn.request import Request
+    from pagedattn.core.request import Request
 
 
 class KVCacheBlocks:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pagedattn.core.kv_cache_manager import KVCacheManager
-    from pagedattn.request import Request
+    from pagedattn.core.request import Request
 
 
 def _block_state(ref_cnt: int, cached: bool, is_null: bool) -> str:

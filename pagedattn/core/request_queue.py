@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedattn.request import Request
+    from pagedattn.core.request import Request
 
 
 class RequestQueue(ABC):

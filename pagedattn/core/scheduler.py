@@ -7,6 +7,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from pagedattn.core.kv_cache_spec import SlidingWindowSpec
+from pagedattn.core.request import RequestStatus
 from pagedattn.core.request_queue import create_request_queue
 from pagedattn.core.scheduler_output import (
     CachedRequestData,
@@ -15,12 +16,11 @@ from pagedattn.core.scheduler_output import (
     SchedulerStats,
 )
 from pagedattn.core.single_type_manager import cdiv
-from pagedattn.request import RequestStatus
 
 if TYPE_CHECKING:
     from pagedattn.config import CacheConfig, SchedulerConfig
     from pagedattn.core.kv_cache_manager import KVCacheManager
-    from pagedattn.request import Request
+    from pagedattn.core.request import Request
 
 
 class RequestRejectedError(ValueError):

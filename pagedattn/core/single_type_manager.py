@@ -10,7 +10,7 @@ from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, Sliding
 from pagedattn.core.kv_cache_utils import BlockHash, KVCacheBlock
 
 if TYPE_CHECKING:
-    from pagedattn.request import Request
+    from pagedattn.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedattn.core.request import Request, RequestStatus
 from pagedattn.engine.errors import InvalidRequestError
-from pagedattn.request import Request, RequestStatus
 from pagedattn.sampling_params import BeamSearchParams
 
 _beam_ids = itertools.count()

@@ -12,13 +12,13 @@ import torch
 from pagedattn.attention.backends.base import get_attn_backend
 from pagedattn.config import EngineConfig
 from pagedattn.core.kv_cache_manager import KVCacheManager
+from pagedattn.core.request import Request, RequestStatus
 from pagedattn.core.scheduler import RequestRejectedError, Scheduler
 from pagedattn.core.scheduler_output import SchedulerOutput
 from pagedattn.engine.errors import InvalidRequestError
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.engine.request_state import EngineRequest, SeqState
 from pagedattn.model.loader import load_model
-from pagedattn.request import Request, RequestStatus
 from pagedattn.sampling_params import InvalidSamplingParamsError, SamplingParams
 from pagedattn.worker.input_batch import ScheduledSeq
 from pagedattn.worker.model_runner import ModelRunner

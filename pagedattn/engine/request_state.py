@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedattn.core.request import Request, RequestStatus
 from pagedattn.engine.detokenizer import IncrementalDetokenizer
 from pagedattn.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from pagedattn.request import Request, RequestStatus
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.worker.logprobs import TokenLogprobs
 from pagedattn.worker.stop_checker import check_stop

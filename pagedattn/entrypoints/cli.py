@@ -168,14 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
-    root = Path(__file__).resolve().parents[2] / "benchmarks"
-    script = root / f"{_BENCHMARKS[args.which]}.py"
-    if not script.exists():
-        print(f"benchmark {args.which!r} needs the source checkout: {script} not found")
-        return 2
-    sys.path.insert(0, str(root.parent))
-    sys.argv = [str(script), *rest]
-    runpy.run_module(f"benchmarks.{_BENCHMARKS[args.which]}", run_name="__main__")
+    sys.argv = [f"pagedattn bench {args.which}", *rest]
+    runpy.run_module(f"pagedattn.benchmarks.{_BENCHMARKS[args.which]}", run_name="__main__")
     return 0
 
 

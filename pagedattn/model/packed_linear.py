@@ -6,7 +6,7 @@ and sums in fp32. bf16 activations are widened to fp32 before the GEMM and the r
 back once, inside the kernel: the semantics of a bf16 GEMM with fp32 accumulation, which is what
 oneDNN computes too.
 
-Measured on the 2-core CPU this project targets (``python -m benchmarks.bench_linear``: a
+Measured on the 2-core CPU this project targets (``python -m pagedattn.benchmarks.bench_linear``: a
 SmolLM2 decode step's matmuls at 32 rows, 30 distinct layers so weights stream from memory, 2
 threads): ``F.linear`` 57.8 ms, MKL packed 46.4 ms, fp32 panels 40.8 ms, bf16 panels 33.1 ms; at
 128-512 rows (prefill) the panels are as fast as MKL or faster. ``PAGEDATTN_LINEAR=mkl`` or

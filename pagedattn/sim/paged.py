@@ -18,8 +18,8 @@ import numpy as np
 from pagedattn.config import CacheConfig, SchedulerConfig
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
+from pagedattn.core.request import Request, RequestStatus
 from pagedattn.core.scheduler import Scheduler
-from pagedattn.request import Request, RequestStatus
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.sim.contiguous import SimAllocationError
 from pagedattn.sim.metrics import MemoryMeter, SimResult

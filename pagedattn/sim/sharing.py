@@ -18,7 +18,7 @@ import numpy as np
 
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
-from pagedattn.request import Request
+from pagedattn.core.request import Request
 from pagedattn.sim.contiguous import SimAllocationError
 from pagedattn.sim.paged import VOCAB_SIZE, random_prompts, run_paged
 from pagedattn.sim.stepper import SimSchedulerConfig

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks import bench_decode_step
+from pagedattn.benchmarks import bench_decode_step
 from tests.model.tiny import make_tiny_llama
 
 

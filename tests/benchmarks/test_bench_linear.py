@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks import bench_linear
+from pagedattn.benchmarks import bench_linear
 
 
 def test_kernels_compute_the_same_products():

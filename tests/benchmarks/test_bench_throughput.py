@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import bench_throughput
-from benchmarks.peers import parse_batched_bench
-from benchmarks.throughput_report import percentile, step_analysis
-from benchmarks.workloads import SIZE_PRESETS, load_trace, make_workloads, save_trace
+from pagedattn.benchmarks import bench_throughput
+from pagedattn.benchmarks.peers import parse_batched_bench
+from pagedattn.benchmarks.throughput_report import percentile, step_analysis
+from pagedattn.benchmarks.workloads import SIZE_PRESETS, load_trace, make_workloads, save_trace
 from tests.model.tiny import TINY_VOCAB_SIZE, make_tiny_llama
 
 SPECIAL = {0, 1, 2, 3, 4}

@@ -1,10 +1,10 @@
-"""benchmarks/gguf_retype.py: the shipped Q4_1 SmolLM2 rewritten with the same numbers in BF16."""
+"""gguf_retype.py: the shipped Q4_1 SmolLM2 rewritten with the same numbers in BF16."""
 
 import gguf
 import numpy as np
 import pytest
 
-from benchmarks.gguf_retype import gguf_type_name, retyped_gguf
+from pagedattn.benchmarks.gguf_retype import gguf_type_name, retyped_gguf
 from pagedattn.model.loader import packaged_model_path
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.pagedattn_runner import PeerUnavailableError, RunOptions
-from benchmarks.peers import run_llama_cpp
-from benchmarks.workloads import SIZE_PRESETS, make_workloads
+from pagedattn.benchmarks.pagedattn_runner import PeerUnavailableError, RunOptions
+from pagedattn.benchmarks.peers import run_llama_cpp
+from pagedattn.benchmarks.workloads import SIZE_PRESETS, make_workloads
 from pagedattn.model.loader import packaged_model_path
 from tests.model.tiny import make_tiny_llama
 
@@ -40,8 +40,8 @@ def test_llama_cpp_peer_generates_every_requested_token():
 def test_llama_cpp_on_the_retyped_gguf_generates_the_engines_greedy_tokens():
     # Same numbers, same dtype: llama.cpp's float32 run and ours agree token for token.
     llama_cpp = pytest.importorskip("llama_cpp")
-    from benchmarks.gguf_retype import retyped_gguf
     from pagedattn import LLM, SamplingParams
+    from pagedattn.benchmarks.gguf_retype import retyped_gguf
 
     src = packaged_model_path("smollm2-135m")
     llm = LLM(str(src), num_threads=2)

@@ -16,7 +16,7 @@ from hypothesis.stateful import (
 
 from pagedattn.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
-from pagedattn.request import Request
+from pagedattn.core.request import Request
 
 TOKENS = st.lists(st.integers(0, 2), min_size=1, max_size=12)  # tiny vocab: many shared prefixes
 CHUNK = st.integers(1, 8)

@@ -17,7 +17,7 @@ from pagedattn.core.kv_cache_utils import (
     UnknownRequestError,
     compute_slot_mapping,
 )
-from pagedattn.request import Request
+from pagedattn.core.request import Request
 
 
 def make_manager(num_blocks: int, block_size: int = 16, caching: bool = True) -> KVCacheManager:

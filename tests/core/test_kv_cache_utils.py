@@ -19,7 +19,7 @@ from pagedattn.core.kv_cache_utils import (
     hash_request_tokens,
     init_root_hash,
 )
-from pagedattn.request import Request, RequestStatus
+from pagedattn.core.request import Request, RequestStatus
 
 
 def make_queue(n: int) -> tuple[list[KVCacheBlock], FreeKVCacheBlockQueue]:

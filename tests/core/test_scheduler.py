@@ -9,9 +9,9 @@ import pytest
 from pagedattn.config import CacheConfig, SchedulerConfig
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from pagedattn.core.request import Request, RequestStatus
 from pagedattn.core.scheduler import RequestRejectedError, Scheduler
 from pagedattn.core.scheduler_output import SchedulerOutput
-from pagedattn.request import Request, RequestStatus
 from pagedattn.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

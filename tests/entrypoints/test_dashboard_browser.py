@@ -28,7 +28,7 @@ import pagedattn
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
 from pagedattn.core.kv_snapshot import kv_snapshot
-from pagedattn.request import Request
+from pagedattn.core.request import Request
 
 DASHBOARD = Path(pagedattn.__file__).parent / "entrypoints/openai/static/dashboard.html"
 CHROMIUM = next(

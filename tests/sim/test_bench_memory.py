@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.bench_memory import main
+from pagedattn.benchmarks.bench_memory import main
 from pagedattn.sim.compare import MemorySetup
 from pagedattn.sim.model_configs import ModelConfigError, load_geometry
 from pagedattn.sim.stepper import SimSchedulerConfig

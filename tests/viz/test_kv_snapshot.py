@@ -7,7 +7,7 @@ import json
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from pagedattn.core.kv_snapshot import build_snapshot, kv_snapshot
-from pagedattn.request import Request
+from pagedattn.core.request import Request
 
 
 def _admit(manager: KVCacheManager, req: Request) -> None:

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.gguf_retype import gguf_type_name, retyped_gguf
-from benchmarks.pagedattn_runner import (
+from pagedattn.benchmarks.gguf_retype import gguf_type_name, retyped_gguf
+from pagedattn.benchmarks.pagedattn_runner import (
     WARMUP_MAX_TOKENS,
     PeerUnavailableError,
     RunOptions,
@@ -23,7 +23,7 @@ from benchmarks.pagedattn_runner import (
     run_pagedattn,
     warmup_ids,
 )
-from benchmarks.workloads import Workload
+from pagedattn.benchmarks.workloads import Workload
 
 # transformers' continuous batching treats a negative eos id as "no EOS" (ignore_eos).
 HF_NO_EOS = -1

@@ -1,6 +1,6 @@
 """Offline throughput: pagedattn against HF static generate, HF generate_batch and llama.cpp.
 
-    python -m benchmarks.bench_throughput --seed 0 [--quick] [--engines pagedattn,hf_static]
+    pagedattn bench throughput --seed 0 [--quick] [--engines pagedattn,hf_static]
         [--workloads uniform,sharegpt,shared_prefix] [--model M] [--dtype bfloat16] [--threads 2]
 
 Each engine runs each workload in a fresh subprocess (this script with ``--_child``), so its
@@ -20,15 +20,15 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from benchmarks.pagedattn_runner import (
+from pagedattn.benchmarks.pagedattn_runner import (
     PeerUnavailableError,
     RunOptions,
     measure_ceiling,
     peak_rss_mib,
 )
-from benchmarks.peers import RUNNERS
-from benchmarks.throughput_report import ceiling_rows, render_markdown, summarise
-from benchmarks.workloads import (
+from pagedattn.benchmarks.peers import RUNNERS
+from pagedattn.benchmarks.throughput_report import ceiling_rows, render_markdown, summarise
+from pagedattn.benchmarks.workloads import (
     SIZE_PRESETS,
     WORKLOAD_NAMES,
     load_trace,
@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="dtype",
         choices=["dtype", "f32", "bf16", "f16", "gguf"],
         help="llama.cpp's weights: the GGUF's numbers retyped to --dtype (default) or to the "
-        "named type (benchmarks/gguf_retype.py), or 'gguf': the file as shipped (quantised)",
+        "named type (gguf_retype.py), or 'gguf': the file as shipped (quantised)",
     )
     p.add_argument("--ceiling-reps", type=int, default=20, help="repetitions of the matmul pass")
     p.add_argument("--no-ceiling", action="store_true", help="skip the matmul/bandwidth probes")
@@ -154,7 +154,7 @@ def spawn_child(
     cmd = [
         sys.executable,
         "-m",
-        "benchmarks.bench_throughput",
+        "pagedattn.benchmarks.bench_throughput",
         "--_child",
         engine,
         workload,

@@ -1,6 +1,6 @@
 """Trace-driven KV memory simulation: paging vs contiguous baselines, block sizes, sharing.
 
-Usage: python -m benchmarks.bench_memory [--workload sharegpt alpaca | --trace t.jsonl]
+Usage: python -m pagedattn.benchmarks.bench_memory [--workload sharegpt alpaca | --trace t.jsonl]
        [--model-config opt-13b --memory 12GiB] [--out bench_out/memory]
 The metrics are defined in pagedattn/sim/metrics.py (time averages over simulated steps).
 """
@@ -27,7 +27,7 @@ from pagedattn.sim.sharing import (
 from pagedattn.sim.stepper import SimSchedulerConfig
 from pagedattn.sim.traces import WORKLOADS, generate_trace, load_jsonl, save_jsonl
 
-# benchmarks/bench_attention.py may expose this: block sizes -> microseconds per decode call.
+# bench_attention.py may expose this: block sizes -> microseconds per decode call.
 KERNEL_TIME_FN = "kernel_time_by_block_size"
 DEFAULT_NUM_REQUESTS = {"sharegpt": 400, "alpaca": 2000}
 
@@ -69,15 +69,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def kernel_times(block_sizes: list[int], seed: int) -> dict[int, float] | None:
-    """Attention kernel time per block size from benchmarks/bench_attention.py, if it has one."""
+    """Attention kernel time per block size from bench_attention.py, if it has one."""
     try:
-        bench = importlib.import_module("benchmarks.bench_attention")
+        bench = importlib.import_module("pagedattn.benchmarks.bench_attention")
     except ImportError:
         bench = None
     fn = getattr(bench, KERNEL_TIME_FN, None)
     if fn is None:
         print(
-            f"note: benchmarks/bench_attention.py has no {KERNEL_TIME_FN}(block_sizes, seed=...);"
+            f"note: bench_attention.py has no {KERNEL_TIME_FN}(block_sizes, seed=...);"
             " the kernel time column is left out"
         )
         return None

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.workloads import Workload
+from pagedattn.benchmarks.workloads import Workload
 
 WARMUP_PROMPT_LEN = 16
 WARMUP_MAX_TOKENS = 4

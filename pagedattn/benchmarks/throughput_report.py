@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import statistics
 
-from benchmarks.workloads import Workload
+from pagedattn.benchmarks.workloads import Workload
 
 STEP_PARTS = ("schedule", "prepare", "forward", "sample", "process")
 # Column order of one step record from peers.run_pagedattn.

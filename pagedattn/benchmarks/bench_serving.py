@@ -1,6 +1,6 @@
 """Serving benchmark: Poisson arrivals of ShareGPT-like requests against live HTTP servers.
 
-    python -m benchmarks.bench_serving --seed 0 [--model M] [--rates 1,4] [--num-prompts 16]
+    pagedattn bench serve --seed 0 [--model M] [--rates 1,4] [--num-prompts 16]
 
 Starts `pagedattn serve` on a free port and, beside it, `transformers serve` on the same weights
 when that runs offline on this machine (else it prints why and skips that column). Both get the
@@ -24,7 +24,12 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.serving_procs import ServerProc, hf_model_dir, start_pagedattn, start_transformers
+from pagedattn.benchmarks.serving_procs import (
+    ServerProc,
+    hf_model_dir,
+    start_pagedattn,
+    start_transformers,
+)
 
 # ShareGPT conversations have a long tail: lognormal lengths, clipped (scaled down for CPU runs).
 PROMPT_LEN_MEDIAN, PROMPT_LEN_SIGMA, PROMPT_LEN_MAX = 48, 0.8, 384

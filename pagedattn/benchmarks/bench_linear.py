@@ -1,6 +1,6 @@
 """A decode step's matmuls alone: F.linear against MKL's packed GEMM and the panel GEMM.
 
-    python -m benchmarks.bench_linear [--rows 1,8,32,128] [--layers 30] [--threads 2]
+    python -m pagedattn.benchmarks.bench_linear [--rows 1,8,32,128] [--layers 30] [--threads 2]
 
 SmolLM2-135M's shapes (fused qkv 576->960, o 576->576, gate/up 576->3072, down 1536->576, and
 the 576->49,152 LM head), with ``--layers`` distinct random weight sets so that, as in the real
@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from benchmarks.pagedattn_runner import median_time
+from pagedattn.benchmarks.pagedattn_runner import median_time
 from pagedattn.model.packed_linear import (
     mkl_packing_available,
     pack_panels,

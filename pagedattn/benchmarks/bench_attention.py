@@ -4,7 +4,7 @@ Paged rows: "cpu-torch" (the cpu backend's gather + SDPA path) and "cpu-ext" (th
 reading K/V through the block tables, when it builds). Peers are timed interleaved, call by call,
 so that load from other processes hits them alike.
 
-Run: python -m benchmarks.bench_attention --seed 0 [--threads 2] [--out bench_out/] [--quick]
+Run: pagedattn bench attention --seed 0 [--threads 2] [--out bench_out/] [--quick]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ and the dtype the engine runs on. Metadata (tokenizer, hyper-parameters) is copi
 1-D tensors (norm weights) stay F32, as llama.cpp's own converter keeps them. The file is written
 once into ``~/.cache/pagedattn/gguf`` and reused.
 
-    python -m benchmarks.gguf_retype MODEL.gguf --type bf16
+    python -m pagedattn.benchmarks.gguf_retype MODEL.gguf --type bf16
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Decode-step ablation: the same batch-32 decode under each CPU optimisation switched off in turn.
 
-    python -m benchmarks.bench_decode_step [--batch 32] [--prompt-len 128] [--max-tokens 128]
+    pagedattn bench decode_step [--batch 32] [--prompt-len 128] [--max-tokens 128]
 
 Each configuration runs in a fresh process (environment variables decide the kernels at load
 time): the uniform workload's requests all join at once, and the median wall time of the last
@@ -95,7 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         for name in names:
             env = {**os.environ, **CONFIGS[name][0]}
-            cmd = [sys.executable, "-m", "benchmarks.bench_decode_step", *forwarded, "--_child"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "pagedattn.benchmarks.bench_decode_step",
+                *forwarded,
+                "--_child",
+            ]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
                 print(f"{name}: failed ({proc.returncode}): {proc.stderr[-400:]}", file=sys.stderr)

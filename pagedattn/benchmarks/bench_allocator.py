@@ -1,6 +1,6 @@
 """CPU cost of the KV cache manager: decode allocate_slots, admission, free, hashing, per step.
 
-Run: python -m benchmarks.bench_allocator --seed 0
+Run: python -m pagedattn.benchmarks.bench_allocator --seed 0
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
 from pagedattn.core.kv_cache_utils import hash_request_tokens
-from pagedattn.request import Request
+from pagedattn.core.request import Request
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 16_384

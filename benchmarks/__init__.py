@@ -1,1 +1,0 @@
-"""Benchmarks: python -m benchmarks.<name> --seed 0."""

@@ -1,0 +1,1 @@
+"""Benchmarks: python -m pagedattn.benchmarks.<name> --seed 0."""
