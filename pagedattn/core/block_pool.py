@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from pagedattn.core.kv_cache_utils import (
     NULL_BLOCK_ID,
@@ -12,7 +13,15 @@ from pagedattn.core.kv_cache_utils import (
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     NoFreeBlocksError,
+    block_extra_keys,
 )
+from pagedattn.core.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+
+if TYPE_CHECKING:
+    from pagedattn.core.request import Request
+
+# Bytes of the KV cache group id at the end of a prefix-cache key (make_block_hash_with_group_id).
+_GROUP_ID_BYTES = 4
 
 
 class BlockPool:
@@ -25,9 +34,18 @@ class BlockPool:
     With `reserve_null_block`, block 0 is the null block: never free, never hashed, never
     ref-counted; sliding-window tables put it where a block fell out of the window (vLLM does the
     same). It is then not counted in `num_usable_blocks`.
+
+    With `enable_kv_cache_events`, every change to the prefix-cache index is queued as a
+    BlockStored / BlockRemoved / AllBlocksCleared event (vLLM's schema), drained by take_events().
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool, reserve_null_block: bool = False):
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool,
+        reserve_null_block: bool = False,
+        enable_kv_cache_events: bool = False,
+    ):
         if num_blocks < 1 + reserve_null_block:
             raise ValueError(
                 f"num_blocks={num_blocks} is too small: need at least {1 + reserve_null_block}"
@@ -45,6 +63,8 @@ class BlockPool:
         self.num_usable_blocks = num_blocks - reserve_null_block
         # Counters since the last take_num_evictions().
         self.num_evictions = 0
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.kv_event_queue: list[KVCacheEvent] = []
 
     def get_num_free_blocks(self) -> int:
         """Free blocks, cached-but-unreferenced ones included (they are evictable)."""
@@ -70,6 +90,7 @@ class BlockPool:
         head = queue.fake_free_list_head
         cache = self.cached_block_hash_to_block
         blocks = []
+        removed: list[bytes] | None = [] if self.enable_kv_cache_events else None
         block = head.next_free_block
         for _ in range(num_blocks):
             blocks.append(block)
@@ -77,6 +98,8 @@ class BlockPool:
             block.prev_free_block = block.next_free_block = None
             if block.block_hash is not None:
                 del cache[block.block_hash]
+                if removed is not None:
+                    removed.append(block.block_hash)
                 block.block_hash = None
                 self.num_evictions += 1
             block.ref_cnt = 1
@@ -84,6 +107,8 @@ class BlockPool:
         head.next_free_block = block
         block.prev_free_block = head
         queue.num_free_blocks -= num_blocks
+        if removed:
+            self._queue_removed(removed)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
@@ -128,13 +153,16 @@ class BlockPool:
         num_cached_blocks: int,
         num_full_blocks: int,
         group_suffix: bytes,
+        request: Request | None = None,
     ) -> None:
         """Index blocks[num_cached_blocks:num_full_blocks] by their hashes (+ group suffix).
 
         A block whose hash is already cached (another request computed the same content) stays
-        uncached; the earlier block keeps serving hits. Null blocks are skipped.
+        uncached; the earlier block keeps serving hits. Null blocks are skipped. With events on,
+        `request` (whose blocks these are) supplies the token ids and extra keys of BlockStored.
         """
         cache = self.cached_block_hash_to_block
+        stored: list[int] | None = [] if self.enable_kv_cache_events else None
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or block.block_hash is not None:
@@ -143,6 +171,10 @@ class BlockPool:
             if key not in cache:
                 cache[key] = block
                 block.block_hash = key
+                if stored is not None:
+                    stored.append(i)
+        if stored:
+            self._queue_stored(stored, block_hashes, group_suffix, request)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is held by a request."""
@@ -151,7 +183,70 @@ class BlockPool:
         for block in self.cached_block_hash_to_block.values():
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
+        if self.enable_kv_cache_events:
+            self.kv_event_queue.append(AllBlocksCleared())
         return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """KV cache events queued since the last call, oldest first (empty when events are off)."""
+        events, self.kv_event_queue = self.kv_event_queue, []
+        return events
+
+    def _queue_removed(self, keys: list[bytes]) -> None:
+        by_group: dict[bytes, list[bytes]] = {}
+        for key in keys:
+            by_group.setdefault(key[-_GROUP_ID_BYTES:], []).append(key[:-_GROUP_ID_BYTES])
+        for suffix, hashes in by_group.items():
+            group_id = int.from_bytes(suffix, "big")
+            self.kv_event_queue.append(BlockRemoved(tuple(hashes), group_id))
+
+    def _queue_stored(
+        self,
+        indices: list[int],
+        block_hashes: Sequence[bytes],
+        group_suffix: bytes,
+        request: Request | None,
+    ) -> None:
+        """One BlockStored per run of consecutive newly cached blocks (a gap breaks the chain)."""
+        group_id = int.from_bytes(group_suffix, "big")
+        runs: list[list[int]] = []
+        for i in indices:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            token_ids: tuple[int, ...] = ()
+            extra_keys = None
+            lora_name = None
+            block_size = 0
+            if request is not None and request.block_size:
+                block_size = request.block_size
+                token_ids = tuple(request.all_token_ids[first * block_size : end * block_size])
+                lora_name = request.lora_id
+                keys = [
+                    block_extra_keys(
+                        i * block_size,
+                        (i + 1) * block_size,
+                        request.lora_id,
+                        request.mm_hashes,
+                        request.cache_salt,
+                    )
+                    for i in run
+                ]
+                extra_keys = tuple(keys) if any(k is not None for k in keys) else None
+            self.kv_event_queue.append(
+                BlockStored(
+                    block_hashes=tuple(block_hashes[first:end]),
+                    parent_block_hash=block_hashes[first - 1] if first > 0 else None,
+                    token_ids=token_ids,
+                    block_size=block_size,
+                    lora_name=lora_name,
+                    extra_keys=extra_keys,
+                    group_id=group_id,
+                )
+            )
 
     def take_num_evictions(self) -> int:
         """Evictions since the last call."""

@@ -75,6 +75,7 @@ class KVCacheManager:
         num_blocks: int,
         enable_caching: bool = True,
         hash_seed: str = "pagedattn",
+        enable_kv_cache_events: bool = False,
     ) -> None:
         if not kv_cache_groups:
             raise KVCacheSpecError("kv_cache_groups is empty: give at least one KVCacheGroupSpec")
@@ -89,7 +90,12 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.hash_seed = hash_seed
         needs_null = any(isinstance(g.spec, SlidingWindowSpec) for g in kv_cache_groups)
-        self.block_pool = BlockPool(num_blocks, enable_caching, reserve_null_block=needs_null)
+        self.block_pool = BlockPool(
+            num_blocks,
+            enable_caching,
+            reserve_null_block=needs_null,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
         self.managers: list[SingleTypeKVCacheManager] = [
             make_single_type_manager(group.spec, self.block_pool, group_id)
             for group_id, group in enumerate(kv_cache_groups)
@@ -289,6 +295,10 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Drop all cached hashes; False (nothing done) while any request holds blocks."""
         return self.block_pool.reset_prefix_cache()
+
+    def take_events(self):
+        """KV cache events (core.kv_events) since the last call; empty unless events are on."""
+        return self.block_pool.take_events()
 
     def make_stats(self, reset: bool = True) -> KVCacheStats:
         """Current usage plus counters since the last reset (reset them unless reset=False)."""

@@ -135,6 +135,7 @@ class SingleTypeKVCacheManager:
                 num_cached,
                 num_full,
                 self.group_suffix,
+                request,
             )
             self.num_cached_block[request_id] = num_full
 
