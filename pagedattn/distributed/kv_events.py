@@ -1,0 +1,272 @@
+"""KV cache events on the wire, in vLLM's schema: msgspec structs, a ZMQ publisher, a subscriber.
+
+Wire format (as vLLM's `vllm/distributed/kv_events.py`): each batch is one ZMQ multipart message
+`[topic, seq (8-byte big-endian), msgpack(KVEventBatch)]` on a PUB socket; the structs are
+array-like and tagged by class name, so a consumer of vLLM's events decodes ours unchanged. With
+a replay endpoint, a ROUTER socket answers `[b"", start_seq]` with every buffered batch from
+start_seq on, then `[END_SEQ, b""]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from pagedattn.core import kv_events as core_events
+
+logger = logging.getLogger(__name__)
+
+# Sequence number that ends a replay answer.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Events of one engine step, stamped with wall-clock time."""
+
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base of the three KV cache events (tagged by class name on the wire)."""
+
+
+class BlockStored(KVCacheEvent):
+    """Consecutive full blocks of one sequence entered the prefix cache."""
+
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Cached blocks were evicted."""
+
+    block_hashes: list[bytes | int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The prefix cache was reset."""
+
+
+class KVEventBatch(EventBatch):
+    """A batch of KV cache events (what the publisher sends)."""
+
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+
+def to_wire(event: core_events.KVCacheEvent) -> BlockStored | BlockRemoved | AllBlocksCleared:
+    """The msgspec struct of one core event (group 0 leaves group_idx out, as vLLM does)."""
+    if isinstance(event, core_events.BlockStored):
+        return BlockStored(
+            block_hashes=list(event.block_hashes),
+            parent_block_hash=event.parent_block_hash,
+            token_ids=list(event.token_ids),
+            block_size=event.block_size,
+            lora_id=None,
+            medium=event.medium,
+            lora_name=event.lora_name,
+            extra_keys=list(event.extra_keys) if event.extra_keys is not None else None,
+            group_idx=event.group_id or None,
+        )
+    if isinstance(event, core_events.BlockRemoved):
+        return BlockRemoved(list(event.block_hashes), event.medium, event.group_id or None)
+    return AllBlocksCleared()
+
+
+def make_batch(
+    events: Iterable[core_events.KVCacheEvent], data_parallel_rank: int | None = None
+) -> KVEventBatch:
+    """A wire batch of core events, stamped now."""
+    return KVEventBatch(time.time(), [to_wire(e) for e in events], data_parallel_rank)
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(KVEventBatch)
+
+
+def encode_batch(batch: KVEventBatch) -> bytes:
+    """msgpack bytes of a batch."""
+    return _encoder.encode(batch)
+
+
+def decode_batch(payload: bytes) -> KVEventBatch:
+    """A batch from msgpack bytes."""
+    return _decoder.decode(payload)
+
+
+def _binds(endpoint: str) -> bool:
+    # NOTE: vLLM's convention: a wildcard, ipc or inproc address binds; a host address connects.
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+class ZmqEventPublisher:
+    """Publishes KV event batches on a PUB socket from a background thread, with replay.
+
+    `publish(events)` never blocks the engine: it queues the batch; the thread stamps it with
+    the next sequence number, sends it and keeps the last `buffer_steps` batches for replay.
+    """
+
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str = "",
+        replay_endpoint: str | None = None,
+        buffer_steps: int = 10_000,
+        data_parallel_rank: int | None = None,
+        hwm: int = 100_000,
+    ) -> None:
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.data_parallel_rank = data_parallel_rank
+        self._topic = topic.encode()
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.set_hwm(hwm)
+        self._replay: zmq.Socket | None = None
+        try:
+            if _binds(endpoint):
+                self._pub.bind(endpoint)
+                self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._pub.connect(endpoint)
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.bind(replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError:
+            self._close_sockets()
+            raise
+        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue()
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.next_seq = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kv-events-pub", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: Sequence[core_events.KVCacheEvent] | KVEventBatch) -> None:
+        """Queue one batch (core events, or a ready KVEventBatch); empty lists are dropped."""
+        if self._closed:
+            raise RuntimeError("the KV event publisher is shut down")
+        if not isinstance(events, KVEventBatch):
+            if not events:
+                return
+            events = make_batch(events, self.data_parallel_rank)
+        self._queue.put(events)
+
+    def shutdown(self, timeout: float = 2.0) -> None:
+        """Send what is queued, stop the thread and close the sockets."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._pub.close(linger=0)
+        if self._replay is not None:
+            self._replay.close(linger=0)
+
+    def _run(self) -> None:
+        while True:
+            if self._replay is not None:
+                while self._replay.poll(0):
+                    self._answer_replay()
+            try:
+                batch = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if batch is None:
+                return
+            payload = encode_batch(batch)
+            seq = self.next_seq
+            self.next_seq += 1
+            self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
+            self._buffer.append((seq, payload))
+
+    def _answer_replay(self) -> None:
+        frames = self._replay.recv_multipart()
+        if len(frames) != 3:
+            logger.warning("ignoring a malformed replay request of %d frames", len(frames))
+            return
+        client, _, start = frames
+        start_seq = int.from_bytes(start, "big")
+        for seq, payload in list(self._buffer):
+            if seq >= start_seq:
+                self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+        self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+
+class ZmqEventSubscriber:
+    """Receives a publisher's batches in order; asks its replay socket for any it missed."""
+
+    def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sub.connect(endpoint)
+        self._replay_endpoint = replay_endpoint
+        self.last_seq = -1
+        self.num_missed = 0
+
+    def poll(self, timeout_ms: int = 0) -> list[KVEventBatch]:
+        """Batches that arrived (waiting up to timeout_ms for the first), oldest first."""
+        out: list[KVEventBatch] = []
+        wait = timeout_ms
+        while self._sub.poll(wait):
+            _, seq_bytes, payload = self._sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big")
+            if seq <= self.last_seq:
+                continue
+            if seq > self.last_seq + 1:
+                out.extend(self._replay(self.last_seq + 1, seq))
+            out.append(decode_batch(payload))
+            self.last_seq = seq
+            wait = 0
+        return out
+
+    def _replay(self, start: int, stop: int) -> list[KVEventBatch]:
+        """Batches [start, stop) from the replay socket (those it no longer has are missed)."""
+        got: list[KVEventBatch] = []
+        if self._replay_endpoint is not None:
+            # NOTE: a DEALER, not a REQ: the answer is many messages, and REQ takes only one.
+            req = self._ctx.socket(zmq.DEALER)
+            req.setsockopt(zmq.RCVTIMEO, 2000)
+            req.setsockopt(zmq.LINGER, 0)
+            try:
+                req.connect(self._replay_endpoint)
+                req.send_multipart((b"", start.to_bytes(8, "big")))
+                while True:
+                    _, seq_bytes, payload = req.recv_multipart()
+                    if seq_bytes == END_SEQ:
+                        break
+                    if start <= int.from_bytes(seq_bytes, "big") < stop:
+                        got.append(decode_batch(payload))
+            except zmq.ZMQError as exc:
+                logger.warning("KV event replay from %s failed: %s", self._replay_endpoint, exc)
+            finally:
+                req.close()
+        self.num_missed += (stop - start) - len(got)
+        return got
+
+    def close(self) -> None:
+        """Close the socket."""
+        self._sub.close(linger=0)

@@ -1,0 +1,159 @@
+"""Routing policies over engine replicas: prefix-aware, power of two choices, round robin.
+
+Pure logic: a policy ranks replica ids given their queue lengths and the request's chained block
+hashes, computed the way the engine computes them (`RequestHasher`). The Ray Serve request
+router (`serve_router.py`) and the benchmark both call these.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+
+from pagedattn.core.kv_cache_utils import BlockHash, hash_request_tokens
+from pagedattn.distributed.prefix_index import PrefixIndex
+
+ROUTERS = ("prefix", "pow2", "round_robin")
+# Queue-length spread (max - min) past which the prefix router ignores cache affinity.
+DEFAULT_IMBALANCE_THRESHOLD = 8
+
+
+class RequestHasher:
+    """Chained block hashes of a prompt, equal to the engine's (same block size, seed, salt)."""
+
+    def __init__(self, tokenizer, block_size: int, hash_seed: str = "pagedattn") -> None:
+        self.tokenizer = tokenizer
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+
+    def prompt_token_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Token ids of a completion prompt, as LLMEngine.add_request tokenizes it."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return list(prompt)
+
+    def chat_token_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """Token ids of a chat, rendered as OpenAIServing renders it."""
+        text = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True
+        )
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: str | None) -> list[BlockHash]:
+        """Hashes of the full blocks of token_ids under a tenant's salt."""
+        return hash_request_tokens(
+            self.block_size, token_ids, self.hash_seed, cache_salt=cache_salt
+        )
+
+
+class RoutingPolicy(ABC):
+    """Ranks replicas for one request: best first."""
+
+    name: str
+
+    @abstractmethod
+    def rank(
+        self,
+        replica_ids: Sequence[str],
+        queue_lens: Mapping[str, int],
+        block_hashes: Sequence[BlockHash] = (),
+    ) -> list[str]:
+        """Replica ids, most preferred first (every given id appears once)."""
+
+    def on_routed(self, replica_id: str, block_hashes: Sequence[BlockHash]) -> None:
+        """The request went to replica_id (after rank; policies with state update it)."""
+        return None
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Each request to the next replica in turn."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def rank(self, replica_ids, queue_lens, block_hashes=()):
+        ids = sorted(replica_ids)
+        if not ids:
+            return []
+        start = next(self._counter) % len(ids)
+        return ids[start:] + ids[:start]
+
+
+class PowerOfTwoPolicy(RoutingPolicy):
+    """Two random replicas, the shorter queue first (Ray Serve's default policy)."""
+
+    name = "pow2"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def rank(self, replica_ids, queue_lens, block_hashes=()):
+        ids = list(replica_ids)
+        self._rng.shuffle(ids)
+        first_two = sorted(ids[:2], key=lambda r: queue_lens.get(r, 0))
+        return first_two + sorted(ids[2:], key=lambda r: queue_lens.get(r, 0))
+
+
+class PrefixAwarePolicy(RoutingPolicy):
+    """The replica holding the longest cached prefix, unless queues are imbalanced.
+
+    - If max(queue) - min(queue) > imbalance_threshold: least loaded first (affinity off).
+    - Else the replicas with the longest match (in blocks, >= 1), shortest queue first among them.
+    - A miss everywhere goes to the least loaded replica (ties broken at random).
+    """
+
+    name = "prefix"
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
+        seed: int | None = None,
+    ) -> None:
+        self.index = index
+        self.imbalance_threshold = imbalance_threshold
+        self._rng = random.Random(seed)
+        self.num_hits = 0
+        self.num_misses = 0
+        self.num_imbalanced = 0
+
+    def rank(self, replica_ids, queue_lens, block_hashes=()):
+        ids = list(replica_ids)
+        self._rng.shuffle(ids)
+        by_load = sorted(ids, key=lambda r: queue_lens.get(r, 0))
+        if not ids or not block_hashes:
+            return by_load
+        loads = [queue_lens.get(r, 0) for r in ids]
+        if max(loads) - min(loads) > self.imbalance_threshold:
+            self.num_imbalanced += 1
+            return by_load
+        matches = {r: self.index.match_length(r, block_hashes) for r in ids}
+        best = max(matches.values())
+        if best == 0:
+            self.num_misses += 1
+            return by_load
+        self.num_hits += 1
+        return sorted(by_load, key=lambda r: -matches[r])
+
+    def on_routed(self, replica_id, block_hashes):
+        self.index.note_routed(replica_id, block_hashes)
+
+
+def make_policy(
+    name: str,
+    index: PrefixIndex | None = None,
+    imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
+    seed: int | None = None,
+) -> RoutingPolicy:
+    """A policy by name (`ROUTERS`)."""
+    if name == "prefix":
+        return PrefixAwarePolicy(index or PrefixIndex(), imbalance_threshold, seed)
+    if name == "pow2":
+        return PowerOfTwoPolicy(seed)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    raise ValueError(f"router={name!r} is not known: choose one of {', '.join(ROUTERS)}")
