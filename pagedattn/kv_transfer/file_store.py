@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -85,7 +86,9 @@ class FileKVStore(KVStore):
         while self.max_bytes is not None and self.total_bytes > self.max_bytes and self._index:
             stem, size = self._index.popitem(last=False)
             self.total_bytes -= size
-            self._path(stem).unlink(missing_ok=True)
+            # NOTE: a file that cannot be removed now is forgotten; the next scan finds it again.
+            with contextlib.suppress(OSError):
+                self._path(stem).unlink(missing_ok=True)
             self.num_evicted += 1
 
     def get(self, key: str) -> bytes | None:
@@ -119,7 +122,8 @@ class FileKVStore(KVStore):
                 f.write(value)
             os.replace(tmp, path)
         except OSError as error:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             raise self.breaker.record_failure(error) from error
         self.breaker.record_success()
         with self._lock:
@@ -152,7 +156,10 @@ class FileKVStore(KVStore):
         stem = self._stem(key)
         with self._lock:
             self._forget(stem)
-        self._path(stem).unlink(missing_ok=True)
+        try:
+            self._path(stem).unlink(missing_ok=True)
+        except OSError as error:
+            raise self.breaker.record_failure(error) from error
 
     def __len__(self) -> int:
         return len(self._index)

@@ -58,7 +58,6 @@ class RedisKVStore(KVStore):
             socket_timeout=socket_timeout_s,
             socket_connect_timeout=connect_timeout_s,
             retry=Retry(NoBackoff(), 0),
-            retry_on_timeout=False,
         )
 
     def _run(self, fn):
