@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Iterable, Sequence
 
@@ -10,6 +11,14 @@ from pagedattn.distributed.kv_events import AllBlocksCleared, BlockRemoved, Bloc
 # How long a routing decision counts as "this replica will hold these blocks" before its own
 # BlockStored events confirm it (covers queueing and prefill of the first request of a prefix).
 DEFAULT_ROUTED_TTL_S = 30.0
+
+
+def hashes_digest(hashes: Iterable[bytes]) -> str:
+    """A short digest of a set of block hashes (equal sets, equal digests), for cross-checks."""
+    h = hashlib.sha256()
+    for block_hash in sorted(hashes):
+        h.update(block_hash)
+    return h.hexdigest()[:16]
 
 
 class PrefixIndex:

@@ -1,0 +1,209 @@
+"""EngineReplica: one engine behind a Ray Serve deployment, publishing its KV cache events."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pagedattn.distributed.kv_events import ZmqEventPublisher
+from pagedattn.distributed.prefix_index import hashes_digest
+
+logger = logging.getLogger(__name__)
+
+# How often the replica drains its engine's KV cache events and publishes them.
+EVENT_DRAIN_PERIOD_S = 0.005
+COMPLETION, CHAT = "completion", "chat"
+# A prefix-cache key ends with its KV cache group id (make_block_hash_with_group_id).
+GROUP_ID_BYTES = 4
+_GROUP0 = (0).to_bytes(GROUP_ID_BYTES, "big")
+
+
+def error_payload(exc: BaseException) -> dict[str, Any]:
+    """`{"status", "body"}` for an exception, as `pagedattn serve`'s handlers answer it."""
+    from pagedattn.engine.async_engine import EngineDeadError
+    from pagedattn.engine.errors import InvalidRequestError
+    from pagedattn.entrypoints.openai.protocol import error_body
+    from pagedattn.entrypoints.openai.serving import APIError
+
+    if isinstance(exc, APIError):
+        body = error_body(str(exc), exc.err_type, exc.param, exc.code)
+        return {"status": exc.status_code, "body": body}
+    if isinstance(exc, InvalidRequestError):
+        return {"status": 400, "body": error_body(str(exc), "invalid_request_error", exc.param)}
+    if isinstance(exc, EngineDeadError):
+        body = error_body(str(exc), "server_error", code="engine_unavailable")
+        return {"status": 503, "body": body}
+    if isinstance(exc, ValueError):
+        name = str(exc).partition("=")[0]
+        param = name if name.isidentifier() else None
+        return {"status": 400, "body": error_body(str(exc), "invalid_request_error", param)}
+    return {"status": 500, "body": error_body(f"{type(exc).__name__}: {exc}", "server_error")}
+
+
+class EngineReplica:
+    """An AsyncLLMEngine and its OpenAIServing, driven by the ingress through a handle.
+
+    Its KV cache events go out on a ZMQ PUB socket (vLLM's wire format) bound to
+    `tcp://<events_host>:<free port>`; `record_routing_stats` tells the request router where, and
+    how loaded the engine is. Requests are the OpenAI bodies as dicts plus the tenant's cache salt.
+    """
+
+    def __init__(
+        self,
+        engine_config,
+        served_model_name: str | None = None,
+        events_host: str | None = None,
+        engine_factory=None,
+    ) -> None:
+        from pagedattn.engine.async_engine import AsyncLLMEngine
+        from pagedattn.entrypoints.openai.serving import OpenAIServing
+
+        if engine_factory is None:
+            from pagedattn.engine.llm_engine import LLMEngine
+
+            engine_factory = LLMEngine
+        self.llm_engine = engine_factory(engine_config)
+        self.kv_cache_manager = self.llm_engine.kv_cache_manager
+        # NOTE: events on after construction: the engine is not running yet, nothing is lost.
+        self.kv_cache_manager.block_pool.enable_kv_cache_events = True
+        self.engine = AsyncLLMEngine(self.llm_engine)
+        self.engine.start()
+        self.serving = OpenAIServing(self.engine, served_model_name or self.engine.model_name)
+        self.replica_id = _replica_id()
+        host = events_host or _node_ip()
+        self.publisher = ZmqEventPublisher(
+            f"tcp://{host}:*", replay_endpoint=f"tcp://{host}:*", topic="kv-events"
+        )
+        self._stop = threading.Event()
+        self._drainer = threading.Thread(target=self._drain_events, name="kv-events", daemon=True)
+        self._drainer.start()
+        logger.info(
+            "replica %s: KV events on %s (replay %s)",
+            self.replica_id,
+            self.publisher.endpoint,
+            self.publisher.replay_endpoint,
+        )
+
+    def _drain_events(self) -> None:
+        # NOTE: take_events swaps the queue list in one assignment; an append racing with it lands
+        # in the list it returns (GIL), so no event is lost while the engine thread steps.
+        while not self._stop.wait(EVENT_DRAIN_PERIOD_S):
+            events = self.kv_cache_manager.take_events()
+            if events:
+                self.publisher.publish(events)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    async def _create(self, kind: str, body: dict, cache_salt: str | None):
+        from pagedattn.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+        if kind == COMPLETION:
+            return await self.serving.create_completion(
+                CompletionRequest.model_validate(body), cache_salt
+            )
+        if kind == CHAT:
+            return await self.serving.create_chat_completion(
+                ChatCompletionRequest.model_validate(body), cache_salt
+            )
+        raise ValueError(f"kind={kind!r} is invalid: use {COMPLETION!r} or {CHAT!r}")
+
+    async def generate(
+        self, kind: str, body: dict, cache_salt: str | None = None, routing_hashes=None
+    ) -> dict:
+        """A whole response: `{"status": 200, "body": ...}` or an error payload."""
+        try:
+            result = await self._create(kind, body, cache_salt)
+            if not isinstance(result, dict):
+                raise ValueError("stream=true requests go through generate_stream")
+            return {"status": 200, "body": result}
+        except Exception as exc:
+            return error_payload(exc)
+
+    async def generate_stream(
+        self, kind: str, body: dict, cache_salt: str | None = None, routing_hashes=None
+    ) -> AsyncIterator[str | dict]:
+        """Server-sent events, or one error payload (a dict) if the request is rejected."""
+        try:
+            result = await self._create(kind, body, cache_salt)
+        except Exception as exc:
+            yield error_payload(exc)
+            return
+        if isinstance(result, dict):
+            yield {"status": 200, "body": result}
+            return
+        async for chunk in result:
+            yield chunk
+
+    async def models(self) -> dict:
+        """The /v1/models body."""
+        return self.serving.models().model_dump()
+
+    # ---- Ray Serve hooks ---------------------------------------------------------------------
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Polled by the request router: events endpoints, load and this replica's metrics."""
+        stats = self.llm_engine.scheduler
+        body, _ = self.engine.metrics.render()
+        cached = self.cached_block_hashes()
+        return {
+            "replica_id": self.replica_id,
+            "kv_events_endpoint": self.publisher.endpoint,
+            "kv_events_replay_endpoint": self.publisher.replay_endpoint,
+            "kv_events_topic": "kv-events",
+            "num_requests": _num_requests(stats),
+            "num_free_blocks": self.kv_cache_manager.num_free_blocks,
+            "num_usable_blocks": self.kv_cache_manager.num_usable_blocks,
+            "num_cached_blocks": len(cached),
+            "cached_digest": hashes_digest(cached),
+            "block_size": self.kv_cache_manager.block_size,
+            "hash_seed": self.kv_cache_manager.hash_seed,
+            "metrics": body.decode() if isinstance(body, bytes) else body,
+            "time": time.time(),
+        }
+
+    def cached_block_hashes(self) -> set[bytes]:
+        """Group-0 block hashes in this replica's prefix cache now (what its events describe)."""
+        keys = list(self.kv_cache_manager.block_pool.cached_block_hash_to_block)
+        return {key[:-GROUP_ID_BYTES] for key in keys if key[-GROUP_ID_BYTES:] == _GROUP0}
+
+    def check_health(self) -> None:
+        """Ray Serve's health check: a stopped engine loop makes Ray replace this replica."""
+        if not self.engine.is_running:
+            raise RuntimeError(f"replica {self.replica_id}: the engine loop has stopped")
+
+    def __del__(self) -> None:
+        stop = getattr(self, "_stop", None)
+        if stop is None or stop.is_set():
+            return
+        stop.set()
+        self.engine.shutdown()
+        self.publisher.shutdown()
+
+
+def _num_requests(scheduler) -> int:
+    for name in ("get_num_unfinished_requests", "num_unfinished_requests"):
+        attr = getattr(scheduler, name, None)
+        if attr is not None:
+            return int(attr() if callable(attr) else attr)
+    return len(getattr(scheduler, "requests", ()))
+
+
+def _replica_id() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return "local"
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "127.0.0.1"

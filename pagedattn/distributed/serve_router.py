@@ -1,0 +1,124 @@
+"""PagedRequestRouter: Ray Serve's request-router extension point, driven by our policies.
+
+Runs inside the caller of the engine deployment's handle (the ingress). Each replica's
+`record_routing_stats` names its KV event endpoints; the router subscribes to each, keeps a
+PrefixIndex from the events, and ranks replicas with the configured policy (`prefix`, `pow2`,
+`round_robin`) for the block hashes the ingress put in the call's `routing_hashes` keyword.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from pagedattn.distributed.kv_events import ZmqEventSubscriber
+from pagedattn.distributed.prefix_index import DEFAULT_ROUTED_TTL_S, PrefixIndex
+from pagedattn.distributed.router import DEFAULT_IMBALANCE_THRESHOLD, make_policy
+
+logger = logging.getLogger(__name__)
+
+# Routers alive in this process (the ingress reads replica stats and router counters from them).
+ACTIVE_ROUTERS: weakref.WeakSet[PagedRequestRouter] = weakref.WeakSet()
+
+
+class PagedRequestRouter(RequestRouter):
+    """Routes each call to the replica its policy ranks first (then second, ... if full)."""
+
+    def initialize_state(
+        self,
+        policy: str = "prefix",
+        imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
+        routed_ttl_s: float = DEFAULT_ROUTED_TTL_S,
+        seed: int | None = None,
+    ) -> None:
+        self.index = PrefixIndex(routed_ttl_s)
+        self.policy = make_policy(policy, self.index, imbalance_threshold, seed)
+        self._subscribers: dict[ReplicaID, ZmqEventSubscriber] = {}
+        self.num_routed: dict[str, int] = {}
+        ACTIVE_ROUTERS.add(self)
+
+    # ---- KV events -------------------------------------------------------------------------
+
+    def _sync_subscriptions(self) -> None:
+        for replica in self._replicas.values():
+            rid = replica.replica_id
+            if rid in self._subscribers:
+                continue
+            stats = replica.routing_stats or {}
+            endpoint = stats.get("kv_events_endpoint")
+            if endpoint is None:
+                continue
+            self._subscribers[rid] = ZmqEventSubscriber(
+                endpoint,
+                topic=stats.get("kv_events_topic", ""),
+                replay_endpoint=stats.get("kv_events_replay_endpoint"),
+            )
+            self.index.add_replica(rid.unique_id)
+
+    def drain_events(self) -> int:
+        """Apply every event batch that arrived; returns how many."""
+        self._sync_subscriptions()
+        n = 0
+        for rid, sub in self._subscribers.items():
+            for batch in sub.poll(0):
+                self.index.apply(rid.unique_id, batch)
+                n += 1
+        return n
+
+    def _forget(self, replica_id: ReplicaID) -> None:
+        sub = self._subscribers.pop(replica_id, None)
+        if sub is not None:
+            sub.close()
+        self.index.remove_replica(replica_id.unique_id)
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        old = set(self._replicas)
+        super().update_replicas(replicas)
+        for rid in old - set(self._replicas):
+            self._forget(rid)
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self._forget(replica_id)
+
+    # ---- routing ---------------------------------------------------------------------------
+
+    def _queue_len(self, replica: RunningReplica) -> int:
+        cached = self._replica_queue_len_cache.get(replica.replica_id)
+        if cached is not None:
+            return cached
+        return int((replica.routing_stats or {}).get("num_requests", 0))
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        self.drain_events()
+        hashes: Any = ()
+        if pending_request is not None:
+            hashes = pending_request.kwargs.get("routing_hashes") or ()
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        loads = {uid: self._queue_len(r) for uid, r in by_id.items()}
+        ranked = self.policy.rank(list(by_id), loads, hashes)
+        return [[by_id[uid]] for uid in ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
+        uid = replica_id.unique_id
+        self.num_routed[uid] = self.num_routed.get(uid, 0) + 1
+        hashes = pending_request.kwargs.get("routing_hashes") if pending_request else None
+        if hashes:
+            self.policy.on_routed(uid, hashes)
+
+    # ---- for the ingress -------------------------------------------------------------------
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """Latest routing stats per live replica id."""
+        return {
+            r.replica_id.unique_id: dict(r.routing_stats or {}) for r in self._replicas.values()
+        }
