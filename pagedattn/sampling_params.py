@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
+
+from pagedattn.structured_output.params import StructuredOutputsParams
 
 # Temperatures below this are treated as 0 (greedy), as in vLLM.
 SAMPLING_EPS = 1e-5
@@ -12,6 +15,9 @@ MIN_PENALTY = -2.0
 MAX_PENALTY = 2.0
 # Values of `top_k` that OpenAI-style clients send to mean "no top-k"; normalised to None.
 TOP_K_DISABLED_VALUES = (0, -1)
+# Seeds seed a torch.Generator, a signed 64-bit value.
+MAX_SEED = 2**63
+MAX_LOGIT_BIAS = 100.0
 
 
 _FLOAT_FIELDS = (
@@ -72,6 +78,12 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    # Token id -> bias added to its logit before sampling, in [-100, 100] (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
+    # None: no prompt logprobs; k: each prompt token's logprob plus the k most likely tokens'.
+    prompt_logprobs: int | None = None
+    # The output must match this (JSON schema, regex, choice, grammar); None: free text.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -86,8 +98,22 @@ class SamplingParams:
         elif isinstance(self.stop, str):
             set_(self, "stop", [self.stop])
         else:
+            _require(
+                isinstance(self.stop, list | tuple),
+                f"stop={self.stop!r} is invalid: use a string or a list of non-empty strings",
+            )
             set_(self, "stop", list(self.stop))
+        _require(
+            self.stop_token_ids is None or isinstance(self.stop_token_ids, list | tuple),
+            f"stop_token_ids={self.stop_token_ids!r} is invalid: use a list of token ids",
+        )
         set_(self, "stop_token_ids", list(self.stop_token_ids or []))
+        if self.logit_bias is not None:
+            _require(
+                isinstance(self.logit_bias, dict),
+                f"logit_bias={self.logit_bias!r} is invalid: use a dict token id -> bias",
+            )
+            set_(self, "logit_bias", dict(self.logit_bias))
         if self.top_k in TOP_K_DISABLED_VALUES:
             set_(self, "top_k", None)
         for name in _FLOAT_FIELDS:
@@ -96,6 +122,7 @@ class SamplingParams:
                 isinstance(value, int | float) and not isinstance(value, bool),
                 f"{name}={value!r} is invalid: use a number",
             )
+            _require(math.isfinite(value), f"{name}={value!r} is invalid: use a finite number")
             set_(self, name, float(value))
 
     def _reset_greedy(self) -> None:
@@ -134,8 +161,8 @@ class SamplingParams:
         )
         _require(0 <= self.min_p <= 1, f"min_p={self.min_p!r} is invalid: use a number in [0, 1]")
         _require(
-            self.seed is None or _is_int(self.seed),
-            f"seed={self.seed!r} is invalid: use an integer or None",
+            self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED),
+            f"seed={self.seed!r} is invalid: use an integer in [0, 2**63) or None",
         )
         _require(
             self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
@@ -163,6 +190,31 @@ class SamplingParams:
         _require(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids={self.stop_token_ids!r} is invalid: use non-negative token ids",
+        )
+        _require(
+            self.prompt_logprobs is None
+            or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_NUM_LOGPROBS),
+            f"prompt_logprobs={self.prompt_logprobs!r} is invalid: use None or an integer in "
+            f"[0, {MAX_NUM_LOGPROBS}]",
+        )
+        for token_id, bias in (self.logit_bias or {}).items():
+            _require(
+                _is_int(token_id) and token_id >= 0,
+                f"logit_bias={{{token_id!r}: ...}} is invalid: keys are token ids (integers >= 0)",
+            )
+            _require(
+                isinstance(bias, int | float)
+                and not isinstance(bias, bool)
+                and math.isfinite(bias)
+                and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                f"logit_bias={{{token_id}: {bias!r}}} is invalid: biases are numbers in "
+                f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]",
+            )
+        _require(
+            self.structured_outputs is None
+            or isinstance(self.structured_outputs, StructuredOutputsParams),
+            f"structured_outputs={self.structured_outputs!r} is invalid: use a "
+            "StructuredOutputsParams",
         )
         _require(
             self.detokenize or not self.stop,

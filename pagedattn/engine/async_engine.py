@@ -5,6 +5,12 @@ thread-safe queue (add, abort, call); the thread applies all pending commands be
 `step()`, so new requests join the running batch at the next step (continuous batching) and an
 aborted request's blocks are freed before the next step runs. Outputs go back to per-request
 `asyncio.Queue`s through `loop.call_soon_threadsafe`.
+
+Failure isolation: a request that fails inside a step comes back from `step()` finished with an
+`error`; only that request's stream raises `RequestFailedError`, and the loop goes on. Any
+exception out of `step()` is an engine fault: every request in flight fails with
+`EngineDeadError`, `is_running` turns False (so `/health` answers 503) and the fault listeners
+run (the server exits non-zero so that a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -32,6 +38,14 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (shut down, or a step raised); no request can be served."""
 
 
+class RequestFailedError(RuntimeError):
+    """One request failed inside the engine (its blocks are freed); other requests go on."""
+
+    def __init__(self, request_id: str, message: str) -> None:
+        super().__init__(f"request {request_id} failed in the engine: {message}")
+        self.request_id = request_id
+
+
 @dataclass
 class _RequestState:
     """A request in flight: where its outputs go, and its timings for the latency metrics."""
@@ -40,6 +54,8 @@ class _RequestState:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
     arrival_time: float
+    # Who sent it (the server's tenant id); scopes what `kv_snapshot(owner=...)` shows.
+    owner: str | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     num_tokens_seen: dict[int, int] = field(default_factory=dict)
@@ -77,6 +93,48 @@ class _Call:
 _STOP = object()
 
 
+class RequestStream:
+    """The outputs of one request, as an async iterator.
+
+    Closing it before the request finished aborts the request, also when it was never iterated
+    (an async generator that never started would skip its `finally`).
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, state: _RequestState) -> None:
+        self._engine = engine
+        self._state = state
+        self._finished = False
+        self._closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self._state.request_id
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._finished or self._closed:
+            raise StopAsyncIteration
+        try:
+            item = await self._state.queue.get()
+        except BaseException:
+            # NOTE: cancelled while waiting (client gone): the request must not run on.
+            await self.aclose()
+            raise
+        if isinstance(item, BaseException):
+            self._finished = True
+            raise item
+        self._finished = item.finished
+        return item
+
+    async def aclose(self) -> None:
+        """Stop reading; aborts the request in the engine unless it already finished."""
+        if not self._finished and not self._closed:
+            self._engine.abort(self._state.request_id)
+        self._closed = True
+
+
 class AsyncLLMEngine:
     """Serves many asyncio callers from one engine loop thread per engine."""
 
@@ -88,6 +146,9 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._dead: BaseException | None = None
+        # The exception that stopped the loop when it was an engine fault (not a shutdown).
+        self.fault: BaseException | None = None
+        self._fault_listeners: list[Callable[[BaseException], None]] = []
 
     @property
     def tokenizer(self):
@@ -100,6 +161,14 @@ class AsyncLLMEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    def add_fault_listener(self, fn: Callable[[BaseException], None]) -> None:
+        """Call `fn(exc)` (from the loop thread) if the engine faults."""
+        self._fault_listeners.append(fn)
 
     @property
     def is_running(self) -> bool:
@@ -126,12 +195,20 @@ class AsyncLLMEngine:
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Abort whatever is still in flight and stop the loop thread."""
+        if self.request_stop():
+            self._thread.join(timeout)
+
+    def request_stop(self) -> bool:
+        """Fail every request in flight with EngineDeadError and stop the loop; returns at once.
+
+        False when no loop thread is running.
+        """
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._dead = self._dead or EngineDeadError("the engine was shut down")
-                return
+                return False
             self._commands.put(_STOP)
-        self._thread.join(timeout)
+        return True
 
     async def add_request(
         self,
@@ -141,10 +218,11 @@ class AsyncLLMEngine:
         *,
         priority: int = 0,
         cache_salt: str | None = None,
-    ) -> AsyncIterator[RequestOutput]:
+        owner: str | None = None,
+    ) -> RequestStream:
         """Queue a request; raises the engine's error if it rejects it, else returns its stream."""
         loop = asyncio.get_running_loop()
-        state = _RequestState(request_id, loop, asyncio.Queue(), time.monotonic())
+        state = _RequestState(request_id, loop, asyncio.Queue(), time.monotonic(), owner)
         accepted: Future = Future()
         self._submit(_Add(state, prompt, params, priority, cache_salt, accepted))
         try:
@@ -152,22 +230,7 @@ class AsyncLLMEngine:
         except asyncio.CancelledError:
             self.abort(request_id)
             raise
-        return self._stream(state)
-
-    async def _stream(self, state: _RequestState) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                item = await state.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            # NOTE: runs when the consumer is cancelled (client gone) or stops early.
-            if not finished:
-                self.abort(state.request_id)
+        return RequestStream(self, state)
 
     async def generate(
         self,
@@ -202,6 +265,16 @@ class AsyncLLMEngine:
         """The engine's block states and block tables, taken between steps."""
         return await self.call(lambda engine: engine.kv_snapshot())
 
+    async def kv_snapshot_with_owned(self, owner: str | None) -> tuple[dict, set[str]]:
+        """`kv_snapshot()` and, taken at the same moment, the ids of the requests in flight that
+        `owner` sent."""
+
+        def take(engine) -> tuple[dict, set[str]]:
+            ids = {rid for rid, s in self._states.items() if s.owner == owner}
+            return engine.kv_snapshot(), ids
+
+        return await self.call(take)
+
     async def get_stats(self):
         """The engine's `EngineStats`, taken between steps."""
         return await self.call(lambda engine: engine.get_stats())
@@ -227,8 +300,14 @@ class AsyncLLMEngine:
                     self._deliver(self.engine.step())
                 self.metrics.record_engine_stats(self.engine.get_stats())
         except BaseException as exc:
-            logger.exception("engine loop failed; failing every request in flight")
-            self._stop(EngineDeadError(f"the engine loop failed: {exc!r}"), [])
+            logger.exception("engine fault: failing every request in flight and stopping")
+            self.fault = exc
+            self._stop(EngineDeadError(f"the engine stopped after a fault: {exc!r}"), [])
+            for fn in self._fault_listeners:
+                try:
+                    fn(exc)
+                except Exception:
+                    logger.exception("a fault listener failed")
 
     def _stop(self, error: EngineDeadError, pending: list) -> None:
         with self._lock:
@@ -294,6 +373,13 @@ class AsyncLLMEngine:
             self._observe(state, out, now)
             if out.finished:
                 del self._states[out.request_id]
+            error = getattr(out, "error", None)
+            if error is not None:
+                # NOTE: the engine already freed the request's blocks; only its caller hears.
+                logger.warning("request %s failed: %s", out.request_id, error)
+                self._states.pop(out.request_id, None)
+                state.put(RequestFailedError(out.request_id, str(error)))
+                continue
             if not state.put(out) and not out.finished:
                 del self._states[out.request_id]
                 self.engine.abort_request(out.request_id)

@@ -1,16 +1,54 @@
-"""Request and response bodies of the OpenAI-compatible API (pydantic models)."""
+"""Request and response bodies of the OpenAI-compatible API (pydantic models).
+
+Validation happens here, once, at the API boundary: strict types (a JSON `true` is not the
+integer 1, a number is not a string), finite floats, seeds in [0, 2**63), strings that are valid
+UTF-8 (no lone surrogates), and the server's limits (n, stop strings, logit_bias). Errors become
+OpenAI error bodies with `param` naming the field (server.py).
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 
 # OpenAI caps completions `logprobs` at 5 and chat `top_logprobs` at 20; the engine allows 20.
 MAX_COMPLETION_LOGPROBS = 5
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
+MAX_NUM_STOP = 16
+MAX_STOP_CHARS = 256
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# Seeds seed a torch.Generator (a signed 64-bit value).
+MAX_SEED = 2**63
+
+
+def _valid_utf8(value: str) -> str:
+    """Reject strings that cannot be encoded as UTF-8 (JSON escapes of lone surrogates)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = value[exc.start : exc.end].encode("unicode_escape").decode()
+        raise ValueError(
+            f"contains '{bad}' at index {exc.start}, which is not valid Unicode text "
+            "(a lone UTF-16 surrogate); send valid UTF-8"
+        ) from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_valid_utf8)]
+FiniteFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]
+TokenId = Annotated[StrictInt, Field(ge=0)]
 
 
 class OpenAIBaseModel(BaseModel):
@@ -37,52 +75,158 @@ class ErrorResponse(BaseModel):
 class StreamOptions(OpenAIBaseModel):
     """Streaming options; `include_usage` adds a final chunk that carries token counts."""
 
-    include_usage: bool = False
+    include_usage: StrictBool = False
+
+
+class JsonSchemaFormat(OpenAIBaseModel):
+    """The `json_schema` member of `response_format`."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Text = "response"
+    description: Text | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's `response_format`: free text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or self.json_schema.schema_ is None
+        ):
+            raise ValueError("type 'json_schema' needs json_schema.schema (a JSON schema object)")
+        return self
+
+
+class StructuredOutputsRequest(OpenAIBaseModel):
+    """vLLM's `structured_outputs`: exactly one of json, regex, choice, grammar, json_object."""
+
+    json_: dict[str, Any] | Text | None = Field(default=None, alias="json")
+    regex: Text | None = None
+    choice: list[Text] | None = Field(default=None, min_length=1)
+    grammar: Text | None = None
+    json_object: StrictBool | None = None
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+def _check_prompt(value: Any) -> Any:
+    """A string, a list of strings, a list of token ids, or a list of lists of token ids."""
+
+    def is_ids(v: Any) -> bool:
+        return isinstance(v, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in v
+        )
+
+    if isinstance(value, str):
+        return _valid_utf8(value)
+    if isinstance(value, list):
+        if not value:
+            raise ValueError("the prompt is empty: send at least one token")
+        if all(isinstance(p, str) for p in value):
+            return [_valid_utf8(p) for p in value]
+        if is_ids(value):
+            return value
+        if all(is_ids(p) for p in value):
+            return value
+    raise ValueError(
+        "must be a string, a list of strings, a list of token ids (integers >= 0) "
+        "or a list of lists of token ids"
+    )
 
 
 class _SamplingFields(OpenAIBaseModel):
     """Fields shared by completion and chat requests."""
 
-    model: str
-    temperature: float | None = Field(default=None, ge=0)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
-    stream: bool = False
+    model: Text
+    temperature: FiniteFloat | None = Field(default=None, ge=0)
+    top_p: FiniteFloat | None = Field(default=None, gt=0, le=1)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
+    best_of: StrictInt | None = Field(default=None, ge=1, le=MAX_N)
+    stop: Text | list[Text] | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2, le=2)
-    frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
-    user: str | None = None
+    seed: StrictInt | None = Field(default=None, ge=0, lt=MAX_SEED)
+    presence_penalty: FiniteFloat = Field(default=0.0, ge=-2, le=2)
+    frequency_penalty: FiniteFloat = Field(default=0.0, ge=-2, le=2)
+    # Token id (a JSON object key, so a string) -> bias added to its logit, in [-100, 100].
+    logit_bias: dict[str, FiniteFloat] | None = Field(
+        default=None, max_length=MAX_LOGIT_BIAS_ENTRIES
+    )
+    # Accepted and logged at debug level; never changes the output.
+    user: Text | None = None
+    response_format: ResponseFormat | None = None
     # Extensions (vLLM names).
-    top_k: int | None = None
-    ignore_eos: bool = False
-    cache_salt: str | None = Field(default=None, min_length=1)
-    priority: int = 0
+    top_k: StrictInt | None = Field(default=None, ge=-1)
+    min_p: FiniteFloat | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: FiniteFloat | None = Field(default=None, gt=0)
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    ignore_eos: StrictBool = False
+    cache_salt: Text | None = Field(default=None, min_length=1)
+    priority: StrictInt = 0
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | Text | None = None
+    guided_regex: Text | None = None
+    guided_choice: list[Text] | None = Field(default=None, min_length=1)
+    guided_grammar: Text | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_NUM_STOP:
+            raise ValueError(f"at most {MAX_NUM_STOP} stop strings are allowed, got {len(stops)}")
+        for s in stops:
+            if not s:
+                raise ValueError("stop strings must be non-empty")
+            if len(s) > MAX_STOP_CHARS:
+                raise ValueError(f"a stop string may have at most {MAX_STOP_CHARS} characters")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or not key.isascii():
+                raise ValueError(f"key {key!r} is not a token id: use non-negative integers")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"bias {bias} of token {key} is out of range: use [-100, 100]")
+        return value
 
 
 class CompletionRequest(_SamplingFields):
     """Body of ``POST /v1/completions``."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
-    echo: bool = False
-    suffix: str | None = None
+    prompt: Any
+    max_tokens: StrictInt | None = Field(default=16, ge=1)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    echo: StrictBool = False
+    suffix: Text | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        return _check_prompt(value)
 
 
 class TextContentPart(OpenAIBaseModel):
     """A text part of a multi-part chat message."""
 
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(OpenAIBaseModel):
     """One message of a conversation."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
+    content: Text | list[TextContentPart] | None = None
 
     def text(self) -> str:
         """The content as plain text (multi-part text is joined)."""
@@ -97,10 +241,11 @@ class ChatCompletionRequest(_SamplingFields):
     """Body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    # None: as many tokens as the context and the KV pool allow (the engine caps it).
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
 
 
 class PromptTokensDetails(BaseModel):

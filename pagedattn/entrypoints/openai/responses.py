@@ -33,6 +33,15 @@ def error_json(exc: BaseException) -> str:
     return json.dumps(error_body(str(exc), err_type, getattr(exc, "param", None)))
 
 
+def _merge_logprobs(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
+    return CompletionLogProbs(
+        text_offset=first.text_offset + second.text_offset,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        tokens=first.tokens + second.tokens,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+    )
+
+
 def _ranked(entry: dict[int, Logprob], sampled: int, num_top: int) -> list[tuple[int, Logprob]]:
     """The sampled token and the `num_top` most likely, most likely first."""
     items = sorted(entry.items(), key=lambda kv: kv[1].rank)
@@ -102,7 +111,55 @@ class StreamBuilder:
 
 
 class CompletionBuilder(StreamBuilder):
-    """Bodies of ``/v1/completions``."""
+    """Bodies of ``/v1/completions``; with `echo`, each choice starts with its prompt's text."""
+
+    def __init__(
+        self,
+        request_id: str,
+        model_name: str,
+        tokenizer,
+        params: SamplingParams,
+        num_prompts: int = 1,
+        echo: list[str] | None = None,
+    ) -> None:
+        super().__init__(request_id, model_name, tokenizer, params, num_prompts)
+        self.echo = echo
+        self._echoed: set[int] = set()
+
+    def _prompt_logprobs(self, out: RequestOutput) -> CompletionLogProbs:
+        """The prompt's tokens and logprobs (None where the engine gave none: the first)."""
+        result = CompletionLogProbs()
+        entries = getattr(out, "prompt_logprobs", None) or []
+        offset = 0
+        for pos, tid in enumerate(out.prompt_token_ids):
+            token = self.decode(tid)
+            entry = entries[pos] if pos < len(entries) else None
+            sampled = entry.get(tid) if entry else None
+            result.tokens.append(token)
+            result.token_logprobs.append(None if sampled is None else sampled.logprob)
+            result.top_logprobs.append(
+                None
+                if not entry
+                else {self.decode(t): lp.logprob for t, lp in _ranked(entry, tid, self.num_top)}
+            )
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result
+
+    def _with_echo(
+        self, key: int, prompt_index: int, out: RequestOutput, choice: CompletionChoice
+    ) -> CompletionChoice:
+        """Prefix the prompt (text, and logprobs when asked) to a choice's first delta."""
+        if self.echo is None or key in self._echoed:
+            return choice
+        self._echoed.add(key)
+        prefix = self.echo[prompt_index]
+        choice.text = prefix + choice.text
+        if choice.logprobs is not None:
+            shifted = [o + len(prefix) for o in choice.logprobs.text_offset]
+            choice.logprobs.text_offset = shifted
+            choice.logprobs = _merge_logprobs(self._prompt_logprobs(out), choice.logprobs)
+        return choice
 
     def _logprobs(self, comp: CompletionOutput, first: int, offset: int) -> CompletionLogProbs:
         result = CompletionLogProbs()
@@ -133,7 +190,9 @@ class CompletionBuilder(StreamBuilder):
     def chunks(self, prompt_index: int, out: RequestOutput) -> Iterator[CompletionResponse]:
         for key, comp, text, first in self.deltas(prompt_index, out):
             offset = self._sent_chars[key] - len(text)
-            choice = self._choice(key, comp, text, first, offset)
+            choice = self._with_echo(
+                key, prompt_index, out, self._choice(key, comp, text, first, offset)
+            )
             yield CompletionResponse(id=self.request_id, model=self.model_name, choices=[choice])
 
     def usage_chunk(self, usage: UsageInfo) -> CompletionResponse:
@@ -143,7 +202,12 @@ class CompletionBuilder(StreamBuilder):
 
     def full(self, finals: list[RequestOutput], usage: UsageInfo) -> CompletionResponse:
         choices = [
-            self._choice(i * self.n + comp.index, comp, comp.text, 0, 0)
+            self._with_echo(
+                i * self.n + comp.index,
+                i,
+                out,
+                self._choice(i * self.n + comp.index, comp, comp.text, 0, 0),
+            )
             for i, out in enumerate(finals)
             for comp in sorted(out.outputs, key=lambda c: c.index)
         ]

@@ -4,14 +4,20 @@ Trust model for tenants and the prefix cache:
 - Without `--api-key` the server is open and every client shares one prefix-cache namespace,
   unless a request sends `cache_salt`. A client-sent salt is only as secret as the client keeps
   it: anyone who sends the same salt shares (and can probe, by cache hits or TTFT) that namespace.
-- With `--api-key` (one or more) every `/v1/*` and `/debug/kv` request must send
-  `Authorization: Bearer <key>` (else 401). Each key gets its own namespace: the salt passed to the
-  engine is HMAC-SHA256(server secret, key), which a client cannot choose or forge. A `cache_salt`
-  sent with a key only splits that key's namespace further (HMAC of key salt and client salt), so
-  no tenant can name another tenant's namespace. Clients sharing a key share a namespace.
+- With `--api-key` (one or more) every request except `/health`, `/metrics` and `/dashboard`
+  (so `/v1/*`, `/debug/kv`, `/docs`, `/openapi.json`) must send `Authorization: Bearer <key>`
+  (else 401). The key is checked before the body is read (an ASGI middleware), and bodies over
+  `--max-request-bytes` are refused with 413 whether they declare a Content-Length or stream.
+  Each key gets its own namespace: the salt passed to the engine is HMAC-SHA256(server secret,
+  key), which a client cannot choose or forge. A `cache_salt` sent with a key only splits that
+  key's namespace further (HMAC of key salt and client salt), so no tenant can name another
+  tenant's namespace. Clients sharing a key share a namespace.
 - The server secret is random per process; the prefix cache does not outlive the process.
 - `/health`, `/metrics` and `/dashboard` need no key: they show aggregate counters and no prompt
-  content. `/debug/kv` shows block tables of all requests, so it needs a key when keys are set.
+  content. `/debug/kv` needs a key when keys are set and shows the caller's own requests (ids,
+  token counts, block tables); other tenants' requests appear only as aggregate counts. The
+  dashboard page takes the key from its URL fragment (`/dashboard#api_key=KEY`, never sent to the
+  server); query-string secrets are redacted from the access log anyway.
 """
 
 from __future__ import annotations
@@ -21,8 +27,10 @@ import asyncio
 import contextlib
 import hashlib
 import hmac
+import json
 import logging
 import os
+import re
 import secrets
 import signal
 import threading
@@ -30,13 +38,16 @@ from collections.abc import Coroutine, Sequence
 from pathlib import Path
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pagedattn.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedattn.config import EngineConfig
+from pagedattn.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from pagedattn.engine.errors import InvalidRequestError
+from pagedattn.engine.llm_engine import LLMEngine
+from pagedattn.entrypoints.args import HelpFormatter, add_engine_args
 from pagedattn.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -51,6 +62,16 @@ DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DISCONNECT_POLL_S = 0.5
 # nginx's status for "the client closed the connection before the response was ready".
 CLIENT_CLOSED_REQUEST = 499
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+# Paths served without an API key: aggregate counters and a static page, no prompt content.
+PUBLIC_PATHS = frozenset({"/health", "/metrics", "/dashboard"})
+# After --shutdown-timeout the requests still in flight get an error; this long to send it.
+SHUTDOWN_FLUSH_S = 5.0
+# Exit status of `pagedattn serve` after an engine fault (a supervisor should restart it).
+EXIT_ENGINE_FAULT = 1
+_SECRET_QUERY = re.compile(
+    r"((?:^|[?&])(?:api[_-]?key|key|token|access_token|auth|password|secret)=)[^&#]*", re.I
+)
 
 
 class TenantAuth:
@@ -93,16 +114,138 @@ def _error(status: int, message: str, err_type: str, param=None, code=None) -> J
     return JSONResponse(error_body(message, err_type, param, code), status_code=status)
 
 
+def redact_query_secrets(path: str) -> str:
+    """A request path with the values of secret-looking query parameters replaced."""
+    return _SECRET_QUERY.sub(r"\1[REDACTED]", path)
+
+
+class RedactSecretsFilter(logging.Filter):
+    """Keeps API keys sent in a query string out of uvicorn's access log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            record.args = (*args[:2], redact_query_secrets(args[2]), *args[3:])
+        return True
+
+
+def _install_log_redaction() -> None:
+    access = logging.getLogger("uvicorn.access")
+    if not any(isinstance(f, RedactSecretsFilter) for f in access.filters):
+        access.addFilter(RedactSecretsFilter())
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class GuardMiddleware:
+    """Pure ASGI: the API key is checked and the body size capped before the app reads a byte.
+
+    A `Depends` would run only after FastAPI has read and parsed the whole body.
+    """
+
+    def __init__(self, app, auth: TenantAuth, max_request_bytes: int | None) -> None:
+        self.app = app
+        self.auth = auth
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        tenant = None
+        if scope["path"] not in PUBLIC_PATHS:
+            try:
+                tenant = self.auth.authenticate(headers.get("authorization"))
+            except APIError as exc:
+                await self._reply(send, exc.status_code, str(exc), exc.err_type, exc.code)
+                return
+        scope.setdefault("state", {})["tenant"] = tenant
+        limit = self.max_request_bytes
+        if limit is None:
+            await self.app(scope, receive, send)
+            return
+        declared = headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            await self._too_large(send, limit)
+            return
+        num_bytes = 0
+        started = False
+
+        async def counted_receive():
+            nonlocal num_bytes
+            message = await receive()
+            if message["type"] == "http.request":
+                num_bytes += len(message.get("body", b""))
+                if num_bytes > limit:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _BodyTooLarge:
+            if not started:
+                await self._too_large(send, limit)
+
+    async def _too_large(self, send, limit: int) -> None:
+        message = f"the request body is larger than this server accepts ({limit} bytes)"
+        await self._reply(send, 413, message, "invalid_request_error", "request_too_large")
+
+    @staticmethod
+    async def _reply(send, status: int, message: str, err_type: str, code: str | None) -> None:
+        body = json.dumps(error_body(message, err_type, None, code)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        if status == 413:
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def scope_kv_snapshot(snapshot: dict, own_ids: set[str]) -> dict:
+    """A /debug/kv snapshot cut to the caller's requests; others only as aggregate counts.
+
+    Engine-internal ids of a request's sibling sequences (`<id>#<n>`) count as the request's.
+    """
+
+    def mine(core_id: str) -> bool:
+        return core_id in own_ids or core_id.partition("#")[0] in own_ids
+
+    tables = snapshot.get("block_tables", {})
+    other_ids = [r for r in tables if not mine(r)]
+    other_blocks = {b for r in other_ids for g in tables[r] for b in g}
+    scoped = dict(snapshot)
+    scoped["owners"] = [[r for r in owners if mine(r)] for owners in snapshot.get("owners", [])]
+    scoped["block_tables"] = {r: t for r, t in tables.items() if mine(r)}
+    scoped["requests"] = {r: v for r, v in snapshot.get("requests", {}).items() if mine(r)}
+    scoped["other_tenants"] = {
+        "num_requests": len({r.partition("#")[0] for r in other_ids}),
+        "num_blocks": len(other_blocks),
+    }
+    return scoped
+
+
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|list|dict|none|function-\w+|constrained-\w+)\b|.*\[")
+
+
 def _validation_param(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
     first = errors[0]
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    # NOTE: pydantic adds the tried type of a union to the location ("content", "str").
+    loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_TAG.match(str(p))]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return f"malformed JSON body: {first.get('msg')}", None
-    return f"{param or 'body'}: {first.get('msg')}", param
+    message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return f"{param or 'body'}: {message}", param
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -129,6 +272,16 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def _on_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return _error(503, str(exc), "server_error", code="engine_unavailable")
+
+    @app.exception_handler(RequestFailedError)
+    async def _on_failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        return _error(500, str(exc), "server_error", code="request_failed")
+
+    @app.exception_handler(Exception)
+    async def _on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # NOTE: never a text/plain 500: clients parse the OpenAI error body.
+        logger.error("unhandled error: %r", exc, exc_info=exc)
+        return _error(500, f"internal error: {exc!r}", "server_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -160,13 +313,19 @@ def build_app(
     engine_or_async_engine,
     api_keys: Sequence[str] | None = None,
     served_model_name: str | None = None,
+    *,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+    max_prompt_chars: int | None = None,
 ) -> FastAPI:
     """The FastAPI app serving one engine; the engine loop stops when the app shuts down."""
     engine = engine_or_async_engine
     if not isinstance(engine, AsyncLLMEngine):
         engine = AsyncLLMEngine(engine)
-    serving = OpenAIServing(engine, served_model_name or engine.model_name)
+    serving = OpenAIServing(
+        engine, served_model_name or engine.model_name, max_prompt_chars=max_prompt_chars
+    )
     auth = TenantAuth(api_keys)
+    _install_log_redaction()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -175,17 +334,24 @@ def build_app(
         # NOTE: uvicorn has already waited for in-flight responses (or cancelled them, which
         # aborts their requests); this aborts whatever is left and stops the loop thread.
         engine.shutdown()
+        serving.close()
 
     app = FastAPI(title="pagedattn", lifespan=lifespan)
     app.state.engine = engine
     app.state.auth = auth
+    app.state.serving = serving
+    app.add_middleware(GuardMiddleware, auth=auth, max_request_bytes=max_request_bytes)
     _install_error_handlers(app)
 
     def tenant(request: Request) -> str | None:
-        return auth.authenticate(request.headers.get("authorization"))
+        return request.state.tenant
 
     @app.get("/health")
     async def health() -> Response:
+        if engine.fault is not None:
+            return _error(
+                503, f"the engine stopped after a fault: {engine.fault!r}", "server_error"
+            )
         if not engine.is_running:
             return _error(503, "the engine loop has stopped", "server_error")
         return JSONResponse({"status": "ok"})
@@ -196,26 +362,25 @@ def build_app(
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
-    async def models(_: str | None = Depends(tenant)) -> dict:
+    async def models() -> dict:
         return serving.models().model_dump()
 
     @app.post("/v1/completions")
-    async def completions(
-        body: CompletionRequest, raw: Request, key_salt: str | None = Depends(tenant)
-    ) -> Response:
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        key_salt = tenant(raw)
         salt = auth.cache_salt(key_salt, body.cache_salt)
-        return await _respond(serving.create_completion(body, salt), raw)
+        return await _respond(serving.create_completion(body, salt, owner=key_salt), raw)
 
     @app.post("/v1/chat/completions")
-    async def chat(
-        body: ChatCompletionRequest, raw: Request, key_salt: str | None = Depends(tenant)
-    ) -> Response:
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
+        key_salt = tenant(raw)
         salt = auth.cache_salt(key_salt, body.cache_salt)
-        return await _respond(serving.create_chat_completion(body, salt), raw)
+        return await _respond(serving.create_chat_completion(body, salt, owner=key_salt), raw)
 
     @app.get("/debug/kv")
-    async def debug_kv(_: str | None = Depends(tenant)) -> dict:
-        return await engine.kv_snapshot()
+    async def debug_kv(raw: Request) -> dict:
+        snapshot, own_ids = await engine.kv_snapshot_with_owned(tenant(raw))
+        return scope_kv_snapshot(snapshot, own_ids)
 
     @app.get("/dashboard")
     async def dashboard() -> Response:
@@ -228,7 +393,46 @@ def build_app(
 
 
 class _GracefulServer(uvicorn.Server):
-    """uvicorn, minus re-raising SIGINT/SIGTERM after a clean shutdown (so the exit code is 0)."""
+    """uvicorn, minus re-raising SIGINT/SIGTERM after a clean shutdown (so the exit code is 0).
+
+    - Past the graceful-shutdown timeout, the requests still in flight get an error (a 503 JSON
+      body, or an error event and `[DONE]` on a stream) instead of being cut off.
+    - After an engine fault the server stops and `run()` raises SystemExit(EXIT_ENGINE_FAULT).
+    """
+
+    def __init__(self, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        state = getattr(config.app, "state", None)
+        self._engine: AsyncLLMEngine | None = getattr(state, "engine", None)
+        self._drain_timeout = config.timeout_graceful_shutdown
+        if self._drain_timeout is not None:
+            config.timeout_graceful_shutdown = self._drain_timeout + SHUTDOWN_FLUSH_S
+        if self._engine is not None:
+            self._engine.add_fault_listener(self._on_fault)
+
+    def _on_fault(self, exc: BaseException) -> None:
+        logger.critical("engine fault, the server stops: %r", exc)
+        self.should_exit = True
+
+    def run(self, sockets=None) -> None:
+        super().run(sockets)
+        if self._engine is not None and self._engine.fault is not None:
+            raise SystemExit(EXIT_ENGINE_FAULT)
+
+    async def shutdown(self, sockets=None) -> None:
+        watcher = None
+        if self._engine is not None and self._drain_timeout is not None:
+            watcher = asyncio.ensure_future(self._fail_in_flight_after(self._drain_timeout))
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+
+    async def _fail_in_flight_after(self, delay: float) -> None:
+        await asyncio.sleep(delay)
+        logger.warning("shutdown timeout (%.1f s) passed: failing the requests in flight", delay)
+        self._engine.request_stop()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -246,12 +450,10 @@ class _GracefulServer(uvicorn.Server):
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     """Options of `pagedattn serve`: the engine's plus host, port, keys and model name."""
-    from pagedattn.entrypoints.cli import add_engine_args
-
     add_engine_args(parser)
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g = parser.add_argument_group("server options")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument(
         "--api-key",
         action="extend",
@@ -259,27 +461,52 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="accepted API keys (repeatable); each key gets its own prefix-cache namespace",
     )
-    g.add_argument("--served-model-name", default=None, help="model id clients must send")
-    if "--seed" not in parser._option_string_actions:
-        g.add_argument("--seed", type=int, default=0, help="engine seed")
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients must send (default: the model's name)",
+    )
     g.add_argument(
         "--shutdown-timeout",
         type=float,
         default=DEFAULT_SHUTDOWN_TIMEOUT_S,
         help="seconds in-flight requests may finish after SIGTERM/SIGINT before being aborted",
     )
-    g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging"
+    )
+    add_limit_args(g)
+
+
+def add_limit_args(group) -> None:
+    """The server's request limits (body size, prompt size)."""
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body accepted (413 above it)",
+    )
+    group.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="longest prompt text accepted before tokenising (default: max_model_len times the "
+        "longest token's length, the most that could ever fit)",
+    )
 
 
 def run_server(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGINT/SIGTERM, finish or abort in-flight requests, return 0."""
-    from pagedattn.engine.llm import LLM
-    from pagedattn.entrypoints.cli import engine_kwargs
-
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    llm = LLM(**engine_kwargs(args), seed=args.seed, verbose=True)
+    engine = LLMEngine(EngineConfig.from_cli(args), verbose=True)
     api_keys = list(args.api_key or []) or _keys_from_env()
-    app = build_app(llm.engine, api_keys, args.served_model_name)
+    app = build_app(
+        engine,
+        api_keys,
+        args.served_model_name,
+        max_request_bytes=args.max_request_bytes,
+        max_prompt_chars=args.max_prompt_chars,
+    )
     config = uvicorn.Config(
         app,
         host=args.host,
@@ -300,7 +527,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`python -m pagedattn.entrypoints.openai.server --model DIR --port N`."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    parser = argparse.ArgumentParser(prog="pagedattn serve", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="pagedattn serve", description=__doc__, formatter_class=HelpFormatter
+    )
     add_serve_args(parser)
     return run_server(parser.parse_args(argv))
 

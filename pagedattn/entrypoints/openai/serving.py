@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import copy
+import logging
 import uuid
 from collections.abc import AsyncIterator
 
-from pagedattn.engine.async_engine import AsyncLLMEngine
+from pagedattn.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from pagedattn.engine.errors import InvalidRequestError
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.entrypoints.openai import responses
+from pagedattn.entrypoints.openai.preprocess import PromptPreprocessor
 from pagedattn.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -20,6 +21,12 @@ from pagedattn.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedattn.sampling_params import SamplingParams
+from pagedattn.structured_output.params import (
+    InvalidStructuredOutputsError,
+    StructuredOutputsParams,
+)
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
@@ -82,41 +89,125 @@ def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
         completion_tokens=num_completion,
         total_tokens=num_prompt + num_completion,
         prompt_tokens_details=PromptTokensDetails(
-            cached_tokens=sum(o.metrics.num_cached_tokens for o in outputs)
+            cached_tokens=sum(_num_cached_tokens(o) for o in outputs)
         ),
     )
 
 
+def _num_cached_tokens(out: RequestOutput) -> int:
+    return max(out.num_cached_tokens or 0, out.metrics.num_cached_tokens or 0)
+
+
+_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+
+
+def structured_outputs_of(
+    req: CompletionRequest | ChatCompletionRequest,
+) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's output constraint and the field that set it (for error messages)."""
+    given: list[tuple[str, dict]] = []
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given.append(("response_format", {"json_object": True}))
+    elif fmt is not None and fmt.type == "json_schema":
+        given.append(("response_format", {"json": fmt.json_schema.schema_}))
+    if req.structured_outputs is not None:
+        so = req.structured_outputs
+        spec = {
+            "json": so.json_,
+            "regex": so.regex,
+            "choice": so.choice,
+            "grammar": so.grammar,
+            "json_object": bool(so.json_object),
+        }
+        given.append(("structured_outputs", {k: v for k, v in spec.items() if v}))
+    for name in _GUIDED_FIELDS:
+        value = getattr(req, name)
+        if value is not None:
+            given.append((name, {name.removeprefix("guided_"): value}))
+    if not given:
+        return None, None
+    if len(given) > 1:
+        names = ", ".join(name for name, _ in given)
+        raise APIError(f"send one output constraint, not several ({names})", param=given[1][0])
+    param, spec = given[0]
+    try:
+        return StructuredOutputsParams(**spec), param
+    except InvalidStructuredOutputsError as exc:
+        raise APIError(str(exc), param=param) from None
+
+
+def _logit_bias(req: CompletionRequest | ChatCompletionRequest, vocab_size: int) -> dict | None:
+    if not req.logit_bias:
+        return None
+    bias = {int(token): value for token, value in req.logit_bias.items()}
+    bad = sorted(t for t in bias if t >= vocab_size)
+    if bad:
+        raise APIError(
+            f"logit_bias names token ids {bad[:5]} outside the vocabulary [0, {vocab_size})",
+            param="logit_bias",
+        )
+    return bias
+
+
 def _sampling_params(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None, logprobs: int | None
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    *,
+    vocab_size: int,
+    structured: StructuredOutputsParams | None,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
+    if req.best_of is not None and req.best_of > req.n and req.stream:
+        raise APIError("best_of > n cannot be streamed: set stream=false", param="best_of")
+    optional = {}
+    if req.min_p is not None:
+        optional["min_p"] = req.min_p
+    if req.repetition_penalty is not None:
+        optional["repetition_penalty"] = req.repetition_penalty
     return SamplingParams(
         n=req.n,
+        best_of=req.best_of,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=req.top_k,
         seed=req.seed,
         stop=req.stop,
         max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty,
         ignore_eos=req.ignore_eos,
+        logit_bias=_logit_bias(req, vocab_size),
+        structured_outputs=structured,
+        **optional,
     )
 
 
 class OpenAIServing:
     """Runs completion and chat requests on an AsyncLLMEngine and shapes OpenAI responses."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncLLMEngine,
+        served_model_name: str,
+        *,
+        max_prompt_chars: int | None = None,
+    ) -> None:
         self.engine = engine
         self.model_name = served_model_name
-        # NOTE: a private copy: the engine thread uses its tokenizer concurrently, and a Rust
-        # tokenizer shared across threads can fail with "Already borrowed".
-        try:
-            self.tokenizer = copy.deepcopy(engine.tokenizer)
-        except Exception:
-            self.tokenizer = engine.tokenizer
+        self.preprocessor = PromptPreprocessor(
+            engine.tokenizer, engine.max_model_len, max_prompt_chars=max_prompt_chars
+        )
+        # NOTE: responses decode on the event loop with the preprocessor's own copy (the engine
+        # thread uses the engine's tokenizer concurrently).
+        self.tokenizer = self.preprocessor.local_tokenizer()
+
+    def close(self) -> None:
+        self.preprocessor.close()
 
     def models(self) -> ModelList:
         card = ModelCard(id=self.model_name, max_model_len=self.engine.max_model_len)
@@ -126,51 +217,85 @@ class OpenAIServing:
         if model != self.model_name:
             raise APIError(
                 f"the model {model!r} does not exist: this server serves {self.model_name!r}",
+                status_code=404,
                 param="model",
                 code="model_not_found",
             )
 
+    async def _compile(self, structured: StructuredOutputsParams | None, param: str | None):
+        """Compile the grammar now (cached), so that one that cannot compile is a 400."""
+        if structured is None:
+            return
+        from pagedattn.structured_output.compiler import compile_structured_outputs
+
+        try:
+            await self.preprocessor.run(
+                compile_structured_outputs, structured, self.tokenizer, self.engine.vocab_size
+            )
+        except InvalidStructuredOutputsError as exc:
+            raise APIError(str(exc), param=param) from None
+
     async def _start(
         self,
         request_id: str,
-        prompts: list[Prompt],
+        prompts: list[list[int]],
         params: SamplingParams,
         priority: int,
         cache_salt: str | None,
+        owner: str | None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """Add one engine request per prompt; if one is rejected, abort the others."""
-        streams: list[AsyncIterator[RequestOutput]] = []
+        streams = []
         try:
             for i, prompt in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(
                     await self.engine.add_request(
-                        rid, prompt, params, priority=priority, cache_salt=cache_salt
+                        rid, prompt, params, priority=priority, cache_salt=cache_salt, owner=owner
                     )
                 )
         except BaseException:
+            # NOTE: RequestStream.aclose aborts even a stream that was never iterated.
             for s in streams:
                 await s.aclose()
             raise
         return streams
 
+    def _log_user(self, request_id: str, req: CompletionRequest | ChatCompletionRequest) -> None:
+        if req.user is not None:
+            logger.debug("request %s from user %r", request_id, req.user)
+
     # ---- completions ------------------------------------------------------------------------
 
     async def create_completion(
-        self, req: CompletionRequest, cache_salt: str | None
+        self, req: CompletionRequest, cache_salt: str | None, owner: str | None = None
     ) -> AsyncIterator[str] | dict:
         """A completion response body, or an iterator of server-sent events when streaming."""
         self.check_model(req.model)
-        if req.echo:
-            raise APIError("echo is not supported: send echo=false", param="echo")
         if req.suffix is not None:
             raise APIError("suffix is not supported: omit it", param="suffix")
-        prompts = _completion_prompts(req.prompt)
-        params = _sampling_params(req, req.max_tokens, req.logprobs)
+        structured, param = structured_outputs_of(req)
+        prompt_logprobs = req.logprobs if (req.echo and req.logprobs is not None) else None
+        params = _sampling_params(
+            req,
+            req.max_tokens,
+            req.logprobs,
+            vocab_size=self.engine.vocab_size,
+            structured=structured,
+            prompt_logprobs=prompt_logprobs,
+        )
+        await self._compile(structured, param)
+        raw_prompts = _completion_prompts(req.prompt)
+        # NOTE: every prompt is checked before any starts, so a bad one rejects the whole request.
+        prompts = [await self.preprocessor.encode(p) for p in raw_prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await self._start(request_id, prompts, params, req.priority, cache_salt)
+        self._log_user(request_id, req)
+        streams = await self._start(request_id, prompts, params, req.priority, cache_salt, owner)
+        echo = None
+        if req.echo:
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw_prompts]
         builder = responses.CompletionBuilder(
-            request_id, self.model_name, self.tokenizer, params, len(prompts)
+            request_id, self.model_name, self.tokenizer, params, len(prompts), echo=echo
         )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -181,35 +306,30 @@ class OpenAIServing:
     # ---- chat -------------------------------------------------------------------------------
 
     async def create_chat_completion(
-        self, req: ChatCompletionRequest, cache_salt: str | None
+        self, req: ChatCompletionRequest, cache_salt: str | None, owner: str | None = None
     ) -> AsyncIterator[str] | dict:
         """A chat completion body, or an iterator of server-sent events when streaming."""
         self.check_model(req.model)
-        prompt = self._render_chat(req)
+        structured, param = structured_outputs_of(req)
+        # NOTE: None (not max_model_len) when the client sets no limit: the engine admits the
+        # request on its prompt and caps it by the context and the pool.
         max_tokens = req.max_completion_tokens or req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = _sampling_params(req, max_tokens, logprobs)
+        params = _sampling_params(
+            req, max_tokens, logprobs, vocab_size=self.engine.vocab_size, structured=structured
+        )
+        await self._compile(structured, param)
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        prompt = await self.preprocessor.render_chat(messages, self.model_name)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = await self._start(request_id, [prompt], params, req.priority, cache_salt)
+        self._log_user(request_id, req)
+        streams = await self._start(request_id, [prompt], params, req.priority, cache_salt, owner)
         builder = responses.ChatBuilder(request_id, self.model_name, self.tokenizer, params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._stream(builder, streams, include_usage)
         finals = await _collect(streams)
         return builder.full(finals, usage_of(finals)).model_dump()
-
-    def _render_chat(self, req: ChatCompletionRequest) -> list[int]:
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise InvalidRequestError(
-                f"model {self.model_name} has no chat template: use /v1/completions",
-                param="messages",
-            )
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True
-        )
-        # NOTE: the template already holds any BOS token; do not add special tokens again.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # ---- streaming --------------------------------------------------------------------------
 
@@ -229,8 +349,11 @@ class OpenAIServing:
             if include_usage:
                 usage = usage_of([finals[i] for i in sorted(finals)])
                 yield f"data: {builder.usage_chunk(usage).model_dump_json()}\n\n"
-        except (InvalidRequestError, ValueError, RuntimeError) as exc:
+        except (InvalidRequestError, ValueError, RequestFailedError, EngineDeadError) as exc:
             yield f"data: {responses.error_json(exc)}\n\n"
+        except Exception as exc:
+            logger.exception("streamed request %s failed", builder.request_id)
+            yield f"data: {responses.error_json(RuntimeError(f'internal error: {exc!r}'))}\n\n"
         yield "data: [DONE]\n\n"
 
 
@@ -243,11 +366,10 @@ async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestO
     return [finals[i] for i in sorted(finals)]
 
 
-def _completion_prompts(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
+def _completion_prompts(prompt: str | list) -> list[str | list[int]]:
+    """The prompts of a completion request (already type-checked by the protocol)."""
     if isinstance(prompt, str):
         return [prompt]
-    if not prompt:
-        raise InvalidRequestError("the prompt is empty: send at least one token", param="prompt")
     if all(isinstance(p, int) for p in prompt):
         return [list(prompt)]
     return list(prompt)
