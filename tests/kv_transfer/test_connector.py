@@ -4,58 +4,26 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
-from pagedattn.attention.backends.cpu import CpuBackend
-from pagedattn.attention.backends.torch_ref import TorchRefBackend
 from pagedattn.attention.layout import KVCacheLayout
-from pagedattn.core.kv_cache_utils import hash_request_tokens
 from pagedattn.kv_transfer.connector import KVConnector
 from pagedattn.kv_transfer.file_store import FileKVStore
 from pagedattn.kv_transfer.store import KVStore
-
-BLOCK_SIZE = 4
-NUM_LAYERS = 3
-NUM_BLOCKS = 16
-
-
-def make_caches(
-    seed: int | None, layout: KVCacheLayout = KVCacheLayout.FLASH, dtype=torch.float32
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """One (key_cache, value_cache) per layer from the backend's allocator; random if seeded."""
-    # NOTE: use_extension=False: the allocator is the same, and no C++ build is triggered.
-    flash = layout is KVCacheLayout.FLASH
-    backend = CpuBackend(use_extension=False) if flash else TorchRefBackend(layout)
-    caches = [
-        backend.allocate_kv_cache(NUM_BLOCKS, BLOCK_SIZE, 2, 8, dtype, "cpu")
-        for _ in range(NUM_LAYERS)
-    ]
-    if seed is not None:
-        gen = torch.Generator().manual_seed(seed)
-        for key_cache, value_cache in caches:
-            key_cache.copy_(torch.randn(key_cache.shape, generator=gen).to(dtype))
-            value_cache.copy_(torch.randn(value_cache.shape, generator=gen).to(dtype))
-    return caches
-
-
-def hashes(num_blocks: int, salt: str | None = None) -> list[bytes]:
-    tokens = list(range(100, 100 + num_blocks * BLOCK_SIZE))
-    return hash_request_tokens(BLOCK_SIZE, tokens, "seed", cache_salt=salt)
+from tests.kv_transfer.caches import (
+    BLOCK_SIZE,
+    NUM_BLOCKS,
+    assert_blocks_equal,
+    hashes,
+    make_caches,
+)
 
 
 def connector(store: KVStore, layout=KVCacheLayout.FLASH, dtype=torch.float32, **kw):
     return KVConnector(store, "tiny-model", layout, dtype, BLOCK_SIZE, **kw)
-
-
-def assert_blocks_equal(src, src_ids: Sequence[int], dst, dst_ids: Sequence[int]) -> None:
-    for (k_src, v_src), (k_dst, v_dst) in zip(src, dst, strict=True):
-        for s, d in zip(src_ids, dst_ids, strict=True):
-            assert torch.equal(k_src[s].view(torch.uint8), k_dst[d].view(torch.uint8))
-            assert torch.equal(v_src[s].view(torch.uint8), v_dst[d].view(torch.uint8))
 
 
 @pytest.mark.parametrize(
