@@ -2,12 +2,13 @@
 
 from pagedattn.attention.backends.base import AttentionBackend, get_attn_backend
 from pagedattn.attention.layout import (
+    PAD_SLOT_ID,
     KVCacheLayout,
     allocate_kv_cache,
     bytes_per_block,
-    num_blocks_for_budget,
+    slot_mapping,
 )
-from pagedattn.attention.metadata import PAD_SLOT_ID, AttentionMetadata
+from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.ops import copy_blocks, reshape_and_cache
 
 __all__ = [
@@ -19,6 +20,6 @@ __all__ = [
     "bytes_per_block",
     "copy_blocks",
     "get_attn_backend",
-    "num_blocks_for_budget",
     "reshape_and_cache",
+    "slot_mapping",
 ]

@@ -5,7 +5,11 @@ from __future__ import annotations
 import enum
 from typing import NamedTuple
 
+import numpy as np
 import torch
+
+# NOTE: a slot_mapping entry equal to PAD_SLOT_ID marks a padding token whose K/V is not written.
+PAD_SLOT_ID = -1
 
 # Bytes per 16-byte vector load of the classic kernel: x = CACHE_VECTOR_BYTES / sizeof(cache_t).
 CACHE_VECTOR_BYTES = 16
@@ -109,25 +113,6 @@ def bytes_per_block(
     return 2 * num_layers * block_size * num_kv_heads * head_size * element_size
 
 
-def num_blocks_for_budget(
-    budget_bytes: int,
-    num_layers: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_size: int,
-    dtype: torch.dtype,
-) -> int:
-    """How many blocks fit in a byte budget; raises if not even one does."""
-    per_block = bytes_per_block(num_layers, block_size, num_kv_heads, head_size, dtype)
-    num_blocks = budget_bytes // per_block
-    if num_blocks < 1:
-        raise ValueError(
-            f"KV cache budget of {budget_bytes} bytes holds no block of {per_block} bytes: "
-            "raise the budget or lower block_size"
-        )
-    return num_blocks
-
-
 def kv_block_stride(num_kv_heads: int, head_size: int, block_size: int) -> int:
     """Elements between consecutive blocks in the classic layout."""
     return num_kv_heads * head_size * block_size
@@ -139,13 +124,30 @@ def kv_head_stride(head_size: int, block_size: int) -> int:
 
 
 def translate(block_table: list[int], token_idx: int, block_size: int) -> BlockAddress:
-    """Software address translation of logical token ``token_idx``."""
+    """Software address translation of logical token ``token_idx`` (one token)."""
     block_idx, offset = divmod(token_idx, block_size)
     if block_idx >= len(block_table):
         raise IndexError(
             f"token {token_idx} needs block_idx {block_idx}, table has {len(block_table)} blocks"
         )
     return BlockAddress(block_idx, offset, block_table[block_idx])
+
+
+def slot_mapping(
+    block_tables: np.ndarray, seq_of_token: np.ndarray, positions: np.ndarray, block_size: int
+) -> np.ndarray:
+    """The cache slot of every token: ``block_id * block_size + offset`` (SPEC section 2).
+
+    block_tables: [num_seqs, max_blocks]; seq_of_token, positions: [T]. Returns [T] int64.
+    The one place the address formula is written; ``translate`` is its one-token form.
+    """
+    block_idx, offset = np.divmod(positions, block_size)
+    if len(positions) and int(block_idx.max()) >= block_tables.shape[1]:
+        raise IndexError(
+            f"position {int(positions.max())} is past the block tables "
+            f"({block_tables.shape[1]} blocks of {block_size})"
+        )
+    return block_tables[seq_of_token, block_idx].astype(np.int64) * block_size + offset
 
 
 def classic_key_offset(

@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-# NOTE: a slot_mapping entry equal to PAD_SLOT_ID marks a padding token whose K/V is not written.
-PAD_SLOT_ID = -1
+from pagedattn.attention.layout import PAD_SLOT_ID, slot_mapping
 
 
 @dataclass
@@ -44,8 +44,8 @@ class AttentionMetadata:
     @classmethod
     def build(
         cls,
-        query_lens: Sequence[int],
-        seq_lens: Sequence[int],
+        query_lens: Sequence[int] | np.ndarray,
+        seq_lens: Sequence[int] | np.ndarray,
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
@@ -55,36 +55,49 @@ class AttentionMetadata:
         The new tokens of sequence s are its last ``query_lens[s]`` positions, so query j sits at
         absolute position ``seq_lens[s] - query_lens[s] + j``.
         """
-        if len(query_lens) != len(seq_lens) or len(seq_lens) != len(block_tables):
+        query_lens = np.asarray(query_lens, dtype=np.int64).reshape(-1)
+        seq_lens = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
+        num_seqs = len(block_tables)
+        if len(query_lens) != len(seq_lens) or len(seq_lens) != num_seqs:
             raise ValueError(
                 f"query_lens ({len(query_lens)}), seq_lens ({len(seq_lens)}) and block_tables "
-                f"({len(block_tables)}) must have one entry per sequence"
+                f"({num_seqs}) must have one entry per sequence"
             )
-        loc = [0]
-        slots: list[int] = []
-        for q_len, seq_len, table in zip(query_lens, seq_lens, block_tables, strict=True):
-            if not 0 <= q_len <= seq_len or len(table) * block_size < seq_len:
-                raise ValueError(
-                    f"sequence with query_len={q_len}, seq_len={seq_len} and {len(table)} blocks "
-                    f"of {block_size} is inconsistent: need 0 <= query_len <= seq_len <= "
-                    "num_blocks * block_size"
-                )
-            loc.append(loc[-1] + q_len)
-            for pos in range(seq_len - q_len, seq_len):
-                slots.append(table[pos // block_size] * block_size + pos % block_size)
-        max_blocks = max((len(t) for t in block_tables), default=0)
+        table_lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=num_seqs)
+        bad = (query_lens < 0) | (query_lens > seq_lens) | (table_lens * block_size < seq_lens)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise ValueError(
+                f"sequence with query_len={query_lens[i]}, seq_len={seq_lens[i]} and "
+                f"{table_lens[i]} blocks of {block_size} is inconsistent: need 0 <= query_len "
+                "<= seq_len <= num_blocks * block_size"
+            )
+        query_start_loc = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
         # NOTE: unused table entries point at block 0; kernels never read past seq_len.
-        padded = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
-        return cls(
-            num_actual_tokens=loc[-1],
-            query_start_loc=torch.tensor(loc, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(
-                len(block_tables), max_blocks
-            ),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            max_query_len=max(query_lens, default=0),
-            max_seq_len=max(seq_lens, default=0),
-            query_start_loc_cpu=loc,
-            seq_lens_cpu=list(seq_lens),
+        max_blocks = int(table_lens.max(initial=0))
+        tables = np.zeros((num_seqs, max_blocks), dtype=np.int64)
+        for i, table in enumerate(block_tables):
+            tables[i, : len(table)] = table
+        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)  # [T]
+        positions = (
+            np.arange(num_tokens, dtype=np.int64)
+            - np.repeat(query_start_loc[:-1], query_lens)
+            + np.repeat(seq_lens - query_lens, query_lens)
         )
+        slots = slot_mapping(tables, seq_of_token, positions, block_size)
+        return cls(
+            num_actual_tokens=num_tokens,
+            query_start_loc=torch.from_numpy(query_start_loc.astype(np.int32)).to(device),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(device),
+            block_tables=torch.from_numpy(tables.astype(np.int32)).to(device),
+            slot_mapping=torch.from_numpy(slots).to(device),
+            max_query_len=int(query_lens.max(initial=0)),
+            max_seq_len=int(seq_lens.max(initial=0)),
+            query_start_loc_cpu=query_start_loc.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+
+
+__all__ = ["AttentionMetadata", "PAD_SLOT_ID"]

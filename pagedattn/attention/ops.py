@@ -6,8 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedattn.attention.layout import KVCacheLayout, block_size_of, layout_of
-from pagedattn.attention.metadata import PAD_SLOT_ID
+from pagedattn.attention.layout import PAD_SLOT_ID, KVCacheLayout, block_size_of, layout_of
 
 
 def reshape_and_cache(

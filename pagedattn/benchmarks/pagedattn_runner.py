@@ -182,9 +182,9 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
         flush_denormals_all_threads,
         keep_freed_heap_memory,
     )
+    from pagedattn.attention.layout import bytes_per_block
     from pagedattn.model.loader import load_model
     from pagedattn.model.packed_linear import linear_kernel
-    from pagedattn.worker.model_runner import ModelRunner
 
     # NOTE: the process settings the engine's runner makes, so that the matmuls run as in a step.
     flush_denormals_all_threads()
@@ -205,7 +205,9 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
         "matmul_s": {},
         "linear_kernel": linear_kernel(),
         "weight_bytes": sum(_linear_bytes(m) for m in linears) + head_bytes,
-        "kv_bytes_per_token": ModelRunner.kv_cache_bytes_per_block(model, 1, dtype),
+        "kv_bytes_per_token": bytes_per_block(
+            model.num_layers, 1, model.num_kv_heads, model.head_size, dtype
+        ),
     }
     with torch.inference_mode():
         for batch in batches:

@@ -109,7 +109,6 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple([] for _ in self.managers))
         self.requests: dict[str, Request] = {}
         self._block_copies: list[tuple[int, int]] = []
-        self._cow_request_ids: set[str] = set()
         # Shared partial blocks copied before a write, since start-up.
         self.num_cow_copies = 0
         self._num_queries = 0
@@ -125,12 +124,22 @@ class KVCacheManager:
         """All blocks requests can hold (the null block excluded)."""
         return self.block_pool.num_usable_blocks
 
-    def num_blocks_needed(self, num_tokens: int) -> int:
-        """Upper bound on the blocks one request of num_tokens tokens holds at once (all groups).
+    def num_blocks_needed(self, num_tokens: int, max_num_batched_tokens: int) -> int:
+        """Blocks one request of num_tokens holds at its peak, summed over the KV cache groups.
 
-        NOTE: sliding-window groups count all blocks too: a one-chunk prefill holds them all.
+        A sliding-window group holds the window plus the largest chunk of one step, and a partial
+        block at each end; a full-attention group holds every block.
         """
-        return self.num_groups * cdiv(num_tokens, self.block_size)
+        block_size = self.block_size
+        num_full = cdiv(num_tokens, block_size)
+        num_needed = 0
+        for group in self.kv_cache_groups:
+            if isinstance(group.spec, SlidingWindowSpec):
+                span = group.spec.sliding_window - 1 + max_num_batched_tokens
+                num_needed += min(num_full, cdiv(span, block_size) + 1)
+            else:
+                num_needed += num_full
+        return num_needed
 
     @property
     def usage(self) -> float:
@@ -247,7 +256,6 @@ class KVCacheManager:
                 self._num_hits += num_new_computed_tokens
         for m in managers:
             if m.copy_on_write(request_id, num_computed, num_tokens, self._block_copies):
-                self._cow_request_ids.add(request_id)
                 self.num_cow_copies += 1
         new_blocks = tuple(m.allocate_new_blocks(request_id, num_tokens) for m in managers)
         if self.enable_caching:
@@ -286,11 +294,6 @@ class KVCacheManager:
         """Copy-on-write (src, dst) block pairs since the last call, to run before the forward."""
         copies, self._block_copies = self._block_copies, []
         return copies
-
-    def take_cow_request_ids(self) -> set[str]:
-        """Requests whose tables had a block replaced in place (not appended) since last call."""
-        ids, self._cow_request_ids = self._cow_request_ids, set()
-        return ids
 
     def reset_prefix_cache(self) -> bool:
         """Drop all cached hashes; False (nothing done) while any request holds blocks."""

@@ -1,4 +1,4 @@
-"""KV cache blocks, the free block queue, chained block hashing and slot mapping."""
+"""KV cache blocks, the free block queue and chained block hashing."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ BlockHash = bytes
 # A block hash followed by the 4-byte KV cache group id: the prefix-cache key (as in vLLM).
 BlockHashWithGroupId = bytes
 
-# NOTE: slot_mapping entries equal to PAD_SLOT_ID are skipped by the cache write op.
-PAD_SLOT_ID = -1
 # Block id of the null placeholder block that sliding-window tables hold for dropped blocks.
 NULL_BLOCK_ID = 0
 # block_id of the two sentinels of FreeKVCacheBlockQueue; never a real block.
@@ -239,19 +237,3 @@ def hash_request_tokens(
 def make_block_hash_with_group_id(block_hash: BlockHash, group_id: int) -> BlockHashWithGroupId:
     """Prefix-cache key: the same content in two KV cache groups lives in two blocks."""
     return block_hash + group_id.to_bytes(4, "big")
-
-
-def compute_slot_mapping(
-    block_ids: Sequence[int], block_size: int, start: int, end: int, pad_to: int = 0
-) -> list[int]:
-    """Slots `block_id * B + offset` of token positions [start, end), padded with PAD_SLOT_ID."""
-    if start < 0 or end < start:
-        raise ValueError(f"invalid token range [{start}, {end})")
-    if end > len(block_ids) * block_size:
-        raise IndexError(
-            f"token {end - 1} is past the block table ({len(block_ids)} blocks of {block_size})"
-        )
-    slots = [block_ids[i // block_size] * block_size + i % block_size for i in range(start, end)]
-    if pad_to > len(slots):
-        slots.extend([PAD_SLOT_ID] * (pad_to - len(slots)))
-    return slots

@@ -23,6 +23,7 @@ class RequestStatus(enum.Enum):
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
     FINISHED_IGNORED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # this request's own step failed; the others went on
 
     @staticmethod
     def is_finished(status: RequestStatus) -> bool:
@@ -47,7 +48,9 @@ class Request:
         "cache_salt",
         "lora_id",
         "mm_hashes",
-        "eos_token_id",
+        "eos_token_ids",
+        "seed",
+        "num_pending_forks",
         "max_tokens",
         "output_token_ids",
         "all_token_ids",
@@ -73,7 +76,9 @@ class Request:
         cache_salt: str | None = None,
         lora_id: str | None = None,
         mm_hashes: Sequence[tuple[int, int, str]] = (),
-        eos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+        num_forks: int = 0,
         max_tokens: int | None = None,
         block_size: int | None = None,
         hash_seed: str = "pagedattn",
@@ -101,8 +106,12 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_id = lora_id
         self.mm_hashes = sorted(tuple(mm) for mm in mm_hashes)
-        self.eos_token_id = eos_token_id
-        # Output-token limit resolved by the engine (None: up to max_model_len); not enforced here.
+        self.eos_token_ids = tuple(eos_token_ids)
+        # The sampler's seed for this sequence (None: the runner's shared generator).
+        self.seed = seed
+        # Siblings (n > 1) still to fork from this sequence once its prompt is computed.
+        self.num_pending_forks = num_forks
+        # Output-token limit (None: up to max_model_len); the scheduler stops the request there.
         self.max_tokens = max_tokens
         self.output_token_ids: list[int] = []
         self.all_token_ids = list(self.prompt_token_ids)
@@ -153,18 +162,39 @@ class Request:
         ):
             self._update_block_hashes()
 
-    def clone(self, request_id: str) -> Request:
-        """A copy with a new id sharing nothing mutable (for fork: parallel sampling, beams)."""
+    def fork(self, request_id: str, seed: int | None = None) -> Request:
+        """A sibling with a new id and the same tokens, params, salt and priority.
+
+        It shares nothing mutable with this request; the KV cache manager shares the blocks.
+        """
         child = Request.__new__(Request)
         for name in Request.__slots__:
             setattr(child, name, getattr(self, name))
         child.request_id = request_id
+        child.seed = seed
+        child.num_pending_forks = 0
         child.prompt_token_ids = list(self.prompt_token_ids)
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)
         child.block_hashes = list(self.block_hashes)
         child.mm_hashes = list(self.mm_hashes)
         return child
+
+    def replace_last_output_token(self, token_id: int) -> None:
+        """Swap the last generated token (not yet computed) for another one (beam search)."""
+        if not self.output_token_ids or self.num_computed_tokens >= self.num_tokens:
+            raise ValueError(
+                f"request {self.request_id!r}: only a generated token that is not yet in the "
+                "KV cache can be replaced"
+            )
+        self.output_token_ids[-1] = token_id
+        self.all_token_ids[-1] = token_id
+        if self.block_size is not None and len(self.block_hashes) * self.block_size == (
+            self.num_tokens
+        ):
+            # NOTE: the token closed a block: that block's hash (and no other) changes.
+            del self.block_hashes[-1]
+            self._update_block_hashes()
 
     def _update_block_hashes(self) -> None:
         if self.block_size is None:

@@ -1,4 +1,4 @@
-"""Continuous batching: chunked prefill, prefix-cache reuse and preemption by recompute."""
+"""Continuous batching: chunked prefill, prefix-cache reuse, preemption by recompute and forks."""
 
 from __future__ import annotations
 
@@ -6,21 +6,20 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from pagedattn.core.kv_cache_spec import SlidingWindowSpec
-from pagedattn.core.request import RequestStatus
+from pagedattn.core.request import Request, RequestStatus
 from pagedattn.core.request_queue import create_request_queue
 from pagedattn.core.scheduler_output import (
-    CachedRequestData,
-    NewRequestData,
+    CoreOutput,
+    RunnerOutput,
+    ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
 )
-from pagedattn.core.single_type_manager import cdiv
+from pagedattn.core.stop import check_token_stop, derive_seed
 
 if TYPE_CHECKING:
     from pagedattn.config import CacheConfig, SchedulerConfig
     from pagedattn.core.kv_cache_manager import KVCacheManager
-    from pagedattn.core.request import Request
 
 
 class RequestRejectedError(ValueError):
@@ -28,12 +27,14 @@ class RequestRejectedError(ValueError):
 
 
 class Scheduler:
-    """Decides each step which requests run and how many tokens each computes.
+    """Decides each step which sequences run and how many tokens each computes.
+
+    The step's contract: ``schedule() -> SchedulerOutput`` (everything the runner needs), the
+    runner's ``RunnerOutput``, then ``update_from_output`` (append, fork, stop, free).
 
     NOTE: ``request.num_computed_tokens`` advances in ``schedule()`` (as in vLLM v1): at the end of
-    a step every scheduled token counts as computed, so ``update_from_output`` only appends the
-    sampled tokens of requests whose prefill is complete and frees the finished ones. A scheduled
-    request yields a token this step iff ``num_computed_tokens == num_tokens`` after schedule().
+    a step every scheduled token counts as computed. A scheduled request yields a token this step
+    iff ``num_computed_tokens == num_tokens`` after schedule().
     """
 
     def __init__(
@@ -51,39 +52,48 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(self.policy)
         self.running: list[Request] = []
-        # Requests in `running` the runner has not seen (forked children): sent as new requests.
-        self._unseen_running: set[str] = set()
         self._finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
 
     # Requests in and out.
 
-    def add_request(self, request: Request, max_tokens: int | None = None) -> None:
-        """Queue a request; raises RequestRejectedError if it can never be scheduled.
-
-        max_tokens: the most tokens it may generate; None: ``sampling_params.max_tokens``, and
-        when that is None too, up to max_model_len.
-        """
+    def add_request(self, request: Request) -> None:
+        """Queue a request; raises RequestRejectedError if it can never be scheduled."""
         if request.request_id in self.requests:
             raise RequestRejectedError(f"request id {request.request_id!r} is already in use")
-        if max_tokens is None and request.sampling_params is not None:
-            max_tokens = request.sampling_params.max_tokens
-        self._check_fits(request, max_tokens)
+        self._check_fits(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
-    def add_running_request(self, request: Request) -> None:
-        """Insert an already-prefilled request (a fork whose blocks the manager shares).
+    def fork_request(
+        self,
+        parent_id: str,
+        child_id: str,
+        *,
+        seed: int | None = None,
+        last_token_id: int | None = None,
+    ) -> Request:
+        """A sibling of a live request: same tokens, params, salt and priority, shared blocks.
 
-        Call ``kv_cache_manager.fork(parent, request)`` first; it runs from the next step on.
+        With ``last_token_id`` the child's last generated token (sampled, not yet computed) is
+        replaced by it (beam search). The first of the two to write a shared block copies it.
         """
-        if request.request_id in self.requests:
-            raise RequestRejectedError(f"request id {request.request_id!r} is already in use")
-        self.kv_cache_manager.get_block_ids(request.request_id)  # raises if it was not forked
-        request.status = RequestStatus.RUNNING
-        self.requests[request.request_id] = request
-        self.running.append(request)
-        self._unseen_running.add(request.request_id)
+        parent = self.requests.get(parent_id)
+        if parent is None:
+            raise RequestRejectedError(f"cannot fork {parent_id!r}: no such live request")
+        if child_id in self.requests:
+            raise RequestRejectedError(f"request id {child_id!r} is already in use")
+        child = parent.fork(child_id, seed)
+        if last_token_id is not None:
+            child.replace_last_output_token(last_token_id)
+        if parent.status == RequestStatus.RUNNING:
+            self.kv_cache_manager.fork(parent, child)
+            self.running.append(child)
+        else:  # waiting or preempted: the child computes from scratch (or from the cache)
+            child.num_computed_tokens = 0
+            self.waiting.add(child)
+        self.requests[child_id] = child
+        return child
 
     def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
         """Abort or finish requests now: their blocks are freed at once; unknown ids are ignored."""
@@ -102,6 +112,17 @@ class Scheduler:
         """Waiting plus running requests."""
         return len(self.requests)
 
+    def max_tokens_that_fit(self, num_prompt_tokens: int) -> int:
+        """The most output tokens a request of this prompt can ever hold (context and pool)."""
+        block_size = self.kv_cache_manager.block_size
+        num_tokens = self.max_model_len
+        while num_tokens > num_prompt_tokens and self._num_blocks_needed(num_tokens) > (
+            self.kv_cache_manager.num_usable_blocks
+        ):
+            # NOTE: at most one step per block over the pool's size: a short loop.
+            num_tokens = (num_tokens - 1) // block_size * block_size
+        return max(num_tokens - num_prompt_tokens, 0)
+
     # One step.
 
     def schedule(self) -> SchedulerOutput:
@@ -110,7 +131,6 @@ class Scheduler:
         config = self.scheduler_config
         token_budget = config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
-        new_blocks_of: dict[str, tuple[list[int], ...]] = {}
         preempted: list[Request] = []
         num_recomputed = 0
 
@@ -121,7 +141,6 @@ class Scheduler:
             request = self.running[req_index]
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             if num_new_tokens <= 0:
-                # NOTE: the runner produced no token for it (e.g. finished but not yet reported).
                 req_index += 1
                 continue
             new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
@@ -131,7 +150,6 @@ class Scheduler:
                 del self.running[victim_index]
                 if victim.request_id in num_scheduled:  # priority policy: already in this batch
                     token_budget += num_scheduled.pop(victim.request_id)
-                    new_blocks_of.pop(victim.request_id, None)
                 if victim_index < req_index:
                     req_index -= 1
                 num_recomputed += self._preempt(victim)
@@ -142,12 +160,9 @@ class Scheduler:
             if new_blocks is None:
                 break
             num_scheduled[request.request_id] = num_new_tokens
-            new_blocks_of[request.request_id] = new_blocks.get_block_ids()
             token_budget -= num_new_tokens
             req_index += 1
 
-        new_reqs = [r for r in self.running if r.request_id in self._unseen_running]
-        new_reqs = [r for r in new_reqs if r.request_id in num_scheduled]
         # NOTE: no admission in a step that preempted: the freed blocks go to the preempted first.
         while not preempted and self.waiting and token_budget > 0:
             if len(self.running) >= config.max_num_seqs:
@@ -173,89 +188,94 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            new_reqs.append(request)
             num_scheduled[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
 
-        output = self._make_output(new_reqs, num_scheduled, new_blocks_of, preempted)
+        output = self._make_output(num_scheduled, preempted)
         output.stats.num_recomputed_tokens = num_recomputed
         output.stats.schedule_time_s = time.perf_counter() - start
         return output
 
     def update_from_output(
-        self,
-        scheduler_output: SchedulerOutput,
-        sampled_token_ids: dict[str, list[int]],
-        finished: dict[str, RequestStatus] | None = None,
-    ) -> list[Request]:
-        """Append sampled tokens, then free the requests the engine says finished; returns them.
+        self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
+    ) -> list[CoreOutput]:
+        """Fork pending siblings, append sampled tokens, apply token stops, free what ended.
 
-        A request whose prefill is still partial after this step gets no token (its sample, if
-        any, is ignored). ``finished`` is the engine's stop decision, made on the sampled tokens.
+        A sequence aborted since schedule() is skipped; a failed one ends with FINISHED_ERROR.
         """
-        for req_id in scheduler_output.num_scheduled_tokens:
+        outputs: list[CoreOutput] = []
+        for req_id, message in runner_output.failed.items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                self._finish(request, RequestStatus.FINISHED_ERROR)
+                outputs.append(
+                    CoreOutput(req_id, [], None, RequestStatus.FINISHED_ERROR, error=message)
+                )
+        forks: dict[str, tuple[str, Request]] = {}  # child id -> (parent id, child)
+        for sched in scheduler_output.scheduled:
+            parent = self.requests.get(sched.req_id)
+            if not sched.forks or parent is None or parent.status != RequestStatus.RUNNING:
+                continue
+            # NOTE: before the parent appends its token, so every child starts from its state.
+            for child_id, seed in sched.forks:
+                child = self.fork_request(sched.req_id, child_id, seed=seed)
+                forks[child_id] = (sched.req_id, child)
+            parent.num_pending_forks = 0
+        logprobs = runner_output.logprobs
+        stopped = runner_output.stopped_req_ids
+        for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted since schedule()
             if request.num_computed_tokens < request.num_tokens:
-                continue  # partial prefill chunk
-            token_ids = sampled_token_ids.get(req_id)
-            if token_ids:
-                request.append_output_token_ids(token_ids)
-        newly_finished = []
-        for req_id, status in (finished or {}).items():
-            request = self.requests.get(req_id)
-            if request is not None:
+                continue  # NOTE: a partial prefill chunk's sample is never used.
+            token = runner_output.sampled_token_ids[row]
+            request.append_output_token_ids(token)
+            status, stop_reason = check_token_stop(request, self.max_model_len)
+            if status is None and req_id in stopped:
+                status = RequestStatus.FINISHED_STOPPED
+            if status is not None:
                 self._finish(request, status)
-                newly_finished.append(request)
-        return newly_finished
+            parent_id, fork = forks.get(req_id, (None, None))
+            lp = None if logprobs is None else logprobs[row]
+            outputs.append(CoreOutput(req_id, [token], lp, status, stop_reason, parent_id, fork))
+        return outputs
 
     # Internals.
 
     def _make_output(
-        self,
-        new_reqs: list[Request],
-        num_scheduled: dict[str, int],
-        new_blocks_of: dict[str, tuple[list[int], ...]],
-        preempted: list[Request],
+        self, num_scheduled: dict[str, int], preempted: list[Request]
     ) -> SchedulerOutput:
-        new_ids = {r.request_id for r in new_reqs}
-        new_data = [
-            NewRequestData(
-                req_id=r.request_id,
-                prompt_token_ids=r.prompt_token_ids,
-                output_token_ids=list(r.output_token_ids),
-                block_ids=self.kv_cache_manager.get_block_ids(r.request_id),
-                num_computed_tokens=r.num_computed_tokens,
-                sampling_params=r.sampling_params,
-            )
-            for r in new_reqs
-        ]
-        cow_ids = self.kv_cache_manager.take_cow_request_ids()
-        cached_data = []
+        scheduled = []
+        get_block_ids = self.kv_cache_manager.get_block_ids
         for req_id, num_tokens in num_scheduled.items():
-            if req_id in new_ids:
-                continue
             request = self.requests[req_id]
             start = request.num_computed_tokens
-            cached_data.append(
-                CachedRequestData(
+            request.num_computed_tokens = end = start + num_tokens
+            needs_sample = end == request.num_tokens
+            forks: tuple[tuple[str, int | None], ...] = ()
+            if needs_sample and request.num_pending_forks:
+                forks = tuple(
+                    (f"{req_id}#{i}", derive_seed(request.seed, i))
+                    for i in range(1, request.num_pending_forks + 1)
+                )
+            scheduled.append(
+                ScheduledRequest(
                     req_id=req_id,
-                    new_token_ids=request.all_token_ids[start : start + num_tokens],
-                    new_block_ids=new_blocks_of[req_id],
-                    num_computed_tokens=start,
-                    block_ids=self.kv_cache_manager.get_block_ids(req_id)
-                    if req_id in cow_ids
-                    else None,
+                    token_ids=request.all_token_ids[start:end],
+                    start_pos=start,
+                    block_ids=get_block_ids(req_id),
+                    needs_sample=needs_sample,
+                    sampling_params=request.sampling_params,
+                    seed=request.seed,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                    forks=forks,
                 )
             )
-        for req_id, num_tokens in num_scheduled.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
-        self._unseen_running -= new_ids
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
         return SchedulerOutput(
-            scheduled_new_reqs=new_data,
-            scheduled_cached_reqs=cached_data,
+            scheduled=scheduled,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=sum(num_scheduled.values()),
             block_copies=self.kv_cache_manager.take_block_copies(),
@@ -282,7 +302,6 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        self._unseen_running.discard(request.request_id)
         self.waiting.prepend(request)
         self.num_preemptions_total += 1
         return num_discarded
@@ -297,11 +316,11 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = status
         del self.requests[request.request_id]
-        self._unseen_running.discard(request.request_id)
         self._finished_req_ids.add(request.request_id)
 
-    def _check_fits(self, request: Request, max_tokens: int | None) -> None:
+    def _check_fits(self, request: Request) -> None:
         num_prompt = request.num_prompt_tokens
+        max_tokens = request.max_tokens
         if max_tokens is None:
             max_tokens = max(self.max_model_len - num_prompt, 1)
         num_total = num_prompt + max_tokens
@@ -328,15 +347,6 @@ class Scheduler:
             )
 
     def _num_blocks_needed(self, num_tokens: int) -> int:
-        """Blocks a request of num_tokens holds at its peak, summed over the KV cache groups."""
-        block_size = self.kv_cache_manager.block_size
-        num_full = cdiv(num_tokens, block_size)
-        num_needed = 0
-        for group in self.kv_cache_manager.kv_cache_groups:
-            if isinstance(group.spec, SlidingWindowSpec):
-                # The window plus the largest chunk of one step, and a partial block at each end.
-                span = group.spec.sliding_window - 1 + self.scheduler_config.max_num_batched_tokens
-                num_needed += min(num_full, cdiv(span, block_size) + 1)
-            else:
-                num_needed += num_full
-        return num_needed
+        return self.kv_cache_manager.num_blocks_needed(
+            num_tokens, self.scheduler_config.max_num_batched_tokens
+        )

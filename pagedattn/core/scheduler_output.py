@@ -1,37 +1,32 @@
-"""What the scheduler hands to the model runner for one step."""
+"""The step's contract: what the scheduler hands the runner, and what comes back."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
+    from pagedattn.core.request import Request, RequestStatus
     from pagedattn.sampling_params import SamplingParams
 
 
-@dataclass
-class NewRequestData:
-    """A request the runner has not seen yet: first scheduling, a resume or a forked child."""
+class ScheduledRequest(NamedTuple):
+    """One sequence's share of a step: everything the runner needs to compute and sample it."""
 
     req_id: str
-    prompt_token_ids: list[int]
-    # Tokens generated before a preemption (or inherited by a fork); recomputed with the prompt.
-    output_token_ids: list[int]
+    token_ids: Sequence[int]  # the tokens computed this step (a prompt chunk or the last sample)
+    start_pos: int  # absolute position of token_ids[0] (= tokens already in the cache)
     block_ids: tuple[list[int], ...]  # the whole block table, one list per KV cache group
-    num_computed_tokens: int  # tokens already in the cache before this step (prefix-cache hits)
-    sampling_params: SamplingParams | None = None
-
-
-@dataclass
-class CachedRequestData:
-    """A request the runner already holds, continuing with a decode token or a prefill chunk."""
-
-    req_id: str
-    new_token_ids: list[int]  # the tokens fed this step (all_token_ids[num_computed_tokens:][:n])
-    new_block_ids: tuple[list[int], ...]  # blocks appended to each group's table this step
-    num_computed_tokens: int  # tokens in the cache before this step
-    # The whole table when a block was replaced in place (copy-on-write); None: just append.
-    block_ids: tuple[list[int], ...] | None = None
+    needs_sample: bool  # True when this step reaches the end of the sequence's known tokens
+    sampling_params: SamplingParams | None
+    seed: int | None  # the sequence's own sampler seed (None: the shared generator)
+    # Live views of the sequence's tokens, for penalties (read, never written, by the runner).
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    # Siblings (n > 1) forked from this row after the step: (request id, seed) each; they
+    # sample their first token from this row's logits too.
+    forks: tuple[tuple[str, int | None], ...] = ()
 
 
 @dataclass
@@ -47,18 +42,59 @@ class SchedulerStats:
 
 @dataclass
 class SchedulerOutput:
-    """One step's batch: which requests run, how many tokens each, and their blocks."""
+    """One step's batch: the scheduled sequences in batch order, and the block copies first."""
 
-    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
-    scheduled_cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     total_num_scheduled_tokens: int = 0
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # CoW (src, dst) first
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the last step
-    preempted_req_ids: set[str] = field(default_factory=set)  # the runner drops their state
+    preempted_req_ids: set[str] = field(default_factory=set)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
 
     @property
     def is_empty(self) -> bool:
         """True when no token is scheduled (nothing to run)."""
         return self.total_num_scheduled_tokens == 0
+
+    def subset(self, req_ids: set[str]) -> SchedulerOutput:
+        """The same step restricted to some sequences (to retry them apart after a failure)."""
+        scheduled = [s for s in self.scheduled if s.req_id in req_ids]
+        counts = {s.req_id: len(s.token_ids) for s in scheduled}
+        return SchedulerOutput(scheduled, counts, sum(counts.values()))
+
+
+@dataclass
+class RunnerOutput:
+    """What one model step produced: one sampled token per sampling row, plus failures."""
+
+    req_ids: list[str] = field(default_factory=list)  # forked siblings included
+    sampled_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] | None = None  # per row: the worker's TokenLogprobs, or None
+    # Rows whose structured-output grammar ended with this token: they stop.
+    stopped_req_ids: set[str] = field(default_factory=set)
+    # Requests whose own part of the step failed: request id -> message; they sampled nothing.
+    failed: dict[str, str] = field(default_factory=dict)
+
+    def merge(self, other: RunnerOutput) -> None:
+        """Append another (partial) output of the same step."""
+        self.req_ids += other.req_ids
+        self.sampled_token_ids += other.sampled_token_ids
+        if other.logprobs is not None or self.logprobs is not None:
+            mine = self.logprobs or [None] * (len(self.req_ids) - len(other.req_ids))
+            self.logprobs = mine + (other.logprobs or [None] * len(other.req_ids))
+        self.stopped_req_ids |= other.stopped_req_ids
+        self.failed.update(other.failed)
+
+
+class CoreOutput(NamedTuple):
+    """What the scheduler made of one sequence's step: its new token and whether it ended."""
+
+    req_id: str
+    new_token_ids: list[int]
+    logprobs: Any  # the worker's TokenLogprobs of the new token, or None
+    status: RequestStatus | None  # a FINISHED_* status when the sequence ended this step
+    stop_reason: int | None = None  # the stop token id that ended it (not EOS)
+    forked_from: str | None = None  # set on a sibling's first output: its parent's id
+    fork: Request | None = None  # ... and the sibling itself
+    error: str | None = None  # set with FINISHED_ERROR

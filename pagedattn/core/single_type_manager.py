@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from pagedattn.core.block_pool import BlockPool
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
-from pagedattn.core.kv_cache_utils import BlockHash, KVCacheBlock
+from pagedattn.core.kv_cache_utils import BlockHash, KVCacheBlock, make_block_hash_with_group_id
 
 if TYPE_CHECKING:
     from pagedattn.core.request import Request
@@ -26,7 +26,7 @@ class SingleTypeKVCacheManager:
         self.block_size = spec.block_size
         self.block_pool = block_pool
         self.group_id = group_id
-        self.group_suffix = group_id.to_bytes(4, "big")
+        self.group_suffix = make_block_hash_with_group_id(b"", group_id)
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # Blocks of each request already offered to the prefix cache.
         self.num_cached_block: dict[str, int] = {}

@@ -1,15 +1,16 @@
-"""Beam search on the paged cache: beams fork their parent's blocks and diverge by copy-on-write."""
+"""Beam search on the paged cache: beams fork their parent's blocks and diverge by copy-on-write.
+
+It drives the engine through its public API only: ``add_request``, ``step``, ``fork_request``
+(with the beam's chosen token in place of the sampled one) and ``abort_request``.
+"""
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
-import torch
-
-from pagedattn.core.request import Request, RequestStatus
 from pagedattn.engine.errors import InvalidRequestError
-from pagedattn.sampling_params import BeamSearchParams
+from pagedattn.sampling_params import BeamSearchParams, SamplingParams
 
 _beam_ids = itertools.count()
 
@@ -35,12 +36,35 @@ class BeamSearchOutput:
 
 @dataclass
 class _Beam:
-    core: Request
+    request_id: str
+    token_ids: list[int]  # generated so far, the chosen last token included
     logprob: float
 
 
 def _score(logprob: float, length: int, length_penalty: float) -> float:
     return logprob / max(length, 1) ** length_penalty
+
+
+def _check_capacity(engine, num_prompt: int, params: BeamSearchParams) -> None:
+    """Every beam must run every step (no preemption), so beams stay in lockstep."""
+    scheduler = engine.scheduler
+    width = params.beam_width
+    config = scheduler.scheduler_config
+    num_tokens = num_prompt + params.max_tokens + 1
+    num_needed = width * (scheduler.kv_cache_manager.num_blocks_needed(num_tokens, 1) + 1)
+    num_usable = scheduler.kv_cache_manager.num_usable_blocks
+    if width > config.max_num_seqs or width > config.max_num_batched_tokens:
+        raise InvalidRequestError(
+            f"beam_width={width} needs max_num_seqs and max_num_batched_tokens >= {width}",
+            param="beam_width",
+        )
+    if num_needed > num_usable:
+        raise InvalidRequestError(
+            f"beam search of width {width} over {num_tokens} tokens needs {num_needed} KV "
+            f"cache blocks, more than the {num_usable} of the pool: lower beam_width or "
+            "max_tokens, or give the KV cache more memory",
+            param="beam_width",
+        )
 
 
 def run_beam_search(engine, prompt: str | list[int], params: BeamSearchParams) -> BeamSearchOutput:
@@ -54,86 +78,60 @@ def run_beam_search(engine, prompt: str | list[int], params: BeamSearchParams) -
             f"must be non-empty and fit max_model_len={engine.max_model_len}",
             param="prompt",
         )
-    cache = engine.config.cache
-    scheduler, manager = engine.scheduler, engine.kv_cache_manager
+    _check_capacity(engine, len(prompt_ids), params)
     width = params.beam_width
-
-    def new_core() -> Request:
-        return Request(
-            f"beam-{next(_beam_ids)}",
-            prompt_ids,
-            block_size=cache.block_size,
-            hash_seed=cache.hash_seed,
-        )
-
-    root = new_core()
-    scheduler.add_request(root, max_tokens=params.max_tokens)
-    beams = [_Beam(root, 0.0)]
+    # NOTE: every beam samples greedily and reports its 2 * width best next tokens; the search
+    # then forks the beams it keeps with their chosen token in place of the sampled one.
+    step_params = SamplingParams(
+        temperature=0.0,
+        max_tokens=params.max_tokens + 1,
+        logprobs=2 * width,
+        ignore_eos=True,
+        detokenize=False,
+    )
+    root = f"beam-{next(_beam_ids)}"
+    engine.add_request(root, prompt_ids, step_params)
+    beams = [_Beam(root, [], 0.0)]
     done: list[tuple[list[int], float, str]] = []
-    pending: dict[str, torch.Tensor] = {}  # beam -> logprobs of its next token
     eos = set() if params.ignore_eos else set(engine.eos_token_ids)
     try:
         while beams:
-            sched = scheduler.schedule()
-            seqs = engine.scheduled_seqs(sched)
-            logits, sampled_ids = engine.runner.execute(seqs, sched.block_copies)
-            logprobs = torch.log_softmax(logits.float(), dim=-1)  # [num_sampled, vocab]
-            for row, req_id in enumerate(sampled_ids):
-                pending[req_id] = logprobs[row]
-            if any(b.core.request_id not in pending for b in beams):
-                continue  # a prefill chunk or a preempted beam: wait until every beam has logits
+            top = _next_token_logprobs(engine, {b.request_id for b in beams})
             candidates = []
             for beam in beams:
-                top_lp, top_ids = pending.pop(beam.core.request_id).topk(2 * width)
-                for lp, tok in zip(top_lp.tolist(), top_ids.tolist(), strict=True):
-                    candidates.append((beam.logprob + lp, beam, tok))
+                for token, lp in top[beam.request_id]:
+                    candidates.append((beam.logprob + lp, beam, token))
             candidates.sort(key=lambda c: c[0], reverse=True)
             chosen = []
-            for total, beam, tok in candidates:
-                if tok in eos:
-                    done.append((beam.core.output_token_ids + [tok], total, "stop"))
+            for total, beam, token in candidates:
+                if token in eos:
+                    done.append((beam.token_ids + [token], total, "stop"))
                 elif len(chosen) < width:
-                    chosen.append((total, beam, tok))
+                    chosen.append((total, beam, token))
                 if len(chosen) == width:
                     break
-            # NOTE: fork every extra child before any parent appends its token, so the children
-            # start from the parent's state; the write of their token then copies the shared
-            # partial last block (copy-on-write).
-            used: set[str] = set()
-            plan = []
-            for total, beam, tok in chosen:
-                core = beam.core
-                if core.request_id in used:
-                    child = core.clone(f"beam-{next(_beam_ids)}")
-                    manager.fork(core, child)
-                    scheduler.add_running_request(child)
-                    core = child
-                used.add(core.request_id)
-                plan.append((core, tok, total))
-            dropped = [b.core.request_id for b in beams if b.core.request_id not in used]
-            scheduler.finish_requests(dropped, RequestStatus.FINISHED_ABORTED)
-            beams = []
-            for core, tok, total in plan:
-                core.append_output_token_ids(tok)
-                if core.num_output_tokens >= params.max_tokens:
-                    done.append((list(core.output_token_ids), total, "length"))
-                    scheduler.finish_requests(core.request_id, RequestStatus.FINISHED_LENGTH)
-                else:
-                    beams.append(_Beam(core, total))
-            if len(done) >= width and beams:
+            new_beams = []
+            for total, beam, token in chosen:
+                token_ids = beam.token_ids + [token]
+                if len(token_ids) >= params.max_tokens:
+                    done.append((token_ids, total, "length"))
+                    continue
+                child = f"beam-{next(_beam_ids)}"
+                engine.fork_request(beam.request_id, child, last_token_id=token)
+                new_beams.append(_Beam(child, token_ids, total))
+            engine.abort_request([b.request_id for b in beams])
+            beams = new_beams
+            if len(done) >= width and beams and params.length_penalty <= 1.0:
                 best_live = max(
-                    _score(b.logprob, b.core.num_output_tokens, params.length_penalty)
-                    for b in beams
+                    _score(b.logprob, len(b.token_ids), params.length_penalty) for b in beams
                 )
                 worst_kept = sorted(
                     (_score(lp, len(t), params.length_penalty) for t, lp, _ in done), reverse=True
                 )[width - 1]
-                if best_live < worst_kept and params.length_penalty <= 1.0:
+                if best_live < worst_kept:
                     break
     finally:
-        scheduler.finish_requests(
-            [b.core.request_id for b in beams], RequestStatus.FINISHED_ABORTED
-        )
+        engine.abort_request([b.request_id for b in beams])
     ranked = sorted(
         done, key=lambda d: _score(d[1], len(d[0]), params.length_penalty), reverse=True
     )[:width]
@@ -150,3 +148,22 @@ def run_beam_search(engine, prompt: str | list[int], params: BeamSearchParams) -
             for ids, lp, reason in ranked
         ],
     )
+
+
+def _next_token_logprobs(engine, beam_ids: set[str]) -> dict[str, list[tuple[int, float]]]:
+    """Step until every beam sampled its next token; each beam's top (token, logprob) pairs."""
+    top: dict[str, list[tuple[int, float]]] = {}
+    while len(top) < len(beam_ids):
+        outputs = engine.step()
+        for out in outputs:
+            if out.request_id not in beam_ids:
+                continue
+            if out.error is not None:
+                raise InvalidRequestError(f"beam search failed: {out.error}")
+            if out.request_id in top:
+                raise RuntimeError("beam search lost lockstep: a beam ran a step ahead")
+            entry = out.outputs[0].logprobs[-1]
+            top[out.request_id] = [(t, lp.logprob) for t, lp in entry.items()]
+        if not outputs and not engine.has_unfinished_requests():
+            raise RuntimeError("beam search: the engine finished its beams unexpectedly")
+    return top

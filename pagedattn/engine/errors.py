@@ -9,3 +9,7 @@ class InvalidRequestError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class EngineFaultError(RuntimeError):
+    """The engine itself failed (not one request): no step can run; restart the process."""

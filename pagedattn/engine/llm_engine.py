@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import os
+import itertools
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -14,18 +15,22 @@ from pagedattn.config import EngineConfig
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.request import Request, RequestStatus
 from pagedattn.core.scheduler import RequestRejectedError, Scheduler
-from pagedattn.core.scheduler_output import SchedulerOutput
-from pagedattn.engine.errors import InvalidRequestError
+from pagedattn.core.scheduler_output import RunnerOutput, SchedulerOutput
+from pagedattn.core.stop import SEED_LIMIT
+from pagedattn.engine.errors import EngineFaultError, InvalidRequestError
+from pagedattn.engine.input_processor import InputProcessor
+from pagedattn.engine.output_processor import OutputProcessor
 from pagedattn.engine.outputs import RequestOutput
-from pagedattn.engine.request_state import EngineRequest, SeqState
+from pagedattn.engine.request_state import EngineRequest
 from pagedattn.model.loader import load_model
 from pagedattn.sampling_params import InvalidSamplingParamsError, SamplingParams
-from pagedattn.worker.input_batch import ScheduledSeq
-from pagedattn.worker.model_runner import ModelRunner
-from pagedattn.worker.sampler import Sampler
-from pagedattn.worker.sampling_metadata import build_sampling_metadata, make_generator
+from pagedattn.worker.kv_cache_sizing import DTYPES, plan_kv_cache
+from pagedattn.worker.model_runner import BlockCopyError, ModelRunner
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+logger = logging.getLogger(__name__)
+
+# Steps in a row whose every request failed before the engine counts itself as broken.
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -58,6 +63,7 @@ class EngineStats:
     num_waiting: int
     num_prompt_tokens: int
     num_generation_tokens: int
+    num_failed_requests: int = 0
     step_times: StepTimes = field(default_factory=StepTimes)
 
     @property
@@ -67,30 +73,21 @@ class EngineStats:
         )
 
 
-def _free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    # MemAvailable counts reclaimable page cache; SC_AVPHYS_PAGES (free pages) does not, and
-    # after a large file read it can be a small fraction of what the cache could really use.
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 class LLMEngine:
-    """Continuous batching over a paged KV cache: requests join and leave between steps."""
+    """Continuous batching over a paged KV cache: requests join and leave between steps.
+
+    One step: ``Scheduler.schedule()`` -> ``ModelRunner.execute()`` ->
+    ``Scheduler.update_from_output()`` -> ``OutputProcessor.process()``. A request whose own part
+    of a step fails ends with an error and the others go on; only a fault of the engine itself
+    raises ``EngineFaultError``.
+    """
 
     def __init__(self, config: EngineConfig, *, verbose: bool = False) -> None:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         device = torch.device(config.model.device)
-        dtype = _DTYPES[config.model.dtype]
+        dtype = _model_dtype(config.model.dtype, device)
         backend = get_attn_backend(config.attn_backend, device)
         loaded = load_model(config.model.model, dtype, device, backend)
         self.model = loaded.model
@@ -101,90 +98,66 @@ class LLMEngine:
         self.max_model_len = min(
             config.scheduler.max_model_len or loaded.max_model_len, loaded.max_model_len
         )
-        block_size = config.cache.block_size
-        groups = self.model.kv_cache_groups(block_size)
-        kv_dtype = (
-            dtype if config.cache.kv_cache_dtype == "auto" else _DTYPES[config.cache.kv_cache_dtype]
+        cache = config.cache
+        groups = self.model.kv_cache_groups(cache.block_size)
+        plan = plan_kv_cache(
+            cache, config.scheduler, self.model, dtype, backend.name, device, self.max_model_len
         )
-        if kv_dtype != dtype and backend.name != "cpu":
-            raise InvalidRequestError(
-                f"kv_cache_dtype={config.cache.kv_cache_dtype} differs from the model's dtype "
-                f"{config.model.dtype}: only the cpu attention backend supports that, not "
-                f"{backend.name}"
-            )
-        self.kv_cache_dtype = kv_dtype
-        num_blocks = self._num_blocks(config, device, kv_dtype)
+        self.kv_cache_dtype = plan.dtype
         self.kv_cache_manager = KVCacheManager(
             groups,
-            num_blocks,
-            enable_caching=config.cache.enable_prefix_caching,
-            hash_seed=config.cache.hash_seed,
+            plan.num_blocks,
+            enable_caching=cache.enable_prefix_caching,
+            hash_seed=cache.hash_seed,
         )
         self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.kv_cache_manager, self.max_model_len
+            config.scheduler, cache, self.kv_cache_manager, self.max_model_len
         )
         self.runner = ModelRunner(
-            self.model, backend, num_blocks, block_size, len(groups), device, kv_dtype
+            self.model,
+            backend,
+            plan.num_blocks,
+            cache.block_size,
+            len(groups),
+            device,
+            plan.dtype,
+            vocab_size=self.vocab_size,
+            eos_token_ids=self.eos_token_ids,
         )
-        self.sampler = Sampler()
-        self.requests: dict[str, EngineRequest] = {}
-        # Core request id -> (engine request, index of the sequence among its n).
-        self._seq_of: dict[str, SeqState] = {}
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.model_name)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._core_ids = itertools.count()
+        self._num_failed_steps = 0
         self.step_times = StepTimes()
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_recomputed_tokens = 0
+        self.num_failed_requests = 0
         self.kv_summary = (
-            f"KV cache: {num_blocks} blocks x {block_size} tokens = {num_blocks * block_size} "
-            f"token slots per layer group, "
-            f"{num_blocks * self._bytes_per_block(kv_dtype) / 2**20:.1f} MiB "
-            f"({len(groups)} KV cache group(s), backend {backend.name}, {config.model.dtype}"
-            + ("" if kv_dtype == dtype else f", KV cache {config.cache.kv_cache_dtype}")
+            f"KV cache: {plan.num_blocks} blocks x {cache.block_size} tokens = "
+            f"{plan.num_blocks * cache.block_size} token slots per layer group, "
+            f"{plan.num_bytes / 2**20:.1f} MiB ({len(groups)} KV cache group(s), backend "
+            f"{backend.name}, {_dtype_name(dtype)}"
+            + ("" if plan.dtype == dtype else f", KV cache {_dtype_name(plan.dtype)}")
             + ")"
         )
         if verbose:
             print(f"[pagedattn] model {self.model_name}; {self.kv_summary}")
 
-    # Capacity.
-
-    def _bytes_per_block(self, dtype: torch.dtype) -> int:
-        return ModelRunner.kv_cache_bytes_per_block(self.model, self.config.cache.block_size, dtype)
-
-    def _num_blocks(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> int:
-        cache = config.cache
-        if cache.num_blocks is not None:
-            return cache.num_blocks
-        per_block = self._bytes_per_block(dtype)
-        if cache.kv_cache_memory is not None:
-            num_blocks = cache.kv_cache_memory // per_block
-            if num_blocks < 2:
-                raise InvalidRequestError(
-                    f"kv_cache_memory={cache.kv_cache_memory} bytes holds {num_blocks} blocks of "
-                    f"{per_block} bytes: give the KV cache at least {2 * per_block} bytes"
-                )
-            return num_blocks
-        budget = int(_free_memory_bytes(device) * cache.kv_cache_memory_fraction)
-        # NOTE: no more blocks than max_num_seqs full-length sequences could ever use.
-        per_seq = -(-self.max_model_len // cache.block_size)
-        return max(2, min(budget // per_block, config.scheduler.max_num_seqs * per_seq + 1))
-
     # Requests in and out.
 
+    @property
+    def requests(self) -> dict[str, EngineRequest]:
+        """Live user requests by id."""
+        return self.output_processor.requests
+
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in prompt):
-            raise InvalidRequestError(
-                f"prompt token ids must be integers in [0, {self.vocab_size})", param="prompt"
-            )
-        return list(prompt)
+        """Token ids of a prompt (text or checked ids)."""
+        return self.input_processor.tokenize(prompt)
 
     def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise InvalidRequestError(f"model {self.model_name} has no chat template")
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        """The conversation rendered by the model's chat template."""
+        return self.input_processor.apply_chat_template(messages, add_generation_prompt)
 
     def add_request(
         self,
@@ -198,22 +171,31 @@ class LLMEngine:
     ) -> None:
         """Queue a request; raises InvalidRequestError if it can never be served."""
         params = SamplingParams() if params is None else params
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidRequestError("the request id must be a non-empty string")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if isinstance(prompt, str) and not prompt:
-            raise InvalidRequestError("the prompt is empty: send at least one token", "prompt")
+        if params.seed is not None and not 0 <= params.seed < SEED_LIMIT:
+            raise InvalidRequestError(
+                f"seed={params.seed} is out of range: use an integer in [0, 2**63)", "seed"
+            )
         prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty: send at least one token", "prompt")
+        num_prompt = len(prompt_ids)
         max_tokens = params.max_tokens
         if max_tokens is None:
-            max_tokens = max(self.max_model_len - len(prompt_ids), 1)
-        if len(prompt_ids) + max_tokens > self.max_model_len:
+            # NOTE: no max_tokens: as much as the context and the pool can hold, so a short
+            # request is not rejected for a whole context's worth of blocks.
+            max_tokens = self.scheduler.max_tokens_that_fit(num_prompt)
+        prompt_fits = self.scheduler.max_tokens_that_fit(num_prompt) >= 1
+        if max_tokens < 1 or not prompt_fits:
             raise InvalidRequestError(
-                f"the prompt has {len(prompt_ids)} tokens and max_tokens is {max_tokens}: together "
-                f"{len(prompt_ids) + max_tokens}, more than the model's max_model_len "
-                f"{self.max_model_len}; shorten the prompt or lower max_tokens",
-                param="max_tokens" if len(prompt_ids) < self.max_model_len else "prompt",
+                f"the prompt has {num_prompt} tokens: with one generated token that is more than "
+                f"max_model_len={self.max_model_len} or the KV cache's "
+                f"{self.kv_cache_manager.num_usable_blocks} blocks of "
+                f"{self.config.cache.block_size} tokens hold; shorten the prompt",
+                param="prompt",
             )
         arrival = time.monotonic() if arrival_time is None else arrival_time
         ereq = EngineRequest(
@@ -221,48 +203,70 @@ class LLMEngine:
             prompt=prompt if isinstance(prompt, str) else None,
             prompt_token_ids=prompt_ids,
             params=params,
-            max_tokens=max_tokens,
             arrival_time=arrival,
             cache_salt=cache_salt,
             priority=priority,
-            eos_token_ids=self.eos_token_ids,
         )
-        core = self._make_core_request(ereq, 0, request_id)
-        try:
-            self.scheduler.add_request(core, max_tokens=max_tokens)
-        except RequestRejectedError as exc:
-            raise InvalidRequestError(str(exc), param="prompt") from exc
-        self.requests[request_id] = ereq
-        self._seq_of[request_id] = ereq.seqs[0]
-
-    def _make_core_request(self, ereq: EngineRequest, index: int, core_id: str) -> Request:
         core = Request(
-            request_id=core_id,
-            prompt_token_ids=ereq.prompt_token_ids,
-            sampling_params=ereq.params,
-            arrival_time=ereq.arrival_time,
-            priority=ereq.priority,
-            cache_salt=ereq.cache_salt,
-            eos_token_id=self.eos_token_ids[0] if self.eos_token_ids else None,
+            request_id=f"{request_id}@{next(self._core_ids)}",
+            prompt_token_ids=prompt_ids,
+            sampling_params=params,
+            arrival_time=arrival,
+            priority=priority,
+            cache_salt=cache_salt,
+            eos_token_ids=self.eos_token_ids,
+            seed=params.seed,
+            num_forks=params.n - 1,
+            max_tokens=max_tokens,
             block_size=self.config.cache.block_size,
             hash_seed=self.config.cache.hash_seed,
         )
-        seed = ereq.params.seed
-        generator = None if seed is None else make_generator(seed + index, self.config.model.device)
-        ereq.seqs.append(SeqState(ereq, index, core, self.tokenizer, generator))
-        return core
+        try:
+            self.scheduler.add_request(core)
+        except RequestRejectedError as exc:
+            param = "max_tokens" if params.max_tokens is not None else "prompt"
+            raise InvalidRequestError(str(exc), param=param) from exc
+        self.output_processor.add(ereq, core)
+
+    def fork_request(
+        self, request_id: str, new_request_id: str, *, last_token_id: int | None = None
+    ) -> None:
+        """A new request that continues a live one: same tokens, params, salt and priority.
+
+        The two share every KV block (reference counts) until one writes a shared block, which
+        it copies first. ``last_token_id`` replaces the new request's last generated token.
+        """
+        ereq = self.requests.get(request_id)
+        if ereq is None or len(ereq.seqs) != 1:
+            raise InvalidRequestError(f"cannot fork {request_id!r}: no live request with n=1")
+        if new_request_id in self.requests:
+            raise InvalidRequestError(f"request id {new_request_id!r} is already in use")
+        core_id = f"{new_request_id}@{next(self._core_ids)}"
+        parent = ereq.seqs[0].core
+        try:
+            core = self.scheduler.fork_request(
+                parent.request_id, core_id, seed=parent.seed, last_token_id=last_token_id
+            )
+        except (RequestRejectedError, ValueError) as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        child = EngineRequest(
+            request_id=new_request_id,
+            prompt=ereq.prompt,
+            prompt_token_ids=ereq.prompt_token_ids,
+            params=ereq.params,
+            arrival_time=ereq.arrival_time,
+            cache_salt=ereq.cache_salt,
+            priority=ereq.priority,
+        )
+        self.output_processor.add(child, core)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests now: their blocks return to the pool before this call returns."""
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         for req_id in ids:
-            ereq = self.requests.pop(req_id, None)
-            if ereq is None:
-                continue
-            core_ids = [s.core.request_id for s in ereq.seqs]
+            core_ids = self.output_processor.core_ids(req_id)
+            self.output_processor.remove(req_id)
             self.scheduler.finish_requests(core_ids, RequestStatus.FINISHED_ABORTED)
-            for core_id in core_ids:
-                self._seq_of.pop(core_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -271,116 +275,70 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model, sample, check stops; return outputs of requests that moved."""
-        t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        t1 = time.perf_counter()
         times = self.step_times
+        t0 = time.perf_counter()
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as exc:
+            raise EngineFaultError(f"the scheduler failed: {exc!r}") from exc
+        t1 = time.perf_counter()
         times.schedule += t1 - t0
         self.num_recomputed_tokens += sched.stats.num_recomputed_tokens
         if sched.is_empty:
             return []
-        requests = self.scheduler.requests
-        seqs = self.scheduled_seqs(sched)
-        for seq in seqs:
-            core = requests[seq.req_id]
-            self.num_prompt_tokens += max(
-                0, min(core.num_prompt_tokens - seq.start_pos, len(seq.token_ids))
-            )
-        logits, sampled_ids = self.runner.execute(seqs, sched.block_copies)
-        times.prepare += self.runner.last_timings.prepare
-        times.forward += self.runner.last_timings.forward
+        for s in sched.scheduled:
+            num_prompt = len(s.prompt_token_ids)
+            self.num_prompt_tokens += max(0, min(num_prompt - s.start_pos, len(s.token_ids)))
+        runner_output = self._execute(sched)
+        timings = self.runner.last_timings
+        times.prepare += timings.prepare
+        times.forward += timings.forward
+        times.sample += timings.sample
         t2 = time.perf_counter()
-
-        # NOTE: a request with n > 1 forks its siblings when its prompt is done: they share every
-        # prompt block (ref counts) and sample from the same logits row.
-        rows: list[int] = []
-        row_seqs: list[SeqState] = []
-        for row, core_id in enumerate(sampled_ids):
-            state = self._seq_of[core_id]
-            targets = [state]
-            if state.index == 0 and state.owner.needs_fork():
-                targets += self._fork_siblings(state)
-            rows += [row] * len(targets)
-            row_seqs += targets
-        if not row_seqs:  # only partial prefill chunks ran: nothing to sample
-            self.scheduler.update_from_output(sched, {}, {})
-            times.num_steps += 1
-            return []
-        if rows != list(range(len(rows))):
-            logits = logits.index_select(0, torch.tensor(rows, dtype=torch.int64))
-        meta = build_sampling_metadata(
-            [s.owner.params for s in row_seqs],
-            [s.core.output_token_ids for s in row_seqs],
-            [s.core.prompt_token_ids for s in row_seqs],
-            [s.generator for s in row_seqs],
-            self.vocab_size,
-            self.eos_token_ids,
-        )
-        out = self.sampler(logits, meta)
-        t3 = time.perf_counter()
-        times.sample += t3 - t2
-
-        token_ids = out.sampled_token_ids.tolist()
-        now = time.monotonic()
-        finished: dict[str, RequestStatus] = {}
-        touched: dict[str, EngineRequest] = {}
-        for i, state in enumerate(row_seqs):
-            token = token_ids[i]
-            # NOTE: the engine appends sampled tokens itself (the scheduler gets none), so that
-            # the stop check sees them and forked siblings are handled like everyone else.
-            state.core.append_output_token_ids(token)
-            status = state.on_token(token, out.logprobs[i] if out.logprobs else None, now)
-            if status is not None:
-                finished[state.core.request_id] = status
-            touched[state.owner.request_id] = state.owner
-        self.num_generation_tokens += len(row_seqs)
-        self.scheduler.update_from_output(sched, {}, finished)
-        for core_id in finished:
-            self._seq_of.pop(core_id, None)
-        outputs = []
-        for ereq in touched.values():
-            ereq.metrics.num_preemptions = sum(s.core.num_preemptions for s in ereq.seqs)
-            ereq.metrics.num_recomputed_tokens = sum(
-                s.core.num_recomputed_tokens for s in ereq.seqs
-            )
-            outputs.append(ereq.make_output())
-            if ereq.finished:
-                ereq.metrics.finished_time = now
-                self.requests.pop(ereq.request_id, None)
-        times.process += time.perf_counter() - t3
+        try:
+            core_outputs = self.scheduler.update_from_output(sched, runner_output)
+        except Exception as exc:
+            raise EngineFaultError(f"updating the scheduler failed: {exc!r}") from exc
+        self.num_generation_tokens += len(runner_output.req_ids)
+        self.num_failed_requests += len(runner_output.failed)
+        outputs, stopped, to_abort = self.output_processor.process(core_outputs)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.scheduler.finish_requests(to_abort, RequestStatus.FINISHED_ABORTED)
+        times.process += time.perf_counter() - t2
         times.num_steps += 1
         return outputs
 
-    def scheduled_seqs(self, sched: SchedulerOutput) -> list[ScheduledSeq]:
-        """The runner's view of a scheduled step: each request's new tokens and block tables."""
-        requests = self.scheduler.requests
-        seqs = []
-        for req_id, num_tokens in sched.num_scheduled_tokens.items():
-            core = requests[req_id]
-            start = core.num_computed_tokens - num_tokens  # schedule() already advanced it
-            seqs.append(
-                ScheduledSeq(
-                    req_id=req_id,
-                    token_ids=core.all_token_ids[start : start + num_tokens],
-                    start_pos=start,
-                    block_ids=self.kv_cache_manager.get_block_ids(req_id),
-                    needs_sample=core.num_computed_tokens == core.num_tokens,
-                )
-            )
-        return seqs
-
-    def _fork_siblings(self, parent: SeqState) -> list[SeqState]:
-        ereq = parent.owner
-        children = []
-        for index in range(1, ereq.params.n):
-            core = self._make_core_request(ereq, index, f"{ereq.request_id}#{index}")
-            core.num_computed_tokens = parent.core.num_computed_tokens
-            self.kv_cache_manager.fork(parent.core, core)
-            self.scheduler.add_running_request(core)
-            state = ereq.seqs[-1]
-            self._seq_of[core.request_id] = state
-            children.append(state)
-        return children
+    def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run the step; if the batch fails, run each sequence alone and fail only the faulty."""
+        try:
+            output = self.runner.execute(sched)
+            self._num_failed_steps = 0
+            return output
+        except BlockCopyError as exc:
+            raise EngineFaultError(f"copy-on-write of KV blocks failed: {exc!r}") from exc
+        except Exception as exc:
+            batch_error = exc
+        logger.warning(
+            "a step of %d sequences failed (%r); retrying each alone",
+            len(sched.scheduled),
+            batch_error,
+        )
+        output = RunnerOutput()
+        for s in sched.scheduled:
+            try:
+                output.merge(self.runner.execute(sched.subset({s.req_id})))
+            except Exception as exc:
+                logger.exception("request %s failed in its step", s.req_id)
+                output.failed[s.req_id] = f"the model step failed for this request: {exc}"
+        if len(output.failed) == len(sched.scheduled):
+            self._num_failed_steps += 1
+            if len(sched.scheduled) > 1 or self._num_failed_steps >= MAX_FAILED_STEPS:
+                raise EngineFaultError(
+                    f"every request of the step failed: {batch_error!r}"
+                ) from batch_error
+        else:
+            self._num_failed_steps = 0
+        return output
 
     # Introspection.
 
@@ -401,6 +359,7 @@ class LLMEngine:
             num_waiting=len(self.scheduler.waiting),
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            num_failed_requests=self.num_failed_requests,
             step_times=self.step_times,
         )
 
@@ -418,4 +377,25 @@ class LLMEngine:
         return run_beam_search(self, prompt, params)
 
 
-__all__ = ["LLMEngine", "EngineStats", "InvalidRequestError", "InvalidSamplingParamsError"]
+def _model_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The model's dtype; "auto" asks the CPU what it computes fast (float32 where unknown)."""
+    if name == "auto":
+        try:
+            from pagedattn.model.cpu_features import resolve_dtype
+        except ImportError:
+            return torch.float32
+        return resolve_dtype(name, device)
+    return DTYPES[name]
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+__all__ = [
+    "EngineFaultError",
+    "EngineStats",
+    "InvalidRequestError",
+    "InvalidSamplingParamsError",
+    "LLMEngine",
+]

@@ -85,3 +85,5 @@ class RequestOutput:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     extra: dict = field(default_factory=dict)
+    # Set when the request failed inside a step (finish_reason "error"); the engine went on.
+    error: str | None = None

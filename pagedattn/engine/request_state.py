@@ -4,83 +4,93 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedattn.core.request import Request, RequestStatus
+from pagedattn.core.scheduler_output import CoreOutput
 from pagedattn.engine.detokenizer import IncrementalDetokenizer
 from pagedattn.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from pagedattn.engine.stop_strings import find_stop_string
 from pagedattn.sampling_params import SamplingParams
-from pagedattn.worker.logprobs import TokenLogprobs
-from pagedattn.worker.stop_checker import check_stop
 
-_STATUS_OF_REASON = {
-    "stop": RequestStatus.FINISHED_STOPPED,
-    "length": RequestStatus.FINISHED_LENGTH,
+_FINISH_REASON = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_IGNORED: "length",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
 class SeqState:
     """One of the n sequences of a request: its core Request, text so far and stop state."""
 
-    def __init__(
-        self,
-        owner: EngineRequest,
-        index: int,
-        core: Request,
-        tokenizer,
-        generator: torch.Generator | None,
-    ) -> None:
+    def __init__(self, owner: EngineRequest, index: int, core: Request, tokenizer) -> None:
         self.owner = owner
         self.index = index
         self.core = core
-        self.generator = generator
         params = owner.params
         self.detokenizer = IncrementalDetokenizer(
             tokenizer, core.prompt_token_ids, params.skip_special_tokens
         )
         self.text = ""
+        if core.output_token_ids and params.detokenize:  # a fork that starts mid-sequence
+            self.text = self.detokenizer.add_tokens(list(core.output_token_ids))
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
-        self.tokenizer = tokenizer
 
-    def on_token(
-        self, token: int, logprobs: TokenLogprobs | None, now: float
-    ) -> RequestStatus | None:
-        """Record a sampled token; return the finished status if this token ends the sequence."""
+    def on_output(self, out: CoreOutput, now: float) -> bool:
+        """Record the scheduler's output for this sequence; True if a stop string ended it.
+
+        The scheduler already applied EOS, stop token ids and length; stop strings are checked
+        here, on the detokenised text, and the caller then finishes the sequence in the scheduler.
+        """
         owner = self.owner
         params = owner.params
+        if out.status == RequestStatus.FINISHED_ERROR:
+            self.finish_reason = "error"
+            owner.error = owner.error or out.error or "the request failed"
+            return False
         metrics = owner.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
-        if logprobs is not None and self.logprobs is not None:
-            entry = {token: Logprob(logprobs.sampled_logprob, logprobs.sampled_rank)}
-            for rank, (tid, lp) in enumerate(
-                zip(logprobs.top_token_ids, logprobs.top_logprobs, strict=True), start=1
-            ):
-                entry.setdefault(tid, Logprob(lp, rank))
-            self.logprobs.append(entry)
-            self.cumulative_logprob += logprobs.sampled_logprob
-        delta = self.detokenizer.add_tokens([token]) if params.detokenize else ""
+        delta = ""
+        for token in out.new_token_ids:
+            lp = out.logprobs
+            if lp is not None and self.logprobs is not None:
+                entry = {token: Logprob(lp.sampled_logprob, lp.sampled_rank)}
+                for rank, (tid, value) in enumerate(
+                    zip(lp.top_token_ids, lp.top_logprobs, strict=True), start=1
+                ):
+                    entry.setdefault(tid, Logprob(value, rank))
+                self.logprobs.append(entry)
+                self.cumulative_logprob += lp.sampled_logprob
+            if params.detokenize:
+                delta += self.detokenizer.add_tokens([token])
         self.text += delta
-        # NOTE: called after the token was appended to self.core.output_token_ids.
-        result = check_stop(
-            self.core.output_token_ids,
-            self.text,
-            params,
-            owner.eos_token_ids,
-            owner.max_tokens,
-            num_new_chars=len(delta),
-        )
-        if result.finish_reason is None:
-            return None
-        self.finish_reason, self.stop_reason, self.text = result
-        return _STATUS_OF_REASON[self.finish_reason]
+        status = out.status
+        if status == RequestStatus.FINISHED_STOPPED:
+            # The stop token's own text is dropped unless asked for (as vLLM does).
+            if delta and not params.include_stop_str_in_output:
+                self.text = self.text[: len(self.text) - len(delta)]
+            self.finish_reason, self.stop_reason = "stop", out.stop_reason
+            return False
+        if params.stop and delta and self.core.num_output_tokens >= params.min_tokens:
+            found = find_stop_string(
+                self.text, len(delta), params.stop, params.include_stop_str_in_output
+            )
+            if found is not None:
+                self.stop_reason, cut = found
+                self.text = self.text[:cut]
+                self.finish_reason = "stop"
+                return status is None
+        if status is not None:
+            self.finish_reason = _FINISH_REASON[status]
+        return False
 
     def make_output(self) -> CompletionOutput:
-        """The sequence so far (call after the step appended its token)."""
+        """The sequence so far."""
         return CompletionOutput(
             index=self.index,
             text=self.text,
@@ -100,23 +110,20 @@ class EngineRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int
     arrival_time: float
     cache_salt: str | None = None
     priority: int = 0
-    eos_token_ids: tuple[int, ...] = ()
     seqs: list[SeqState] = field(default_factory=list)
+    error: str | None = None
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
 
-    def needs_fork(self) -> bool:
-        """True until the n - 1 siblings of sequence 0 exist."""
-        return len(self.seqs) < self.params.n
-
     @property
     def finished(self) -> bool:
+        if self.error is not None:
+            return True
         return len(self.seqs) == self.params.n and all(
             s.finish_reason is not None for s in self.seqs
         )
@@ -125,12 +132,19 @@ class EngineRequest:
         metrics = self.metrics
         metrics.num_cached_tokens = self.seqs[0].core.num_cached_tokens
         metrics.num_generated_tokens = max(s.core.num_output_tokens for s in self.seqs)
+        metrics.num_preemptions = sum(s.core.num_preemptions for s in self.seqs)
+        metrics.num_recomputed_tokens = sum(s.core.num_recomputed_tokens for s in self.seqs)
+        outputs = [s.make_output() for s in self.seqs]
+        if self.error is not None:
+            for out in outputs:
+                out.finish_reason = "error"
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.make_output() for s in self.seqs],
+            outputs=outputs,
             finished=self.finished,
             metrics=metrics,
             num_cached_tokens=metrics.num_cached_tokens,
+            error=self.error,
         )

@@ -18,8 +18,9 @@ import numpy as np
 from pagedattn.config import CacheConfig, SchedulerConfig
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
-from pagedattn.core.request import Request, RequestStatus
+from pagedattn.core.request import Request
 from pagedattn.core.scheduler import Scheduler
+from pagedattn.core.scheduler_output import RunnerOutput
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.sim.contiguous import SimAllocationError
 from pagedattn.sim.metrics import MemoryMeter, SimResult
@@ -120,6 +121,7 @@ def run_paged(
                     prompts(req),
                     params,
                     arrival_time=req.arrival_time,
+                    max_tokens=req.output_len,
                     block_size=block_size,
                     hash_seed=manager.hash_seed,
                 )
@@ -142,17 +144,12 @@ def run_paged(
         meter.record(
             held, allocated, final, num_used_blocks * block_size, 0, len(scheduler.waiting)
         )
-        sampled: dict[str, list[int]] = {}
-        finished: dict[str, RequestStatus] = {}
-        for req_id in output.num_scheduled_tokens:
-            request = scheduler.requests[req_id]
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a partial prefill chunk samples nothing
-            sampled[req_id] = [num_output_tokens % VOCAB_SIZE]
-            num_output_tokens += 1
-            if request.num_output_tokens + 1 >= by_id[req_id].output_len:
-                finished[req_id] = RequestStatus.FINISHED_LENGTH
-        scheduler.update_from_output(output, sampled, finished)
+        # NOTE: the stand-in model samples token ids in turn; the scheduler stops each request
+        # at its output length (max_tokens).
+        sampling = [s.req_id for s in output.scheduled if s.needs_sample]
+        tokens = [(num_output_tokens + i) % VOCAB_SIZE for i in range(len(sampling))]
+        num_output_tokens += len(sampling)
+        scheduler.update_from_output(output, RunnerOutput(sampling, tokens))
         clock += 1
         if meter.num_steps >= config.max_steps:
             raise SimAllocationError(f"paged run made no progress after {config.max_steps} steps")

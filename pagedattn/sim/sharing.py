@@ -75,7 +75,7 @@ class _GroupRunner:
         self.copies += len(manager.take_block_copies())
 
     def fork(self, parent: Request, token: int) -> Request:
-        child = parent.clone(self.new_id())
+        child = parent.fork(self.new_id())
         self.manager.fork(parent, child)
         child.append_output_token_ids(token)
         return child

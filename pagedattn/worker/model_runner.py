@@ -1,4 +1,4 @@
-"""Owns the model and its paged KV cache tensors; runs one step: copies, forward, logits."""
+"""Owns the model and its paged KV cache tensors; runs one step: copies, forward, sampling."""
 
 from __future__ import annotations
 
@@ -10,9 +10,19 @@ import torch
 
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads, keep_freed_heap_memory
-from pagedattn.attention.layout import bytes_per_block
 from pagedattn.attention.ops import copy_blocks
-from pagedattn.worker.input_batch import InputBatch, ScheduledSeq, build_input_batch
+from pagedattn.core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedattn.sampling_params import SamplingParams
+from pagedattn.worker.input_batch import InputBatch, build_input_batch
+from pagedattn.worker.sampler import Sampler
+from pagedattn.worker.sampling_metadata import build_sampling_metadata, make_generator
+
+# Sampling settings of a sequence that carries none (the simulator's and some tests').
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+class BlockCopyError(RuntimeError):
+    """Copy-on-write of KV blocks failed: the cache itself is suspect, not one request."""
 
 
 @dataclass
@@ -21,10 +31,25 @@ class StepTimings:
 
     prepare: float = 0.0
     forward: float = 0.0
+    sample: float = 0.0
+
+
+class _SampleRow:
+    """One sampled sequence of the step: a scheduled one, or a sibling forked from its row."""
+
+    __slots__ = ("req_id", "logits_row", "params", "seed", "prompt_token_ids", "output_token_ids")
+
+    def __init__(self, req_id: str, logits_row: int, sched: ScheduledRequest, seed: int | None):
+        self.req_id = req_id
+        self.logits_row = logits_row
+        self.params = sched.sampling_params or _GREEDY
+        self.seed = seed
+        self.prompt_token_ids = sched.prompt_token_ids
+        self.output_token_ids = sched.output_token_ids
 
 
 class ModelRunner:
-    """Allocates one (key_cache, value_cache) pair per layer and executes scheduled steps."""
+    """Allocates one (key_cache, value_cache) pair per layer, executes steps and samples."""
 
     def __init__(
         self,
@@ -35,6 +60,9 @@ class ModelRunner:
         num_groups: int,
         device: torch.device | str,
         cache_dtype: torch.dtype,
+        *,
+        vocab_size: int,
+        eos_token_ids: Sequence[int] = (),
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -42,6 +70,8 @@ class ModelRunner:
         self.block_size = block_size
         self.num_groups = num_groups
         self.device = torch.device(device)
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
         if self.device.type == "cpu":
             flush_denormals_all_threads()
             keep_freed_heap_memory()
@@ -51,16 +81,10 @@ class ModelRunner:
             )
             for _ in range(model.num_layers)
         ]
+        self.sampler = Sampler()
+        # Seeded sequences' own generators, kept until the sequence finishes.
+        self._generators: dict[str, torch.Generator] = {}
         self.last_timings = StepTimings()
-
-    @staticmethod
-    def kv_cache_bytes_per_block(
-        model: torch.nn.Module, block_size: int, dtype: torch.dtype
-    ) -> int:
-        """Bytes one block id costs across all layers (K and V)."""
-        return bytes_per_block(
-            model.num_layers, block_size, model.num_kv_heads, model.head_size, dtype
-        )
 
     def copy_blocks(self, src_to_dst: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks in every layer before the step writes into them."""
@@ -68,16 +92,76 @@ class ModelRunner:
             copy_blocks(self.kv_caches, list(src_to_dst))
 
     @torch.inference_mode()
-    def execute(
-        self, seqs: Sequence[ScheduledSeq], block_copies: Sequence[tuple[int, int]] = ()
-    ) -> tuple[torch.Tensor, list[str]]:
-        """Run one step; return float32 logits [num_sampled, vocab] and their request ids."""
-        self.copy_blocks(block_copies)
+    def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
+        """Run one scheduled step: block copies, the forward, then one sample per sampling row."""
+        for req_id in scheduler_output.finished_req_ids:
+            self._generators.pop(req_id, None)
+        try:
+            self.copy_blocks(scheduler_output.block_copies)
+        except Exception as exc:
+            raise BlockCopyError(f"copying blocks {scheduler_output.block_copies} failed") from exc
         t0 = time.perf_counter()
-        batch: InputBatch = build_input_batch(seqs, self.block_size, self.num_groups, self.device)
+        scheduled = scheduler_output.scheduled
+        batch: InputBatch = build_input_batch(
+            scheduled, self.block_size, self.num_groups, self.device
+        )
         t1 = time.perf_counter()
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         # NOTE: the LM head runs only on the rows that are sampled (the last token of each span).
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
-        self.last_timings = StepTimings(prepare=t1 - t0, forward=time.perf_counter() - t1)
-        return logits, batch.sampled_req_ids
+        t2 = time.perf_counter()
+        rows = []
+        for logits_row, index in enumerate(batch.sampled):
+            sched = scheduled[index]
+            rows.append(_SampleRow(sched.req_id, logits_row, sched, sched.seed))
+            for child_id, seed in sched.forks:
+                rows.append(_SampleRow(child_id, logits_row, sched, seed))
+        output = self.sample(logits, rows)
+        self.last_timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        return output
+
+    def sample(self, logits: torch.Tensor, rows: list[_SampleRow]) -> RunnerOutput:
+        """Sample every row; a row whose own sampling fails is reported, the others go on."""
+        if not rows:
+            return RunnerOutput()
+        try:
+            return self._sample(logits, rows)
+        except Exception:
+            if len(rows) == 1:
+                raise
+        # NOTE: the batch failed: sample each row alone so only the faulty ones fail.
+        output = RunnerOutput()
+        for row in rows:
+            try:
+                output.merge(self._sample(logits, [row]))
+            except Exception as exc:
+                output.failed[row.req_id] = f"sampling failed: {exc}"
+        return output
+
+    def _sample(self, logits: torch.Tensor, rows: list[_SampleRow]) -> RunnerOutput:
+        index = [r.logits_row for r in rows]
+        if index != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(index, dtype=torch.int64))
+        meta = build_sampling_metadata(
+            [r.params for r in rows],
+            [r.output_token_ids for r in rows],
+            [r.prompt_token_ids for r in rows],
+            [self._generator(r) for r in rows],
+            self.vocab_size,
+            self.eos_token_ids,
+        )
+        out = self.sampler(logits, meta)
+        return RunnerOutput(
+            req_ids=[r.req_id for r in rows],
+            sampled_token_ids=out.sampled_token_ids.tolist(),
+            logprobs=out.logprobs,
+        )
+
+    def _generator(self, row: _SampleRow) -> torch.Generator | None:
+        if row.seed is None:
+            return None
+        generator = self._generators.get(row.req_id)
+        if generator is None:
+            generator = make_generator(row.seed, self.device)
+            self._generators[row.req_id] = generator
+        return generator

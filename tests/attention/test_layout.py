@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,7 +17,7 @@ from pagedattn.attention.layout import (
     kv_block_stride,
     kv_cache_shapes,
     kv_head_stride,
-    num_blocks_for_budget,
+    slot_mapping,
     translate,
 )
 from pagedattn.attention.ops import reshape_and_cache
@@ -86,11 +87,21 @@ def test_bytes_per_block_and_budget():
     # SmolLM2-135M: 30 layers, 3 KV heads of 64, bf16, B=16: 2*30*16*3*64*2 bytes.
     per_block = bytes_per_block(30, 16, 3, 64, torch.bfloat16)
     assert per_block == 368640
-    assert (
-        num_blocks_for_budget(10 * per_block + per_block - 1, 30, 16, 3, 64, torch.bfloat16) == 10
-    )
-    with pytest.raises(ValueError, match="holds no block"):
-        num_blocks_for_budget(per_block - 1, 30, 16, 3, 64, torch.bfloat16)
+
+
+def test_slot_mapping_matches_translate_for_every_token():
+    tables = np.array([[7, 3, 12], [2, 0, 0]])
+    seq_of_token = np.array([0, 0, 0, 1, 1])
+    positions = np.array([0, 20, 47, 0, 5])
+    slots = slot_mapping(tables, seq_of_token, positions, 16)
+    for slot, seq, pos in zip(slots.tolist(), seq_of_token, positions, strict=True):
+        addr = translate(tables[seq].tolist(), int(pos), 16)
+        assert slot == addr.block_id * 16 + addr.offset
+    assert slots.tolist() == [112, 52, 207, 32, 37]
+    with pytest.raises(IndexError, match="past the block tables"):
+        slot_mapping(tables, np.array([0]), np.array([48]), 16)
+    one = slot_mapping(np.array([[5, 2, 9]]), np.zeros(3, dtype=np.int64), np.arange(3), 1)
+    assert one.tolist() == [5, 2, 9]
 
 
 def test_cache_dtypes_per_device():

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedattn.attention.layout import KVCacheLayout, allocate_kv_cache, gather_kv
-from pagedattn.attention.metadata import PAD_SLOT_ID
+from pagedattn.attention.layout import PAD_SLOT_ID, KVCacheLayout, allocate_kv_cache, gather_kv
 from pagedattn.attention.ops import copy_blocks, reshape_and_cache
 
 SENTINEL = -7.0

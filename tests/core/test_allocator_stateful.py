@@ -146,7 +146,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             st.sampled_from(sorted(self.running.values(), key=lambda r: r.request_id))
         )
         self.next_id += 1
-        child = parent.clone(f"r{self.next_id}")
+        child = parent.fork(f"r{self.next_id}")
         self.manager.fork(parent, child)
         self.running[child.request_id] = child
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.kv_cache_spec import (
     FullAttentionSpec,
@@ -15,7 +16,6 @@ from pagedattn.core.kv_cache_utils import (
     NULL_BLOCK_ID,
     KVCacheError,
     UnknownRequestError,
-    compute_slot_mapping,
 )
 from pagedattn.core.request import Request
 
@@ -57,7 +57,7 @@ def test_spec_worked_example_35_tokens():
     stats = manager.make_stats()
     assert stats.internal_fragmentation == 16 - 3  # the last block holds 3/16
     assert stats.num_blocks_per_request == {"a": 3} and stats.num_cached_blocks == 2
-    slots = compute_slot_mapping(block_ids, 16, 0, 35)
+    slots = AttentionMetadata.build([35], [35], [block_ids], 16).slot_mapping.tolist()
     assert slots[20] == block_ids[1] * 16 + 4
 
 
@@ -180,7 +180,7 @@ def test_fork_then_free_in_either_order(parent_first):
     manager = make_manager(8, block_size=4)
     parent = make_request(manager, "p", list(range(10)))
     admit(manager, parent)
-    child = parent.clone("c")
+    child = parent.fork("c")
     manager.fork(parent, child)
     assert table(manager, child) == table(manager, parent)
     blocks = manager.managers[0].req_to_blocks["p"]
@@ -198,7 +198,7 @@ def test_copy_on_write_of_shared_partial_block():
     manager = make_manager(8, block_size=4)
     parent = make_request(manager, "p", list(range(10)))  # block 2 holds 2/4 tokens
     admit(manager, parent)
-    child = parent.clone("c")
+    child = parent.fork("c")
     manager.fork(parent, child)
     shared = table(manager, parent)
     decode(manager, child, 50)
@@ -206,7 +206,6 @@ def test_copy_on_write_of_shared_partial_block():
     assert child_table[:2] == shared[:2] and child_table[2] != shared[2]
     assert manager.take_block_copies() == [(shared[2], child_table[2])]
     assert manager.take_block_copies() == []
-    assert manager.take_cow_request_ids() == {"c"}
     decode(manager, parent, 60)  # now the only owner: no copy
     assert table(manager, parent) == shared and manager.take_block_copies() == []
     full_blocks = manager.managers[0].req_to_blocks["p"][:2]
@@ -217,13 +216,13 @@ def test_full_shared_block_is_not_copied_and_cow_without_room_returns_none():
     manager = make_manager(3, block_size=4)
     parent = make_request(manager, "p", list(range(8)))
     admit(manager, parent)
-    child = parent.clone("c")
+    child = parent.fork("c")
     manager.fork(parent, child)
     decode(manager, child, 1)  # new block appended, full blocks stay shared
     assert manager.take_block_copies() == [] and manager.num_free_blocks == 0
     child.append_output_token_ids(2)
     parent.append_output_token_ids(3)
-    grand = child.clone("g")
+    grand = child.fork("g")
     manager.fork(child, grand)
     assert manager.allocate_slots(grand, 1) is None  # CoW needs a block; none free
     assert table(manager, grand) == table(manager, child)
@@ -264,7 +263,7 @@ def test_misuse_raises_specific_errors():
     manager = make_manager(8, block_size=4)
     a = make_request(manager, "a", [1, 2, 3])
     with pytest.raises(UnknownRequestError):
-        manager.fork(a, a.clone("b"))
+        manager.fork(a, a.fork("b"))
     admit(manager, a)
     with pytest.raises(ValueError, match="num_new_tokens"):
         manager.allocate_slots(a, 0)

@@ -8,13 +8,11 @@ import sys
 import pytest
 
 from pagedattn.core.kv_cache_utils import (
-    PAD_SLOT_ID,
     FreeKVCacheBlockQueue,
     KVCacheBlock,
     KVCacheError,
     NoFreeBlocksError,
     block_extra_keys,
-    compute_slot_mapping,
     hash_block_tokens,
     hash_request_tokens,
     init_root_hash,
@@ -139,26 +137,10 @@ def test_request_without_block_size_keeps_no_hashes_and_validates_input():
 def test_request_clone_shares_nothing_mutable_and_status():
     req = Request("p", [1, 2, 3, 4, 5], block_size=2)
     req.num_computed_tokens = 5
-    child = req.clone("c")
+    child = req.fork("c")
     child.append_output_token_ids(6)
     assert child.request_id == "c" and child.num_computed_tokens == 5
     assert req.num_tokens == 5 and len(req.block_hashes) == 2 and len(child.block_hashes) == 3
     assert not req.is_finished()
     req.status = RequestStatus.FINISHED_ABORTED
     assert req.is_finished() and not RequestStatus.is_finished(RequestStatus.PREEMPTED)
-
-
-def test_slot_mapping_spec_worked_example():
-    # SPEC: 35 tokens, B=16 -> table [7, 3, 12]; token 20 -> block 3, offset 4 -> slot 52.
-    table = [7, 3, 12]
-    slots = compute_slot_mapping(table, 16, 0, 35)
-    assert len(slots) == 35
-    assert slots[20] == 3 * 16 + 4 == 52
-    assert slots[34] == 12 * 16 + 2  # the last block holds 3/16 tokens
-    assert compute_slot_mapping(table, 16, 34, 35, pad_to=4) == [194] + [PAD_SLOT_ID] * 3
-    with pytest.raises(IndexError, match="past the block table"):
-        compute_slot_mapping(table, 16, 40, 49)
-
-
-def test_slot_mapping_block_size_one():
-    assert compute_slot_mapping([5, 2, 9], 1, 0, 3) == [5, 2, 9]

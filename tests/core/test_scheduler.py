@@ -11,7 +11,7 @@ from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from pagedattn.core.request import Request, RequestStatus
 from pagedattn.core.scheduler import RequestRejectedError, Scheduler
-from pagedattn.core.scheduler_output import SchedulerOutput
+from pagedattn.core.scheduler_output import RunnerOutput, SchedulerOutput
 from pagedattn.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4
@@ -42,10 +42,20 @@ def make_scheduler(
 
 
 def make_request(
-    req_id: str, prompt: list[int], *, priority: int = 0, arrival_time: float = 0.0
+    req_id: str,
+    prompt: list[int],
+    *,
+    priority: int = 0,
+    arrival_time: float = 0.0,
+    max_tokens: int | None = None,
 ) -> Request:
     return Request(
-        req_id, prompt, priority=priority, arrival_time=arrival_time, block_size=BLOCK_SIZE
+        req_id,
+        prompt,
+        priority=priority,
+        arrival_time=arrival_time,
+        max_tokens=max_tokens,
+        block_size=BLOCK_SIZE,
     )
 
 
@@ -55,36 +65,34 @@ def fake_token(token_ids: list[int]) -> int:
 
 
 class FakeEngine:
-    """Drives a scheduler like the engine: schedule -> fake model -> stop check -> update.
+    """Drives a scheduler like the engine: schedule -> fake model -> update_from_output.
 
-    It also plays the model runner, keeping block tables from the outputs alone, and checks that
-    every scheduled token has a slot and that new/cached/preempted/finished ids are consistent.
+    It also plays the model runner: it checks that every scheduled sequence carries its tokens,
+    positions and a block table that covers them, and that the tables are the manager's.
     """
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
-        self.max_tokens: dict[str, int] = {}
         self.outputs: dict[str, list[int]] = {}
-        self.tables: dict[str, list[int]] = {}
 
     def add(self, request: Request, max_tokens: int) -> None:
-        self.scheduler.add_request(request, max_tokens)
-        self.max_tokens[request.request_id] = max_tokens
+        request.max_tokens = max_tokens
+        self.scheduler.add_request(request)
 
     def step(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
         self._check_runner_view(out)
-        sampled: dict[str, list[int]] = {}
-        finished: dict[str, RequestStatus] = {}
-        for req_id in out.num_scheduled_tokens:
-            request = self.scheduler.requests[req_id]
-            # NOTE: sampled for partial prefill chunks too: the scheduler must drop those.
-            sampled[req_id] = [fake_token(request.all_token_ids)]
-            done_prefill = request.num_computed_tokens == request.num_tokens
-            if done_prefill and request.num_output_tokens + 1 >= self.max_tokens[req_id]:
-                finished[req_id] = RequestStatus.FINISHED_LENGTH
-        for request in self.scheduler.update_from_output(out, sampled, finished):
-            self.outputs[request.request_id] = list(request.output_token_ids)
+        # NOTE: a token for partial prefill chunks too: the scheduler must drop those.
+        req_ids = [s.req_id for s in out.scheduled]
+        tokens = [
+            fake_token(list(s.prompt_token_ids) + list(s.output_token_ids)) for s in out.scheduled
+        ]
+        for s in out.scheduled:
+            for child_id, _ in s.forks:
+                req_ids.append(child_id)
+                tokens.append(fake_token(list(s.prompt_token_ids)) + 1)
+        for core in self.scheduler.update_from_output(out, RunnerOutput(req_ids, tokens)):
+            self.outputs.setdefault(core.req_id, []).extend(core.new_token_ids)
         return out
 
     def run(self, max_steps: int = 2000) -> list[SchedulerOutput]:
@@ -95,33 +103,31 @@ class FakeEngine:
         return outs
 
     def _check_runner_view(self, out: SchedulerOutput) -> None:
-        for req_id in out.finished_req_ids | out.preempted_req_ids:
-            self.tables.pop(req_id, None)
-        for data in out.scheduled_new_reqs:
-            assert data.req_id not in self.tables
-            self.tables[data.req_id] = list(data.block_ids[0])
-        for data in out.scheduled_cached_reqs:
-            if data.block_ids is not None:
-                self.tables[data.req_id] = list(data.block_ids[0])
-            else:
-                self.tables[data.req_id].extend(data.new_block_ids[0])
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
         assert (
             out.total_num_scheduled_tokens <= self.scheduler.scheduler_config.max_num_batched_tokens
         )
         assert len(out.num_scheduled_tokens) <= self.scheduler.scheduler_config.max_num_seqs
-        for req_id in out.num_scheduled_tokens:
-            request = self.scheduler.requests[req_id]
-            assert len(self.tables[req_id]) * BLOCK_SIZE >= request.num_computed_tokens
-            assert self.tables[req_id] == self.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+        assert [s.req_id for s in out.scheduled] == list(out.num_scheduled_tokens)
+        for s in out.scheduled:
+            request = self.scheduler.requests[s.req_id]
+            end = s.start_pos + len(s.token_ids)
+            assert end == request.num_computed_tokens  # schedule() advanced it
+            assert list(s.token_ids) == request.all_token_ids[s.start_pos : end]
+            assert s.needs_sample == (end == request.num_tokens)
+            assert len(s.block_ids[0]) * BLOCK_SIZE >= end
+            assert (
+                list(s.block_ids[0]) == self.scheduler.kv_cache_manager.get_block_ids(s.req_id)[0]
+            )
 
 
 def test_admission_limited_by_max_num_seqs():
     scheduler = make_scheduler(max_num_seqs=2)
     for i in range(5):
-        scheduler.add_request(make_request(f"r{i}", [i + 1] * 4), max_tokens=4)
+        scheduler.add_request(make_request(f"r{i}", [i + 1] * 4, max_tokens=4))
     out = scheduler.schedule()
-    assert [d.req_id for d in out.scheduled_new_reqs] == ["r0", "r1"]
+    assert [s.req_id for s in out.scheduled] == ["r0", "r1"]
+    assert [s.needs_sample for s in out.scheduled] == [True, True]
     assert (out.stats.num_running_reqs, out.stats.num_waiting_reqs) == (2, 3)
 
 
@@ -129,7 +135,7 @@ def test_admission_limited_by_max_num_seqs():
 def test_admission_limited_by_token_budget(chunked: bool, expected: list[int]):
     scheduler = make_scheduler(max_num_batched_tokens=10, chunked=chunked)
     for i in range(3):
-        scheduler.add_request(make_request(f"r{i}", [i + 1] * 4), max_tokens=4)
+        scheduler.add_request(make_request(f"r{i}", [i + 1] * 4, max_tokens=4))
     out = scheduler.schedule()
     assert list(out.num_scheduled_tokens.values()) == expected
     assert out.total_num_scheduled_tokens == sum(expected)
@@ -142,10 +148,9 @@ def test_decode_runs_before_admission():
     engine.add(make_request("b", list(range(10, 30))), max_tokens=8)
     out = engine.step()
     assert list(out.num_scheduled_tokens.items()) == [("a", 1), ("b", 7)]
-    assert [d.req_id for d in out.scheduled_cached_reqs] == ["a"]
-    assert out.scheduled_cached_reqs[0].new_token_ids == [
-        engine.scheduler.requests["a"].output_token_ids[0]
-    ]
+    decode = out.scheduled[0]
+    assert (decode.req_id, decode.start_pos) == ("a", 4)
+    assert decode.token_ids == [engine.scheduler.requests["a"].output_token_ids[0]]
 
 
 def test_chunked_prefill_samples_only_after_the_last_chunk():
@@ -184,7 +189,7 @@ def test_prefix_cache_hit_skips_computed_blocks(caching: bool, expected_tokens: 
     engine.add(make_request("b", prompt), max_tokens=2)
     out = engine.step()
     assert out.num_scheduled_tokens["b"] == expected_tokens
-    assert out.scheduled_new_reqs[0].num_computed_tokens == 18 - expected_tokens
+    assert out.scheduled[0].start_pos == 18 - expected_tokens
     assert engine.scheduler.requests["b"].num_cached_tokens == 18 - expected_tokens
     engine.run()
     assert engine.outputs["a"] == engine.outputs["b"]
@@ -208,10 +213,9 @@ def test_preemption_victim_is_latest_admitted():
     while "b" not in out.num_scheduled_tokens:
         out = engine.step()
     # Resumed: prompt + output recomputed, its still-cached full block hit again.
-    resumed = out.scheduled_new_reqs[0]
-    assert (resumed.req_id, resumed.num_computed_tokens) == ("b", 4)
-    assert out.num_scheduled_tokens["b"] == 3
-    assert resumed.prompt_token_ids + resumed.output_token_ids == b.all_token_ids[:7]
+    resumed = next(s for s in out.scheduled if s.req_id == "b")
+    assert (resumed.start_pos, len(resumed.token_ids)) == (4, 3)
+    assert list(resumed.token_ids) == b.all_token_ids[4:7]
     assert b.num_cached_tokens == 0  # recorded at first admission only
     engine.run()
     assert (
@@ -280,21 +284,21 @@ def test_preemption_victim_by_policy(policy: str, victim: str):
 def test_reject_requests_that_can_never_fit():
     scheduler = make_scheduler(num_blocks=4, max_model_len=32)
     with pytest.raises(RequestRejectedError, match=r"20 prompt \+ 20 max_tokens = 40.*=32"):
-        scheduler.add_request(make_request("long", [1] * 20), max_tokens=20)
+        scheduler.add_request(make_request("long", [1] * 20, max_tokens=20))
     with pytest.raises(RequestRejectedError, match=r"5 KV cache blocks.*20 tokens.*4 blocks"):
-        scheduler.add_request(make_request("big", [1] * 10), max_tokens=10)
+        scheduler.add_request(make_request("big", [1] * 10, max_tokens=10))
     with pytest.raises(RequestRejectedError, match=r"32 prompt \+ 1 max_tokens = 33"):
         scheduler.add_request(make_request("unbounded", [1] * 32))
     params = SamplingParams(max_tokens=10)
     with pytest.raises(RequestRejectedError, match="5 KV cache blocks"):
-        scheduler.add_request(Request("sp", [1] * 10, params, block_size=BLOCK_SIZE))
+        scheduler.add_request(Request("sp", [1] * 10, params, max_tokens=10, block_size=BLOCK_SIZE))
     assert not scheduler.has_unfinished_requests()
-    scheduler.add_request(make_request("ok", [1] * 10), max_tokens=6)
+    scheduler.add_request(make_request("ok", [1] * 10, max_tokens=6))
     with pytest.raises(RequestRejectedError, match="already in use"):
-        scheduler.add_request(make_request("ok", [1] * 4), max_tokens=1)
+        scheduler.add_request(make_request("ok", [1] * 4, max_tokens=1))
     no_chunk = make_scheduler(max_num_batched_tokens=8, chunked=False)
     with pytest.raises(RequestRejectedError, match="max_num_batched_tokens=8"):
-        no_chunk.add_request(make_request("x", [1] * 9), max_tokens=1)
+        no_chunk.add_request(make_request("x", [1] * 9, max_tokens=1))
 
 
 def test_abort_frees_blocks_at_once():
@@ -307,7 +311,7 @@ def test_abort_frees_blocks_at_once():
     assert manager.num_free_blocks == 13
     scheduler.finish_requests(["a", "b", "unknown"], RequestStatus.FINISHED_ABORTED)
     assert manager.num_free_blocks == 16 and manager.usage == 0.0
-    assert scheduler.update_from_output(out, {"a": [7]}) == []
+    assert scheduler.update_from_output(out, RunnerOutput(["a"], [7])) == []
     assert not scheduler.has_unfinished_requests() and not scheduler.running
     assert scheduler.schedule().finished_req_ids == {"a", "b"}
     with pytest.raises(ValueError, match="FINISHED_"):
@@ -329,39 +333,102 @@ def test_finished_requests_free_blocks_and_are_reported():
 def test_forked_child_runs_with_shared_blocks():
     scheduler = make_scheduler()
     engine = FakeEngine(scheduler)
-    engine.add(make_request("p", [1, 2, 3, 4, 5, 6]), max_tokens=4)
+    engine.add(make_request("p", [1, 2, 3, 4, 5, 6], priority=3), max_tokens=4)
     engine.step()
     parent = scheduler.requests["p"]
-    child = parent.clone("p-1")
-    scheduler.kv_cache_manager.fork(parent, child)
-    scheduler.add_running_request(child)
-    engine.max_tokens["p-1"] = 4
+    child = scheduler.fork_request("p", "p-1", seed=7)
+    assert (child.priority, child.max_tokens, child.seed) == (3, 4, 7)
+    assert child.output_token_ids == parent.output_token_ids
     out = engine.step()
-    new = out.scheduled_new_reqs[0]
-    assert new.req_id == "p-1" and new.num_computed_tokens == 6
-    assert new.output_token_ids == parent.output_token_ids[:1]
+    assert [s.req_id for s in out.scheduled] == ["p", "p-1"]
+    assert out.scheduled[1].start_pos == 6
     # The parent writes the shared partial block first: copy-on-write gives it a new table.
     assert len(out.block_copies) == 1
-    assert out.scheduled_cached_reqs[0].block_ids is not None
+    assert out.scheduled[0].block_ids[0][1] != out.scheduled[1].block_ids[0][1]
     engine.run()
-    assert engine.outputs["p"] == engine.outputs["p-1"]
+    assert engine.outputs["p"][1:] == engine.outputs["p-1"]  # forked after its first token
     assert scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_n_siblings_fork_when_the_prompt_is_done():
+    scheduler = make_scheduler(max_num_batched_tokens=4)
+    engine = FakeEngine(scheduler)
+    parent = Request("p", list(range(1, 11)), num_forks=2, seed=5, block_size=BLOCK_SIZE)
+    engine.add(parent, max_tokens=3)
+    first = engine.step()  # a partial chunk: no fork yet
+    assert first.scheduled[0].forks == ()
+    engine.step()
+    out = engine.step()  # the last chunk: the siblings sample from its row
+    assert [c for c, _ in out.scheduled[0].forks] == ["p#1", "p#2"]
+    assert len({seed for _, seed in out.scheduled[0].forks} | {5}) == 3
+    assert set(scheduler.requests) == {"p", "p#1", "p#2"}
+    manager = scheduler.kv_cache_manager
+    assert manager.get_block_ids("p#1") == manager.get_block_ids("p")
+    engine.run()
+    assert all(len(engine.outputs[r]) == 3 for r in ("p", "p#1", "p#2"))
+    assert manager.num_free_blocks == manager.num_usable_blocks
+
+
+def test_fork_replaces_the_last_sampled_token():
+    scheduler = make_scheduler()
+    engine = FakeEngine(scheduler)
+    engine.add(make_request("p", [1, 2, 3]), max_tokens=6)
+    engine.step()
+    parent = scheduler.requests["p"]
+    child = scheduler.fork_request("p", "c", last_token_id=99)
+    assert child.all_token_ids == [1, 2, 3, 99] and parent.all_token_ids[-1] != 99
+    # The token closed a block: its hash is the hash of the new content.
+    assert child.block_hashes == make_request("x", [1, 2, 3, 99]).block_hashes
+    assert child.block_hashes != parent.block_hashes
+    with pytest.raises(RequestRejectedError, match="already in use"):
+        scheduler.fork_request("p", "c")
+    with pytest.raises(RequestRejectedError, match="no such live request"):
+        scheduler.fork_request("zzz", "d")
+    engine.run()
+    assert engine.outputs["c"][:1] == [fake_token([1, 2, 3, 99])]
+
+
+def test_max_tokens_that_fit_is_bounded_by_context_and_pool():
+    scheduler = make_scheduler(num_blocks=8, max_model_len=256)
+    assert scheduler.max_tokens_that_fit(10) == 8 * BLOCK_SIZE - 10
+    assert scheduler.max_tokens_that_fit(40) == 0
+    roomy = make_scheduler(num_blocks=1000, max_model_len=64)
+    assert roomy.max_tokens_that_fit(10) == 54
+
+
+def test_token_stops_are_the_schedulers():
+    scheduler = make_scheduler()
+    params = SamplingParams(stop_token_ids=[42], min_tokens=2)
+    request = Request(
+        "a", [1, 2, 3], params, eos_token_ids=(7,), max_tokens=5, block_size=BLOCK_SIZE
+    )
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    (core,) = scheduler.update_from_output(out, RunnerOutput(["a"], [42]))
+    assert core.status is None  # min_tokens: a stop token before it does not count
+    out = scheduler.schedule()
+    (core,) = scheduler.update_from_output(out, RunnerOutput(["a"], [42]))
+    assert (core.status, core.stop_reason) == (RequestStatus.FINISHED_STOPPED, 42)
+    scheduler.add_request(Request("b", [1, 2], eos_token_ids=(7,), block_size=BLOCK_SIZE))
+    (core,) = scheduler.update_from_output(scheduler.schedule(), RunnerOutput(["b"], [7]))
+    assert (core.status, core.stop_reason) == (RequestStatus.FINISHED_STOPPED, None)
+    scheduler.add_request(Request("c", [1, 2], max_tokens=1, block_size=BLOCK_SIZE))
+    (core,) = scheduler.update_from_output(scheduler.schedule(), RunnerOutput(["c"], [3]))
+    assert core.status == RequestStatus.FINISHED_LENGTH
+    scheduler.add_request(Request("d", [1, 2], block_size=BLOCK_SIZE))
+    out = scheduler.schedule()
+    (core,) = scheduler.update_from_output(out, RunnerOutput(failed={"d": "boom"}))
+    assert (core.status, core.error) == (RequestStatus.FINISHED_ERROR, "boom")
+    assert scheduler.kv_cache_manager.usage == 0.0 and not scheduler.has_unfinished_requests()
 
 
 def test_priority_policy_admits_most_important_first():
     scheduler = make_scheduler(max_num_seqs=1, policy="priority")
-    scheduler.add_request(make_request("low", [1, 2], priority=2, arrival_time=0.0), 2)
-    scheduler.add_request(make_request("high", [3, 4], priority=0, arrival_time=1.0), 2)
-    scheduler.add_request(make_request("high2", [5, 6], priority=0, arrival_time=2.0), 2)
+    scheduler.add_request(make_request("low", [1, 2], priority=2, arrival_time=0.0, max_tokens=2))
+    scheduler.add_request(make_request("high", [3, 4], priority=0, arrival_time=1.0, max_tokens=2))
+    scheduler.add_request(make_request("high2", [5, 6], priority=0, arrival_time=2.0, max_tokens=2))
     assert [r.request_id for r in scheduler.waiting] == ["high", "high2", "low"]
     assert list(scheduler.schedule().num_scheduled_tokens) == ["high"]
-
-
-def test_add_running_request_needs_a_fork():
-    scheduler = make_scheduler()
-    with pytest.raises(KeyError, match="holds no blocks"):
-        scheduler.add_running_request(make_request("orphan", [1, 2, 3]))
-    assert not scheduler.has_unfinished_requests()
 
 
 def test_sliding_window_group_needs_only_the_window():

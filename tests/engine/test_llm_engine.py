@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pagedattn import LLM, BeamSearchParams, SamplingParams
+from pagedattn.config import ConfigError
 from pagedattn.engine.errors import InvalidRequestError
 from pagedattn.model.loader import ModelNotFoundError
 from pagedattn.sampling_params import InvalidSamplingParamsError
@@ -44,13 +45,16 @@ def test_n_sequences_share_prompt_blocks(llm):
     while engine.has_unfinished_requests():
         for out in engine.step():
             outputs = out
+        live = engine.requests.get("par")
+        core_ids = [] if live is None else [s.core.request_id for s in live.seqs]
         tables = [
-            engine.kv_cache_manager.get_block_ids(f"par#{i}")
-            for i in (1, 2)
-            if f"par#{i}" in engine.scheduler.requests
+            engine.kv_cache_manager.get_block_ids(core_id)
+            for core_id in core_ids[1:]
+            if core_id in engine.scheduler.requests
         ]
-        if tables and "par" in engine.scheduler.requests:
-            parent = engine.kv_cache_manager.get_block_ids("par")[0]
+        if tables and core_ids[0] in engine.scheduler.requests:
+            assert core_ids[1:] == [f"{core_ids[0]}#1", f"{core_ids[0]}#2"]
+            parent = engine.kv_cache_manager.get_block_ids(core_ids[0])[0]
             # The 19-token prompt fills 4 blocks of 4; the children hold the same block ids.
             for t in tables:
                 assert t[0][:4] == parent[:4]
@@ -131,19 +135,21 @@ def test_unknown_model_path():
 
 
 def test_kv_capacity_from_a_byte_budget_and_a_fraction(tmp_path, monkeypatch):
-    from pagedattn.engine import llm_engine
-    from pagedattn.worker.model_runner import ModelRunner
+    from pagedattn.attention.layout import bytes_per_block
+    from pagedattn.worker import kv_cache_sizing
 
     path = make_tiny_llama(tmp_path)
     llm = LLM(path, dtype="float32", kv_cache_memory="1MiB", block_size=16)
     model = llm.engine.model
-    per_block = ModelRunner.kv_cache_bytes_per_block(model, 16, model.dtype)
+    per_block = bytes_per_block(
+        model.num_layers, 16, model.num_kv_heads, model.head_size, model.dtype
+    )
     assert per_block == 2 * model.num_layers * 16 * model.num_kv_heads * model.head_size * 4
     assert llm.engine.kv_cache_manager.num_blocks == 2**20 // per_block
     assert f"{2**20 // per_block} blocks x 16 tokens" in llm.engine.kv_summary
     # Free memory pinned at 16 GiB: the fractions give ~16 KiB and ~32 KiB, a handful of 4 KiB
     # blocks, far below the cap; the real free memory varies from run to run.
-    monkeypatch.setattr(llm_engine, "_free_memory_bytes", lambda device: 16 * 2**30)
+    monkeypatch.setattr(kv_cache_sizing, "free_memory_bytes", lambda device: 16 * 2**30)
     small = LLM(path, dtype="float32", kv_cache_memory_fraction=1e-6)
     big = LLM(path, dtype="float32", kv_cache_memory_fraction=2e-6)
     assert small.engine.kv_cache_manager.num_blocks < big.engine.kv_cache_manager.num_blocks
@@ -174,5 +180,5 @@ def test_bf16_kv_cache_beside_a_float32_model(tmp_path):
         first_ref = ref.logprobs[0][ref.token_ids[0]].logprob
         assert abs(got.logprobs[0][got.token_ids[0]].logprob - first_ref) < 0.05
     _assert_all_free(bf16)
-    with pytest.raises(InvalidRequestError, match="only the cpu attention backend"):
+    with pytest.raises(ConfigError, match="only the cpu attention backend"):
         LLM(path, dtype="float32", kv_cache_dtype="bfloat16", attn_backend="torch")

@@ -20,7 +20,7 @@ def test_states_follow_allocation_fork_and_free() -> None:
     manager = KVCacheManager([KVCacheGroupSpec(("l0",), FullAttentionSpec(4))], 8)
     parent = Request("p", list(range(10)), block_size=4)  # 2 full blocks + 2 tokens
     _admit(manager, parent)
-    child = parent.clone("c")
+    child = parent.fork("c")
     manager.fork(parent, child)
     waiting = Request("w", [1, 2, 3], block_size=4)
     snap = kv_snapshot(manager, {"p": parent, "c": child, "w": waiting})

@@ -7,7 +7,7 @@ import torch
 
 from pagedattn.attention.backends import cpu_ext
 from pagedattn.attention.backends.cpu import CpuBackend
-from pagedattn.attention.metadata import PAD_SLOT_ID
+from pagedattn.attention.layout import PAD_SLOT_ID
 from pagedattn.attention.ops import reshape_and_cache
 from pagedattn.model.layers import RMSNorm, apply_rotary, apply_rotary_, silu_and_mul
 

@@ -17,7 +17,7 @@ import triton.language as tl  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from pagedattn.attention.backends.triton import TritonBackend  # noqa: E402
-from pagedattn.attention.metadata import PAD_SLOT_ID  # noqa: E402
+from pagedattn.attention.layout import PAD_SLOT_ID  # noqa: E402
 
 from ..paged_case import assert_matches_dense, make_case, mixed_specs  # noqa: E402
 
