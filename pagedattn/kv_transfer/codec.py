@@ -134,10 +134,11 @@ class BlockFormat:
         )
 
 
-def _checksum(key: str, header: bytes, payload: bytes | memoryview) -> bytes:
+def _checksum(key: str, header: bytes | memoryview, *payload_parts: memoryview) -> bytes:
     digest = blake2b(key.encode(), digest_size=CHECKSUM_BYTES)
     digest.update(header)
-    digest.update(payload)
+    for part in payload_parts:
+        digest.update(part)
     return digest.digest()
 
 
@@ -157,15 +158,18 @@ def split_payload(payload: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor
     )
 
 
-def encode_block(fmt: BlockFormat, key: str, payload: bytes | bytearray | memoryview) -> bytes:
-    """One block's stored value: header | payload | checksum (payload as split_payload reads it)."""
-    payload = memoryview(payload).cast("B")
-    if payload.nbytes != fmt.payload_bytes:
-        raise ValueError(
-            f"payload has {payload.nbytes} bytes, the format needs {fmt.payload_bytes}"
-        )
+def encode_block(fmt: BlockFormat, key: str, *payload_parts: bytes | memoryview) -> bytes:
+    """One block's stored value: header | payload | checksum.
+
+    The payload is the concatenation of payload_parts (one buffer, or, say, each layer's K and
+    then each layer's V), in the order split_payload reads it.
+    """
+    parts = [memoryview(part).cast("B") for part in payload_parts]
+    num_bytes = sum(part.nbytes for part in parts)
+    if num_bytes != fmt.payload_bytes:
+        raise ValueError(f"payload has {num_bytes} bytes, the format needs {fmt.payload_bytes}")
     header = fmt.header()
-    return b"".join((header, payload, _checksum(key, header, payload)))
+    return b"".join((header, *parts, _checksum(key, header, *parts)))
 
 
 def decode_block(value: bytes | bytearray | None, fmt: BlockFormat, key: str) -> memoryview | None:
