@@ -2,21 +2,44 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
-from pagedattn.sampling_params import BeamSearchParams, SamplingParams
+from pagedattn.config import ConfigError, EngineConfig
+from pagedattn.engine.errors import EngineFaultError, InvalidRequestError
+from pagedattn.sampling_params import BeamSearchParams, InvalidSamplingParamsError, SamplingParams
 
 if TYPE_CHECKING:
     from pagedattn.engine.llm import LLM
+    from pagedattn.engine.llm_engine import LLMEngine
+    from pagedattn.engine.outputs import RequestOutput
+    from pagedattn.model.loader import ModelNotFoundError
 
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams"]
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "BeamSearchParams",
+    "RequestOutput",
+    "EngineConfig",
+    "ConfigError",
+    "InvalidRequestError",
+    "InvalidSamplingParamsError",
+    "ModelNotFoundError",
+    "EngineFaultError",
+]
 __version__ = "0.1.0"
+
+# NOTE: these pull in torch and the model code; they are imported when first asked for.
+_LAZY = {
+    "LLM": "pagedattn.engine.llm",
+    "LLMEngine": "pagedattn.engine.llm_engine",
+    "RequestOutput": "pagedattn.engine.outputs",
+    "ModelNotFoundError": "pagedattn.model.loader",
+}
 
 
 def __getattr__(name: str):
-    # NOTE: LLM pulls in torch and the model code; import it only when asked for.
-    if name == "LLM":
-        from pagedattn.engine.llm import LLM
-
-        return LLM
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'pagedattn' has no attribute {name!r}")

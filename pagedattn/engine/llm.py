@@ -5,8 +5,9 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Sequence
+from typing import Any
 
-from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, parse_size
+from pagedattn.config import EngineConfig, describe_options
 from pagedattn.engine.llm_engine import EngineStats, LLMEngine
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.sampling_params import BeamSearchParams, SamplingParams
@@ -28,49 +29,18 @@ class LLM:
     """Batch generation on the paged engine; every call runs the engine until its requests end."""
 
     def __init__(
-        self,
-        model: str | os.PathLike | None = None,
-        *,
-        dtype: str = "float32",
-        device: str = "cpu",
-        block_size: int = 16,
-        num_blocks: int | None = None,
-        kv_cache_memory: int | str | None = None,
-        kv_cache_memory_fraction: float = 0.2,
-        kv_cache_dtype: str = "auto",
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 128,
-        max_num_batched_tokens: int = 2048,
-        max_model_len: int | None = None,
-        enable_chunked_prefill: bool = True,
-        policy: str = "fcfs",
-        attn_backend: str | None = None,
-        num_threads: int | None = None,
-        seed: int = 0,
-        verbose: bool = False,
+        self, model: str | os.PathLike | None = None, *, verbose: bool = False, **options: Any
     ) -> None:
-        config = EngineConfig(
-            model=ModelConfig(
-                model=None if model is None else str(model), dtype=dtype, device=device, seed=seed
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                num_blocks=num_blocks,
-                kv_cache_memory=None if kv_cache_memory is None else parse_size(kv_cache_memory),
-                kv_cache_memory_fraction=kv_cache_memory_fraction,
-                kv_cache_dtype=kv_cache_dtype,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                enable_chunked_prefill=enable_chunked_prefill,
-                policy=policy,
-            ),
-            attn_backend=attn_backend,
-            num_threads=num_threads,
-        )
+        """Load ``model`` and allocate its paged KV cache.
+
+        ``model``: an HF folder, a .gguf file, a packaged model name, or None for the default
+        (SmolLM2-135M-Instruct). ``verbose``: print the KV cache allocated. ``options``: engine
+        options by name, with their defaults (pagedattn.config holds them; an unknown name
+        raises ConfigError):
+
+        {options}
+        """
+        config = EngineConfig.from_kwargs(model=model, **options)
         self.engine = LLMEngine(config, verbose=verbose)
         self._counter = itertools.count()
 
@@ -164,3 +134,10 @@ class LLM:
         if bar is not None:
             bar.close()
         return [finished[r] for r in request_ids]
+
+
+# NOTE: the option list is generated from pagedattn.config, so help(LLM) shows every default
+# without writing it a second time.
+LLM.__init__.__doc__ = LLM.__init__.__doc__.replace(
+    "{options}", describe_options(indent=" " * 8).lstrip()
+)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedattn.entrypoints.args import build_llm, sampling_params
+
 HELP = (
     "commands: /fork NAME (branch the conversation here), /switch NAME, /sessions, /stats, "
     "/reset, /quit"
@@ -58,13 +60,10 @@ class ChatSessions:
 
 def run_chat(args: argparse.Namespace, stdin=None, stdout=None) -> int:
     """Read user turns from stdin until EOF or /quit; print each reply and its cache reuse."""
-    from pagedattn import LLM
-    from pagedattn.entrypoints.cli import _sampling_params, engine_kwargs
-
     stdin = stdin or sys.stdin
     stdout = stdout or sys.stdout
-    llm = LLM(**engine_kwargs(args), verbose=True)
-    params = _sampling_params(args)
+    llm = build_llm(args)
+    params = sampling_params(args)
     chats = ChatSessions()
     print(HELP, file=stdout)
     while True:

@@ -1,0 +1,74 @@
+"""Command-line options shared by `generate`, `chat` and `serve`: engine flags, sampling flags.
+
+The engine flags are generated from pagedattn.config (defaults written there once); the sampling
+flags are the CLI's own defaults (greedy, 64 tokens), not SamplingParams()'s (vLLM's: temperature
+1.0, 16 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+
+from pagedattn.config import EngineConfig, cli_kwargs
+
+# NOTE: the CLI samples greedily and longer than SamplingParams() does: a one-shot command line
+# should print the model's best answer, not a 16-token random draw.
+CLI_MAX_TOKENS = 64
+CHAT_MAX_TOKENS = 256
+CLI_TEMPERATURE = 0.0
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, unless its help already names it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default" in text or action.default is None or not action.option_strings:
+            return text
+        return super()._get_help_string(action)
+
+
+def add_engine_args(
+    parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
+) -> argparse._ArgumentGroup:
+    """The engine's flags (one per EngineConfig option), minus ``exclude`` (flat names)."""
+    return EngineConfig.add_cli_args(parser, exclude=exclude)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = CLI_MAX_TOKENS) -> None:
+    """Sampling flags; ``--seed`` here seeds each request (dest ``sampling_seed``)."""
+    g = parser.add_argument_group("sampling options (the CLI's defaults: greedy)")
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help="tokens to generate")
+    g.add_argument("--temperature", type=float, default=CLI_TEMPERATURE, help="0 samples greedily")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=None, help="top-k sampling (default: off)")
+    g.add_argument(
+        "--seed",
+        dest="sampling_seed",
+        type=int,
+        default=None,
+        help="per-request sampling seed (default: none; the engine's random state, seed 0)",
+    )
+    g.add_argument("-n", type=int, default=1, help="sequences per prompt (they share its blocks)")
+
+
+def sampling_params(args: argparse.Namespace):
+    """SamplingParams from the parsed sampling flags."""
+    from pagedattn.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.sampling_seed,
+        n=args.n,
+    )
+
+
+def build_llm(args: argparse.Namespace):
+    """The offline LLM for parsed engine flags (verbose: prints the KV cache it allocated)."""
+    from pagedattn.engine.llm import LLM
+
+    return LLM(**cli_kwargs(args), verbose=True)
