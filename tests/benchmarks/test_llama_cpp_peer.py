@@ -44,7 +44,7 @@ def test_llama_cpp_on_the_retyped_gguf_generates_the_engines_greedy_tokens():
     from pagedattn.benchmarks.gguf_retype import retyped_gguf
 
     src = packaged_model_path("smollm2-135m")
-    llm = LLM(str(src), num_threads=2)
+    llm = LLM(str(src), dtype="float32", num_threads=2)
     prompt = "The capital of France is Paris. The capital of Germany is"
     ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))[0]
     model = llama_cpp.Llama(
