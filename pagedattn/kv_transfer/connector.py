@@ -72,7 +72,10 @@ class KVConnector:
         self._lock = threading.Lock()
         self._known: OrderedDict[str, None] = OrderedDict()
         self._warned_corrupt = False
-        self._writer = BlockWriter(store, max_pending_bytes, self._count, self._mark_known)
+        self._warned_store_bug = False
+        self._writer = BlockWriter(
+            store, max_pending_bytes, self._count, self._mark_known, self._store_failed
+        )
         self._load_pool = ThreadPoolExecutor(num_load_threads, thread_name_prefix="kv-store-load")
 
     # ---- bookkeeping ----
@@ -87,6 +90,21 @@ class KVConnector:
         with self._lock:
             for name, delta in deltas.items():
                 setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def _store_failed(self, error: Exception) -> None:
+        """Count a failed store call; anything but StoreUnavailableError (a bug) is logged once."""
+        self._count(num_store_errors=1)
+        if isinstance(error, StoreUnavailableError):
+            return  # NOTE: the store's circuit breaker has logged the outage.
+        with self._lock:
+            first, self._warned_store_bug = not self._warned_store_bug, True
+        if first:
+            logger.error(
+                "kv store %s raised %s; treated as unavailable (logged once)",
+                self.store.name,
+                type(error).__name__,
+                exc_info=error,
+            )
 
     def _mark_known(self, keys: Sequence[str]) -> None:
         with self._lock:
@@ -138,8 +156,8 @@ class KVConnector:
         keys = [self.key_space.key(h) for h in candidates]
         try:
             num_hits = self.store.num_prefix_hits(keys)
-        except StoreUnavailableError:
-            self._count(num_store_errors=1)
+        except Exception as error:  # NOTE: no store failure may fail a request.
+            self._store_failed(error)
             num_hits = 0
         self._mark_known(keys[:num_hits])
         num_tokens = num_hits * self.block_size
@@ -210,8 +228,8 @@ class KVConnector:
         """Fetch and verify keys[rows] into staging[rows]: (leading good entries, their bytes)."""
         try:
             values = self.store.get_many([keys[row] for row in rows])
-        except StoreUnavailableError:
-            self._count(num_store_errors=1)
+        except Exception as error:
+            self._store_failed(error)
             return 0, 0
         num_good = num_bytes = 0
         for row, value in zip(rows, values, strict=True):
@@ -234,8 +252,8 @@ class KVConnector:
             logger.warning("kv store entry %s failed verification; recomputing (logged once)", key)
         try:
             self.store.delete(key)
-        except StoreUnavailableError:
-            self._count(num_store_errors=1)
+        except Exception as error:
+            self._store_failed(error)
 
     def save_blocks(
         self, kv_caches: KVCaches, block_ids: Sequence[int], block_hashes: Sequence[bytes]

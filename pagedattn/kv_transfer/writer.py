@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedattn.kv_transfer.codec import BlockFormat, encode_block
-from pagedattn.kv_transfer.store import KVStore, StoreUnavailableError
+from pagedattn.kv_transfer.store import KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -30,8 +30,8 @@ class SaveJob:
 class BlockWriter:
     """One thread draining a queue bounded in bytes: a job that does not fit is not admitted.
 
-    count(**deltas) receives num_saved_blocks, num_failed_saves, bytes_written, write_time_s and
-    num_store_errors; on_stored(keys) the keys now in the store.
+    count(**deltas) receives num_saved_blocks, num_failed_saves, bytes_written and write_time_s;
+    on_stored(keys) the keys now in the store; on_error(error) each failed put.
     """
 
     def __init__(
@@ -40,6 +40,7 @@ class BlockWriter:
         max_pending_bytes: int,
         count: Callable[..., None],
         on_stored: Callable[[list[str]], None],
+        on_error: Callable[[Exception], None],
     ) -> None:
         if max_pending_bytes < 0:
             raise ValueError(f"max_pending_bytes={max_pending_bytes} is invalid: use >= 0")
@@ -47,6 +48,7 @@ class BlockWriter:
         self.max_pending_bytes = max_pending_bytes
         self._count = count
         self._on_stored = on_stored
+        self._on_error = on_error
         self._lock = threading.Lock()
         self._pending_bytes = 0
         self._queue: queue.Queue[SaveJob | None] = queue.Queue()
@@ -93,8 +95,8 @@ class BlockWriter:
                 self._on_stored([key])
                 num_saved += 1
                 num_bytes += len(value)
-        except StoreUnavailableError:
-            self._count(num_store_errors=1)
+        except Exception as error:  # NOTE: a failed put drops the rest of the job, never raises.
+            self._on_error(error)
         finally:
             with self._lock:
                 self._pending_bytes -= len(job.keys) * job.fmt.value_bytes

@@ -160,3 +160,13 @@ def test_bytes_spliced_into_a_good_value_never_decode(pos: int, junk: bytes) -> 
     bad = value[:pos] + junk + value[pos + len(junk) :]
     if bad != value:
         assert decode_block(bad, FMT, key) is None
+
+
+def test_payload_in_parts_encodes_like_one_buffer() -> None:
+    payload = random_block(FMT)[2]
+    key = SPACE.key(HASH)
+    cuts = [0, 5, 96, 97, len(payload)]
+    parts = [memoryview(payload)[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+    assert encode_block(FMT, key, *parts) == encode_block(FMT, key, payload)
+    with pytest.raises(ValueError, match="payload has"):
+        encode_block(FMT, key, *parts[:-1])

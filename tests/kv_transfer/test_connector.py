@@ -188,3 +188,32 @@ def test_saves_never_wait_and_a_full_queue_skips_and_counts(tmp_path: Path) -> N
     assert conn.stats.num_saved_blocks == 3
     keys = [conn.key_space.key(h) for h in block_hashes[:4]]
     assert FileKVStore(tmp_path).exists_many(keys) == [True, True, True, False]
+
+
+class BrokenStore(FileKVStore):
+    """A store with a bug: every call raises something other than StoreUnavailableError."""
+
+    def get(self, key: str) -> bytes | None:
+        raise RuntimeError("bug in get")
+
+    def put(self, key: str, value: bytes) -> None:
+        raise RuntimeError("bug in put")
+
+    def exists_many(self, keys) -> list[bool]:
+        raise KeyError("bug in exists_many")
+
+
+def test_a_store_bug_never_reaches_the_caller(tmp_path: Path, caplog) -> None:
+    conn = connector(BrokenStore(tmp_path))
+    caches, block_hashes = make_caches(seed=6), hashes(3)
+    for _ in range(3):
+        assert conn.get_num_new_matched_tokens(block_hashes, 0) == 0
+        assert conn.load_blocks(caches, [0, 1, 2], block_hashes) == 0
+        assert conn.save_blocks(caches, [0, 1, 2], block_hashes) == 3
+        conn.flush()
+    stats = conn.stats
+    assert stats.num_store_errors == 9 and stats.num_failed_saves == 9
+    assert stats.num_saved_blocks == 0
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1 and "treated as unavailable" in errors[0].getMessage()
+    conn.close()
