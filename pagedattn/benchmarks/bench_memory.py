@@ -64,7 +64,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-sharing", action="store_true")
     p.add_argument("--no-gif", action="store_true")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="bench_out/memory")
+    p.add_argument(
+        "--out",
+        default="bench_out/memory",
+        help="plots and results.json go here, under the current directory unless absolute "
+        "(default: %(default)s)",
+    )
     return p.parse_args(argv)
 
 

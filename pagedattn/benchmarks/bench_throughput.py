@@ -40,7 +40,8 @@ from pagedattn.benchmarks.workloads import (
 
 PEERS = ("hf_static", "hf_batch", "llama_cpp")
 ENGINES = ("pagedattn", *PEERS)
-REPO_ROOT = Path(__file__).resolve().parents[1]
+# The folder that holds the pagedattn package (a checkout or site-packages).
+PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -186,7 +187,7 @@ def spawn_child(
         OMP_NUM_THREADS=str(args.threads),
         **({} if args.omp_wait_policy == "inherit" else {"OMP_WAIT_POLICY": args.omp_wait_policy}),
         HF_HUB_OFFLINE="1",
-        PYTHONPATH=os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        PYTHONPATH=os.pathsep.join([str(PACKAGE_PARENT), os.environ.get("PYTHONPATH", "")]),
     )
     log = logs / f"{engine}-{workload}.log"
     try:
@@ -196,7 +197,6 @@ def spawn_child(
                 stdout=fh,
                 stderr=subprocess.STDOUT,
                 env=env,
-                cwd=REPO_ROOT,
                 timeout=args.child_timeout,
                 check=False,
             )

@@ -162,7 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("name", help="which benchmark (listed below)")
     bench.add_argument(
-        "bench_args", nargs=argparse.REMAINDER, help="the benchmark's own options (--help: them)"
+        "bench_args",
+        nargs=argparse.REMAINDER,
+        help="the benchmark's own options (`pagedattn bench NAME --help` lists them)",
     )
     bench.set_defaults(func=cmd_bench)
     return parser

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import pagedattn.benchmarks
+import pagedattn.entrypoints
+from pagedattn.config import engine_options
 from pagedattn.entrypoints.chat import ChatSessions, run_chat
 from pagedattn.entrypoints.cli import build_parser, main
 from tests.model.tiny import make_tiny_llama
@@ -110,3 +115,94 @@ def test_chat_sessions_commands():
     assert "cannot fork" in chats.fork("b")
     assert "no session" in chats.switch("zzz")
     assert chats.handle_command("/quit") is None
+
+
+def test_an_empty_prompt_is_a_clear_error_before_any_model_loads(capsys):
+    # The model path does not exist: reaching the loader would report that instead.
+    assert main(["generate", "hi", "  ", "--model", "/no/such/model"]) == 2
+    err = capsys.readouterr().err
+    assert "prompt 2 is empty" in err and "/no/such/model" not in err
+
+
+def test_help_shows_every_engine_option_with_its_default(capsys):
+    for command in ("generate", "chat", "serve"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, "--help"])
+        text = " ".join(capsys.readouterr().out.split())
+        for name, opt in engine_options().items():
+            if name == "seed" and command != "serve":
+                continue  # on generate and chat --seed is the per-request sampling seed
+            flag = (opt.field.metadata["flags"] or (f"--{name.replace('_', '-')}",))[0]
+            assert flag in text, (command, flag)
+        assert "--block-size BLOCK_SIZE tokens per KV cache block (default: 16)" in text
+        assert "(default: auto)" in text and "--no-prefix-caching" in text
+        max_tokens = 256 if command == "chat" else 64
+        if command != "serve":
+            assert f"tokens to generate (default: {max_tokens})" in text
+            assert "0 samples greedily (default: 0.0)" in text
+
+
+def test_bench_registers_every_benchmark_module_in_the_package():
+    package = Path(pagedattn.benchmarks.__file__).parent
+    modules = {p.stem for p in package.glob("bench_*.py")}
+    registry = pagedattn.benchmarks.available()
+    assert {m.split(".")[-1] for m in registry.values()} == modules
+    assert {
+        "allocator",
+        "attention",
+        "memory",
+        "throughput",
+        "serve",
+        "decode_step",
+        "linear",
+    } <= set(registry)
+    assert all(pagedattn.benchmarks.describe().values())
+
+
+@pytest.mark.parametrize("name", sorted(pagedattn.benchmarks.available()))
+def test_bench_name_help_prints_that_benchmarks_own_options(name, capsys):
+    assert main(["bench", name, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: pagedattn bench {name}")
+    assert "bench_args" not in out and "--" in out
+
+
+def test_bench_runs_a_benchmark_with_its_options(capsys):
+    assert main(["bench", "allocator", "--num-requests", "20", "--max-running", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "| p50 us per call |" in out and "decode allocate_slots" in out
+
+
+def test_bench_unknown_name_lists_the_benchmarks(capsys):
+    assert main(["bench", "nope"]) == 2
+    err = capsys.readouterr().err
+    assert "no benchmark 'nope'" in err and "allocator" in err and "memory" in err
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+    return names
+
+
+def test_entrypoints_import_each_other_without_a_circle():
+    root = Path(pagedattn.entrypoints.__file__).parent
+    modules = {
+        "pagedattn.entrypoints." + ".".join(p.relative_to(root).with_suffix("").parts): p
+        for p in root.rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    graph = {m: _imports(p) & set(modules) for m, p in modules.items()}
+    # Only the CLI imports the commands it dispatches to; nothing imports the CLI.
+    assert not any("pagedattn.entrypoints.cli" in deps for deps in graph.values())
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        return any(
+            d == target or (d not in seen and reaches(d, target, seen | {d})) for d in graph[start]
+        )
+
+    assert not [m for m in graph if reaches(m, m, {m})]
