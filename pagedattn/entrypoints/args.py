@@ -72,3 +72,25 @@ def build_llm(args: argparse.Namespace):
     from pagedattn.engine.llm import LLM
 
     return LLM(**cli_kwargs(args), verbose=True)
+
+
+def options_markdown() -> str:
+    """The README's tables of engine and sampling flags, generated from the parsers."""
+    tables = []
+    for title, add in (("engine option", add_engine_args), ("sampling option", add_sampling_args)):
+        parser = argparse.ArgumentParser(add_help=False, formatter_class=HelpFormatter)
+        add(parser)
+        formatter = parser._get_formatter()
+        engine = add is add_engine_args
+        header = (
+            f"| {title} | " + ("`LLM(...)` keyword | " if engine else "") + "meaning (default) |"
+        )
+        rows = [header, "|---|---|---|" if engine else "|---|---|"]
+        for action in parser._actions:
+            flags = ", ".join(f"`{flag}`" for flag in action.option_strings)
+            if action.choices:
+                flags += f" `{{{','.join(map(str, action.choices))}}}`"
+            keyword = f"`{action.dest}` | " if engine else ""
+            rows.append(f"| {flags} | {keyword}{formatter._expand_help(action)} |")
+        tables.append("\n".join(rows))
+    return "\n\n".join(tables)

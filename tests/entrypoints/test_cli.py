@@ -206,3 +206,12 @@ def test_entrypoints_import_each_other_without_a_circle():
         )
 
     assert not [m for m in graph if reaches(m, m, {m})]
+
+
+def test_readme_lists_the_options_that_help_prints():
+    from pagedattn.entrypoints.args import options_markdown
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    begin, end = "<!-- options_markdown: begin -->\n", "\n<!-- options_markdown: end -->"
+    documented = readme[readme.index(begin) + len(begin) : readme.index(end)]
+    assert documented == options_markdown(), "regenerate README's table: options_markdown()"
