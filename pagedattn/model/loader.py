@@ -50,9 +50,10 @@ class LoadedModel(NamedTuple):
 
 def _accepted() -> str:
     return (
-        "use None (the default SmolLM2-135M-Instruct), one of "
-        f"{sorted(_PACKAGED_MODELS)}, a .gguf file, or a folder with config.json and "
-        "*.safetensors (or with one .gguf file)"
+        f"name one of {sorted(_PACKAGED_MODELS)}, a .gguf file, or a folder with config.json "
+        "and *.safetensors (or with one .gguf file): `--model PATH` on the command line, "
+        "`LLM(PATH)` in Python; leave it out (LLM() or LLM(None)) for the default "
+        "SmolLM2-135M-Instruct"
     )
 
 
