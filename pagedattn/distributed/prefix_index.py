@@ -76,6 +76,10 @@ class PrefixIndex:
         """The confirmed cached hashes of a replica (a copy)."""
         return set(self._cached.get(replica_id, ()))
 
+    def num_blocks(self, replica_id: str) -> int:
+        """Blocks the replica holds or was just sent (a tie-breaker: spread new prefixes)."""
+        return len(self._cached.get(replica_id, ())) + len(self._routed.get(replica_id, ()))
+
     def note_routed(
         self, replica_id: str, block_hashes: Iterable[bytes], now: float | None = None
     ) -> None:

@@ -103,7 +103,8 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     - If max(queue) - min(queue) > imbalance_threshold: least loaded first (affinity off).
     - Else the replicas with the longest match (in blocks, >= 1), shortest queue first among them.
-    - A miss everywhere goes to the least loaded replica (ties broken at random).
+    - A miss everywhere goes to the least loaded replica; among equally loaded ones, to the one
+      holding the fewest blocks (so new prefixes spread), then at random.
     """
 
     name = "prefix"
@@ -124,7 +125,8 @@ class PrefixAwarePolicy(RoutingPolicy):
     def rank(self, replica_ids, queue_lens, block_hashes=()):
         ids = list(replica_ids)
         self._rng.shuffle(ids)
-        by_load = sorted(ids, key=lambda r: queue_lens.get(r, 0))
+        index = self.index
+        by_load = sorted(ids, key=lambda r: (queue_lens.get(r, 0), index.num_blocks(r)))
         if not ids or not block_hashes:
             return by_load
         loads = [queue_lens.get(r, 0) for r in ids]

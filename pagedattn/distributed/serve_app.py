@@ -7,8 +7,8 @@ is `PagedRequestRouter` (prefix-aware, pow2 or round robin). Replicas and the in
 server secret, so a tenant's salt, and so its block hashes, are the same everywhere.
 """
 
-from __future__ import annotations
-
+# NOTE: no `from __future__ import annotations`: serve.ingress pickles the class as it is
+# defined, and FastAPI must see real annotation objects (Request, the body models), not strings.
 import asyncio
 import contextlib
 import logging
@@ -64,6 +64,17 @@ def _error_event(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload['body'])}\n\n"
 
 
+async def _await(response):
+    return await response
+
+
+def _routers():
+    from pagedattn.distributed.serve_router import ACTIVE_ROUTERS
+
+    return list(ACTIVE_ROUTERS)
+
+
+# NOTE: every name the class uses is defined above it: serve.ingress pickles it right here.
 @serve.ingress(api)
 class OpenAIIngress:
     """The OpenAI endpoints in front of the engine replicas (one handle, our request router)."""
@@ -175,37 +186,35 @@ class OpenAIIngress:
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        pages = {uid: s.get("metrics", "") for uid, s in self.replica_stats().items()}
+        pages = {uid: s.get("metrics", "") for uid, s in (await self.replica_stats()).items()}
         return Response(merge_metrics(pages), media_type="text/plain; version=0.0.4")
 
     @api.get("/debug/replicas")
     async def replicas(self, raw: Request) -> Response:
         self.auth.authenticate(raw.headers.get("authorization"))
+        await self._ensure_router()
         out = {}
         for router in _routers():
+            view = router.index_view()
             for uid, stats in router.replica_stats().items():
                 stats.pop("metrics", None)
-                stats["num_routed"] = router.num_routed.get(uid, 0)
-                stats["num_cached_blocks"] = len(router.index.cached_hashes(uid))
+                stats.update(view.get(uid, {}))
                 out[uid] = stats
         return JSONResponse(out)
 
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
+    async def _ensure_router(self) -> None:
+        # NOTE: a handle builds its request router on its first call.
+        if not _routers():
+            with contextlib.suppress(Exception):
+                await self.engine.models.remote()
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
         """Latest routing stats of every live replica, as this process's routers see them."""
+        await self._ensure_router()
         out: dict[str, dict[str, Any]] = {}
         for router in _routers():
             out.update(router.replica_stats())
         return out
-
-
-async def _await(response):
-    return await response
-
-
-def _routers():
-    from pagedattn.distributed.serve_router import ACTIVE_ROUTERS
-
-    return list(ACTIVE_ROUTERS)
 
 
 def build_app(

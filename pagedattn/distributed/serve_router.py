@@ -9,13 +9,14 @@ PrefixIndex from the events, and ranks replicas with the configured policy (`pre
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from typing import Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedattn.distributed.kv_events import ZmqEventSubscriber
-from pagedattn.distributed.prefix_index import DEFAULT_ROUTED_TTL_S, PrefixIndex
+from pagedattn.distributed.prefix_index import DEFAULT_ROUTED_TTL_S, PrefixIndex, hashes_digest
 from pagedattn.distributed.router import DEFAULT_IMBALANCE_THRESHOLD, make_policy
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,13 @@ class PagedRequestRouter(RequestRouter):
         self.policy = make_policy(policy, self.index, imbalance_threshold, seed)
         self._subscribers: dict[ReplicaID, ZmqEventSubscriber] = {}
         self.num_routed: dict[str, int] = {}
-        ACTIVE_ROUTERS.add(self)
+        # NOTE: the ingress reads the index from its own thread; ZMQ sockets are not thread-safe.
+        self.lock = threading.Lock()
+        # NOTE: Ray Serve ships the router class to the caller pickled, possibly by value with a
+        # copy of this module's globals; the import finds the one registry the ingress reads.
+        from pagedattn.distributed import serve_router
+
+        serve_router.ACTIVE_ROUTERS.add(self)
 
     # ---- KV events -------------------------------------------------------------------------
 
@@ -60,19 +67,21 @@ class PagedRequestRouter(RequestRouter):
 
     def drain_events(self) -> int:
         """Apply every event batch that arrived; returns how many."""
-        self._sync_subscriptions()
-        n = 0
-        for rid, sub in self._subscribers.items():
-            for batch in sub.poll(0):
-                self.index.apply(rid.unique_id, batch)
-                n += 1
-        return n
+        with self.lock:
+            self._sync_subscriptions()
+            n = 0
+            for rid, sub in self._subscribers.items():
+                for batch in sub.poll(0):
+                    self.index.apply(rid.unique_id, batch)
+                    n += 1
+            return n
 
     def _forget(self, replica_id: ReplicaID) -> None:
-        sub = self._subscribers.pop(replica_id, None)
-        if sub is not None:
-            sub.close()
-        self.index.remove_replica(replica_id.unique_id)
+        with self.lock:
+            sub = self._subscribers.pop(replica_id, None)
+            if sub is not None:
+                sub.close()
+            self.index.remove_replica(replica_id.unique_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         old = set(self._replicas)
@@ -105,7 +114,8 @@ class PagedRequestRouter(RequestRouter):
             hashes = pending_request.kwargs.get("routing_hashes") or ()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {uid: self._queue_len(r) for uid, r in by_id.items()}
-        ranked = self.policy.rank(list(by_id), loads, hashes)
+        with self.lock:
+            ranked = self.policy.rank(list(by_id), loads, hashes)
         return [[by_id[uid]] for uid in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result):
@@ -113,7 +123,8 @@ class PagedRequestRouter(RequestRouter):
         self.num_routed[uid] = self.num_routed.get(uid, 0) + 1
         hashes = pending_request.kwargs.get("routing_hashes") if pending_request else None
         if hashes:
-            self.policy.on_routed(uid, hashes)
+            with self.lock:
+                self.policy.on_routed(uid, hashes)
 
     # ---- for the ingress -------------------------------------------------------------------
 
@@ -122,3 +133,17 @@ class PagedRequestRouter(RequestRouter):
         return {
             r.replica_id.unique_id: dict(r.routing_stats or {}) for r in self._replicas.values()
         }
+
+    def index_view(self) -> dict[str, dict[str, Any]]:
+        """Per replica: what the router believes it caches (after draining the events)."""
+        self.drain_events()
+        with self.lock:
+            out = {}
+            for uid in self.index.replica_ids:
+                cached = self.index.cached_hashes(uid)
+                out[uid] = {
+                    "num_routed": self.num_routed.get(uid, 0),
+                    "index_num_cached_blocks": len(cached),
+                    "index_digest": hashes_digest(cached),
+                }
+            return out

@@ -68,6 +68,15 @@ def test_misses_go_to_the_least_loaded_and_routed_prefixes_stick():
     assert policy.rank(["a", "b", "c"], {"a": 0, "b": 2, "c": 1}, h)[0] == "a"
 
 
+def test_equally_loaded_misses_go_to_the_replica_holding_fewer_blocks():
+    index = index_with(a=[b"1" * 16, b"2" * 16], b=[b"3" * 16])
+    policy = PrefixAwarePolicy(index, seed=0)
+    new = [b"9" * 16]
+    assert policy.rank(["a", "b"], {"a": 0, "b": 0}, new) == ["b", "a"]
+    policy.on_routed("b", new + [b"8" * 16, b"7" * 16])
+    assert policy.rank(["a", "b"], {"a": 0, "b": 0}, [b"6" * 16])[0] == "a"
+
+
 def test_routed_entries_expire():
     index = PrefixIndex(routed_ttl_s=10.0)
     index.add_replica("a")

@@ -1,0 +1,194 @@
+"""Two engine replicas on a local Ray Serve: affinity, tenants, events = caches, metrics, death.
+
+One Ray instance and one application for the module (start-up dominates: ~1 min on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+ray = pytest.importorskip("ray")
+serve = pytest.importorskip("ray.serve")
+
+from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from pagedattn.distributed.serve_app import build_app  # noqa: E402
+from tests.entrypoints.server_process import free_port, make_model_dir  # noqa: E402
+
+KEYS = ("key-a", "key-b")
+BLOCK_SIZE = 4
+WORDS = "the a of to and is in it you that he was for on are with as I his they be at one".split()
+
+
+def prompt(i: int, n: int = 24) -> str:
+    return " ".join(WORDS[(i * 7 + j) % len(WORDS)] for j in range(n)) + f" w{i}"
+
+
+@pytest.fixture(scope="module")
+def app(tmp_path_factory):
+    model = make_model_dir(tmp_path_factory.mktemp("replicas"))
+    config = EngineConfig(
+        model=ModelConfig(model=str(model), dtype="float32"),
+        cache=CacheConfig(block_size=BLOCK_SIZE, num_blocks=96),
+        scheduler=SchedulerConfig(max_num_seqs=8),
+        num_threads=1,
+    )
+    port = free_port()
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        application = build_app(
+            config,
+            num_replicas=2,
+            router="prefix",
+            api_keys=KEYS,
+            events_host="127.0.0.1",
+            routing_stats_period_s=0.5,
+            health_check_period_s=1.0,
+            graceful_shutdown_timeout_s=5.0,
+            seed=0,
+        )
+        serve.run(application, name="pagedattn", route_prefix="/")
+        client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0)
+        wait_for(lambda: len(replica_stats(client)) == 2, "2 replicas in the router")
+        yield client
+        client.close()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def wait_for(cond, what: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if cond():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def replica_stats(client: httpx.Client) -> dict:
+    r = client.get("/debug/replicas", headers=auth(KEYS[0]))
+    r.raise_for_status()
+    return r.json()
+
+
+def complete(client: httpx.Client, text: str, key: str = KEYS[0], **kw) -> dict:
+    body = {"model": "tiny-llama", "prompt": text, "max_tokens": 3, **kw}
+    r = client.post("/v1/completions", json=body, headers=auth(key))
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def cached_tokens(response: dict) -> int:
+    return response["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def quiescent(client: httpx.Client) -> dict:
+    """Replica stats once every replica is idle and the router's index caught up with it."""
+    last = {}
+
+    def settled() -> bool:
+        nonlocal last
+        last = replica_stats(client)
+        return len(last) == 2 and all(
+            s.get("num_requests") == 0 and s.get("index_digest") == s.get("cached_digest")
+            for s in last.values()
+        )
+
+    wait_for(settled, "replicas idle with the index equal to their caches")
+    return last
+
+
+def test_endpoints_auth_and_streaming(app):
+    assert app.get("/health").json() == {"status": "ok"}
+    assert app.get("/v1/models").status_code == 401
+    models = app.get("/v1/models", headers=auth(KEYS[1])).json()
+    assert models["data"][0]["id"] == "tiny-llama"
+    r = app.post(
+        "/v1/completions",
+        json={"model": "nope", "prompt": "the a", "max_tokens": 2},
+        headers=auth(KEYS[0]),
+    )
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_not_found"
+    body = {"model": "tiny-llama", "prompt": prompt(99), "max_tokens": 4, "stream": True}
+    with app.stream("POST", "/v1/completions", json=body, headers=auth(KEYS[0])) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    assert sum(len(json.loads(x[6:])["choices"][0]["text"]) > 0 for x in lines[:-1]) >= 1
+    chat = app.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny-llama",
+            "messages": [{"role": "user", "content": "the a"}],
+            "max_tokens": 2,
+        },  # fmt: skip
+        headers=auth(KEYS[0]),
+    )
+    assert chat.status_code == 200, chat.text
+
+
+def test_prefix_affinity_tenants_and_index_equals_caches(app):
+    # Each prefix, sent again, goes where its blocks are: every repeat hits the prefix cache.
+    for i in range(6):
+        first = complete(app, prompt(i))
+        assert cached_tokens(first) == 0
+        for _ in range(2):
+            again = complete(app, prompt(i))
+            assert cached_tokens(again) >= BLOCK_SIZE * 6, again["usage"]
+    # Another tenant sending the same text never hits the first tenant's blocks.
+    assert cached_tokens(complete(app, prompt(0), key=KEYS[1])) == 0
+    stats = quiescent(app)
+    # Both replicas took traffic (misses spread to the least loaded) and hold what they served.
+    assert all(s["num_routed"] > 0 and s["num_cached_blocks"] > 0 for s in stats.values())
+    # 0 leaked blocks: idle replicas hold no block.
+    assert all(s["num_free_blocks"] == s["num_usable_blocks"] for s in stats.values())
+
+
+def test_metrics_cover_every_replica(app):
+    complete(app, prompt(50))
+    wait_for(lambda: app.get("/metrics").text.count('replica="') > 0, "metrics")
+    text = app.get("/metrics").text
+    replicas = set(replica_stats(app))
+    assert {rid for rid in replicas if f'replica="{rid}"' in text} == replicas
+    assert "# HELP" in text
+
+
+def test_killed_replica_fails_its_requests_clearly_and_is_restarted(app):
+    before = set(replica_stats(app))
+    body = {"model": "tiny-llama", "prompt": prompt(77), "max_tokens": 400, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with app.stream("POST", "/v1/completions", json=body, headers=auth(KEYS[0])) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        names = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if "EngineReplica" in a["name"]
+        ]
+        # The replica serving the stream is the one with a running request.
+        busy = [rid for rid, s in replica_stats(app).items() if s["num_requests"] > 0]
+        victim = next(n for n in names if busy and busy[0] in n)
+        ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][6:])
+    assert error["error"]["code"] == "replica_failed"
+    # Ray Serve replaces the replica; new requests succeed on both.
+    wait_for(lambda: len(replica_stats(app)) == 2 and set(replica_stats(app)) != before,
+             "a replacement replica", timeout_s=120.0)  # fmt: skip
+    for i in range(4):
+        complete(app, prompt(200 + i))
+    quiescent(app)
