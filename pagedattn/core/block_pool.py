@@ -176,6 +176,17 @@ class BlockPool:
         if stored:
             self._queue_stored(stored, block_hashes, group_suffix, request)
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop blocks from the prefix cache (their contents were never computed)."""
+        removed = []
+        for block in blocks:
+            if block.block_hash is not None:
+                del self.cached_block_hash_to_block[block.block_hash]
+                removed.append(block.block_hash)
+                block.block_hash = None
+        if removed and self.enable_kv_cache_events:
+            self._queue_removed(removed)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is held by a request."""
         if self.free_block_queue.num_free_blocks != self.num_usable_blocks:

@@ -270,6 +270,20 @@ class KVCacheManager:
             m.free(request.request_id)
         self.requests.pop(request.request_id, None)
 
+    def uncomputed_block_ids(self, request_id: str, num_computed_tokens: int) -> set[int]:
+        """Ids of the request's blocks holding positions >= num_computed_tokens (all groups)."""
+        first = num_computed_tokens // self.block_size
+        return {
+            b.block_id
+            for m in self.managers
+            for b in m.req_to_blocks.get(request_id, [])[first:]
+            if not b.is_null
+        }
+
+    def uncache_block_ids(self, block_ids: set[int]) -> None:
+        """Drop these blocks from the prefix cache: a failed step never computed them."""
+        self.block_pool.uncache_blocks(self.block_pool.blocks[i] for i in block_ids)
+
     def fork(self, parent: Request, child: Request) -> None:
         """Give child the parent's block tables; every block gains a reference.
 

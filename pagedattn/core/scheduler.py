@@ -204,7 +204,8 @@ class Scheduler:
         A sequence aborted since schedule() is skipped; a failed one ends with FINISHED_ERROR.
         """
         outputs: list[CoreOutput] = []
-        for req_id, message in runner_output.failed.items():
+        failed = self._with_sharers(scheduler_output, runner_output.failed)
+        for req_id, message in failed.items():
             request = self.requests.get(req_id)
             if request is not None:
                 self._finish(request, RequestStatus.FINISHED_ERROR)
@@ -225,7 +226,7 @@ class Scheduler:
         stopped = runner_output.stopped_req_ids
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
-            if request is None or request.status != RequestStatus.RUNNING:
+            if req_id in failed or request is None or request.status != RequestStatus.RUNNING:
                 continue  # aborted since schedule()
             if request.num_computed_tokens < request.num_tokens:
                 continue  # NOTE: a partial prefill chunk's sample is never used.
@@ -242,6 +243,37 @@ class Scheduler:
         return outputs
 
     # Internals.
+
+    def _with_sharers(
+        self, scheduler_output: SchedulerOutput, failed: dict[str, str]
+    ) -> dict[str, str]:
+        """The failed sequences plus any that read a block they failed to compute.
+
+        NOTE: blocks are offered to the prefix cache when allocated, before the step computes
+        them: a failed step's blocks leave the cache, and a sequence of the same step that hit
+        them (so read them, and wrote its own blocks from them) is failed too.
+        """
+        if not failed:
+            return failed
+        failed = dict(failed)
+        manager = self.kv_cache_manager
+        suspect: set[int] = set()
+        checked: set[str] = set()
+        while len(checked) < len(failed):
+            for sched in scheduler_output.scheduled:
+                if sched.req_id in failed and sched.req_id not in checked:
+                    suspect |= manager.uncomputed_block_ids(sched.req_id, sched.start_pos)
+            checked |= failed.keys()
+            for sched in scheduler_output.scheduled:
+                if sched.req_id not in failed and any(
+                    not suspect.isdisjoint(ids) for ids in sched.block_ids
+                ):
+                    failed[sched.req_id] = (
+                        "this request shared KV cache blocks with a request that failed in the "
+                        "same step; send it again"
+                    )
+        manager.uncache_block_ids(suspect)
+        return failed
 
     def _make_output(
         self, num_scheduled: dict[str, int], preempted: list[Request]

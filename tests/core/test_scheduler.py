@@ -447,3 +447,22 @@ def test_sliding_window_group_needs_only_the_window():
     engine.run()
     assert len(engine.outputs["a"]) == 40
     assert manager.num_free_blocks == manager.num_usable_blocks
+
+
+def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache():
+    scheduler = make_scheduler()
+    manager = scheduler.kv_cache_manager
+    prompt = list(range(1, 14))  # 3 full blocks of 4
+    scheduler.add_request(make_request("a", prompt, max_tokens=2))
+    scheduler.add_request(make_request("b", prompt + [50, 51], max_tokens=2))
+    scheduler.add_request(make_request("c", [90, 91, 92, 93, 94], max_tokens=2))
+    out = scheduler.schedule()
+    # b hit a's blocks in the same step, before the step computed them.
+    assert out.scheduled[1].start_pos == 12
+    cores = scheduler.update_from_output(out, RunnerOutput(["c"], [7], failed={"a": "boom"}))
+    status = {c.req_id: c.status for c in cores}
+    assert status["a"] == status["b"] == RequestStatus.FINISHED_ERROR
+    assert status["c"] is None
+    assert len(manager.block_pool.cached_block_hash_to_block) == 1  # c's one full block
+    again = make_request("d", prompt, max_tokens=2)
+    assert manager.get_computed_blocks(again)[1] == 0
