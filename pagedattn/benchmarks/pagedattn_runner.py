@@ -163,13 +163,9 @@ def median_time(fn, reps: int) -> float:
     return sorted(samples)[reps // 2]
 
 
-def _linear_bytes(module: torch.nn.Module) -> int:
-    """Bytes a linear layer reads per call: its panels, MKL-packed or plain weight."""
-    for name in ("panels", "packed_weight", "weight"):
-        t = getattr(module, name, None)
-        if t is not None and t.numel() > 0:
-            return t.numel() * t.element_size()
-    return 0
+def _linear_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
+    """Bytes of a linear layer's weight (what one call reads, whichever kernel packed it)."""
+    return module.out_features * module.in_features * dtype.itemsize
 
 
 def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
@@ -184,7 +180,6 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
     )
     from pagedattn.attention.layout import bytes_per_block
     from pagedattn.model.loader import load_model
-    from pagedattn.model.packed_linear import linear_kernel
 
     # NOTE: the process settings the engine's runner makes, so that the matmuls run as in a step.
     flush_denormals_all_threads()
@@ -193,18 +188,13 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
     model = loaded.model
     untied_head = getattr(model, "lm_head", None)
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not untied_head]
-    packed_head = getattr(model, "_packed_lm_head", None)
-    if untied_head is not None:
-        head_bytes = _linear_bytes(untied_head)
-    else:
-        head = model.lm_head_weight() if packed_head is None else packed_head
-        head_bytes = head.numel() * head.element_size()
     dtype = model.dtype
-    hidden_size = model.model.embed_tokens.weight.shape[1]
+    vocab_size, hidden_size = model.model.embed_tokens.weight.shape
+    head_bytes = vocab_size * hidden_size * dtype.itemsize
     result = {
         "matmul_s": {},
-        "linear_kernel": linear_kernel(),
-        "weight_bytes": sum(_linear_bytes(m) for m in linears) + head_bytes,
+        "linear_kernel": model.linear_plan.describe().removeprefix("linear "),
+        "weight_bytes": sum(_linear_bytes(m, dtype) for m in linears) + head_bytes,
         "kv_bytes_per_token": bytes_per_block(
             model.num_layers, 1, model.num_kv_heads, model.head_size, dtype
         ),

@@ -9,13 +9,10 @@ from torch import nn
 
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from pagedattn.model.packed_linear import (
-    linear_kernel,
+    LinearPlan,
+    PackedLinear,
     pack_linear_layers,
-    pack_panels,
-    pack_weight,
-    packable,
-    packed_linear,
-    panel_linear,
+    usable_plan,
 )
 
 # HF projection name -> (our fused parameter name, shard index inside it).
@@ -93,29 +90,42 @@ class PagedCausalLM(nn.Module):
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
-    def pack_for_cpu(self) -> None:
-        """On CPU: run every projection and the LM head on a packed GEMM (see packed_linear)."""
-        self._lm_head_kernel = None
-        kernel = linear_kernel()
-        if pack_linear_layers(self, kernel) == 0:
-            return
+    def pack_for_cpu(self, plan: LinearPlan | str | None = None) -> LinearPlan:
+        """On CPU: run every projection and the LM head on packed kernels (see packed_linear).
+
+        ``plan`` is a LinearPlan, one kernel name, or None for the kernel tuner's choice
+        (measured once per CPU, model shapes and dtype, then cached). Returns the plan used.
+        """
+        self._lm_head: PackedLinear | None = None
+        self.linear_plan = LinearPlan.single("torch")
+        if isinstance(plan, str):
+            plan = LinearPlan.single(plan)
+        if self.lm_head_weight().device.type != "cpu":
+            return plan or LinearPlan.single("torch")
+        if plan is None:
+            from pagedattn.model.kernel_tuner import plan_for_model
+
+            plan = plan_for_model(self)
+        plan = usable_plan(plan, self.dtype)
+        untied = None if self.tie_word_embeddings else self.lm_head
+        pack_linear_layers(self, plan, exclude=(untied,) if untied is not None else ())
         weight = self.lm_head_weight().detach()
-        # NOTE: an untied lm_head is an nn.Linear and was packed above with the others; a tied
-        # one is the embedding, which lookups still need, so the LM head gets its own copy.
-        if self.tie_word_embeddings and packable(weight, kernel):
-            self._lm_head_kernel = kernel
-            self._packed_lm_head = (
-                pack_panels(weight) if kernel == "panels" else pack_weight(weight)
-            )
+        bias = None if untied is None or untied.bias is None else untied.bias.detach()
+        if plan.head != "torch" and weight.dtype in (torch.float32, torch.bfloat16):
+            # NOTE: a tied head is the embedding, which lookups still need, so the LM head gets
+            # its own packed copy; an untied head's nn.Linear weight is released.
+            self._lm_head = PackedLinear(plan.head, weight, bias)
+            if untied is not None:
+                untied.weight = nn.Parameter(
+                    torch.empty(0, dtype=weight.dtype), requires_grad=False
+                )
+        return plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V] (soft-capped when the model says so)."""
-        kernel = getattr(self, "_lm_head_kernel", None)
-        if kernel == "panels":
-            vocab = self.lm_head_weight().shape[0]
-            logits = panel_linear(hidden, self._packed_lm_head, vocab, None).float()  # [N, V]
-        elif kernel == "mkl":
-            logits = packed_linear(hidden, self._packed_lm_head, self.lm_head_weight(), None)
+        head = getattr(self, "_lm_head", None)
+        if head is not None:
+            logits = head(hidden).float()  # [N, V]
         elif not self.tie_word_embeddings:
             logits = self.lm_head(hidden).float()  # [N, V]
         else:

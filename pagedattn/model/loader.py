@@ -121,8 +121,13 @@ def build_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     attn_backend: AttentionBackend | str | None = None,
+    linear_kernel: str | None = None,
 ) -> tuple[PagedCausalLM, PreTrainedConfig]:
-    """Our model with the checkpoint's weights loaded, and the (text) config it was built from."""
+    """Our model with the checkpoint's weights loaded, and the (text) config it was built from.
+
+    ``linear_kernel`` forces one CPU linear kernel (packed_linear.KERNELS); None or "auto" uses
+    the kernel tuner's measured choice (or PAGEDATTN_LINEAR when set).
+    """
     backend = (
         attn_backend
         if isinstance(attn_backend, AttentionBackend)
@@ -140,7 +145,7 @@ def build_model(
     else:
         net.load_weights(checkpoint.weights())
     net = net.eval().requires_grad_(False)
-    net.pack_for_cpu()
+    net.pack_for_cpu(None if linear_kernel in (None, "auto") else linear_kernel)
     return net, config
 
 
@@ -149,10 +154,11 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     attn_backend: AttentionBackend | str | None = None,
+    linear_kernel: str | None = None,
 ) -> LoadedModel:
     """Load ``model`` (see ModelNotFoundError for what is accepted) on ``device`` in ``dtype``."""
     checkpoint = resolve_checkpoint(model)
-    net, config = build_model(checkpoint, dtype, device, attn_backend)
+    net, config = build_model(checkpoint, dtype, device, attn_backend, linear_kernel)
     tokenizer = checkpoint.tokenizer()
     extra_eos = (
         checkpoint.generation_eos_token_ids() if isinstance(checkpoint, HFCheckpoint) else []

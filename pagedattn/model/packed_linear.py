@@ -1,23 +1,27 @@
-"""Linear layers on CPU through weights packed once at load: a panel GEMM, or MKL's packed GEMM.
+"""Linear layers on CPU through weights packed once at load, one kernel per regime.
 
-The panel kernel (``pagedattn/csrc/linear_cpu.cpp``) stores each weight as k-major panels of 32
-output columns, in the weight's own dtype (float32, or bfloat16 widened to fp32 in registers),
-and sums in fp32. bf16 activations are widened to fp32 before the GEMM and the result rounded
-back once, inside the kernel: the semantics of a bf16 GEMM with fp32 accumulation, which is what
-oneDNN computes too.
+Kernels (``KERNELS``):
 
-Measured on the 2-core CPU this project targets (``python -m pagedattn.benchmarks.bench_linear``: a
-SmolLM2 decode step's matmuls at 32 rows, 30 distinct layers so weights stream from memory, 2
-threads): ``F.linear`` 57.8 ms, MKL packed 46.4 ms, fp32 panels 40.8 ms, bf16 panels 33.1 ms; at
-128-512 rows (prefill) the panels are as fast as MKL or faster. ``PAGEDATTN_LINEAR=mkl`` or
-``=torch`` picks the older paths, for measuring; MKL is also the fallback when the compiled
-extension is unavailable.
+- ``panels``: the AVX-512 panel GEMM of ``pagedattn/csrc/linear_cpu.cpp``: each weight stored as
+  k-major panels of 32 output columns in its own dtype (bf16 widened to fp32 in registers), sums
+  in fp32; bf16 activations are widened and the result rounded back once. Fastest at decode
+  batch sizes without AMX; slow at prefill row counts in bf16.
+- ``mkl``: MKL's packed sgemm (float32 only).
+- ``onednn``: oneDNN's inner product with the weight reordered once at load
+  (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``); on a CPU with AMX a bf16
+  GEMM runs on the tiles (``brg_matmul:avx10_1_512_amx`` in ONEDNN_VERBOSE).
+- ``torch``: plain ``F.linear``.
+
+A ``LinearPlan`` names one kernel for few rows (decode) and one for many (prefill), split at
+``prefill_rows``, and one for the LM head; ``pagedattn.model.kernel_tuner`` picks it by measuring
+on the model's shapes. ``PAGEDATTN_LINEAR=<kernel>`` forces one kernel everywhere.
 """
 
 from __future__ import annotations
 
 import os
 import types
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,10 +30,34 @@ from torch import nn
 from pagedattn.attention.backends import cpu_ext
 
 KERNEL_ENV = "PAGEDATTN_LINEAR"
-KERNELS = ("panels", "mkl", "torch")
+KERNELS = ("panels", "mkl", "onednn", "torch")
+AUTO = "auto"
 PANEL = 32  # output columns per panel (the C++ kernel's kPanel)
 # The batch size MKL tunes its packed layout for; any batch size works with it.
 PACK_BATCH_HINT = 32
+# Rows at and above which a layer runs its prefill kernel when the plan names no split.
+DEFAULT_PREFILL_ROWS = 128
+
+
+class LinearPlan(NamedTuple):
+    """Kernel for fewer than ``prefill_rows`` rows, kernel for more, and the LM head's kernel."""
+
+    decode: str
+    prefill: str
+    head: str
+    prefill_rows: int = DEFAULT_PREFILL_ROWS
+
+    @classmethod
+    def single(cls, kernel: str) -> LinearPlan:
+        return cls(kernel, kernel, kernel)
+
+    def describe(self) -> str:
+        if self.decode == self.prefill == self.head:
+            return f"linear {self.decode}"
+        return (
+            f"linear decode {self.decode}, prefill {self.prefill} (>= {self.prefill_rows} rows), "
+            f"LM head {self.head}"
+        )
 
 
 def mkl_packing_available() -> bool:
@@ -43,19 +71,64 @@ def panel_kernel_available() -> bool:
     return ext is not None and ext.linear_packed_vectorized()
 
 
-def linear_kernel() -> str:
-    """The CPU linear kernel to use: PAGEDATTN_LINEAR if set, else panels, else MKL, else torch."""
+def onednn_available(dtype: torch.dtype) -> bool:
+    """True when torch's oneDNN packed linear ops run ``dtype`` on this CPU."""
+    if not (
+        torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    ):
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float32
+
+
+def kernel_available(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether ``kernel`` can run a CPU linear layer in ``dtype`` here."""
+    if kernel == "torch":
+        return True
+    if kernel == "panels":
+        return dtype in (torch.float32, torch.bfloat16) and panel_kernel_available()
+    if kernel == "mkl":
+        return dtype == torch.float32 and mkl_packing_available()
+    if kernel == "onednn":
+        return onednn_available(dtype)
+    return False
+
+
+def usable_plan(plan: LinearPlan, dtype: torch.dtype) -> LinearPlan:
+    """``plan`` with each kernel that cannot run ``dtype`` here replaced by torch."""
+    for kernel in plan[:3]:
+        if kernel not in KERNELS:
+            raise ValueError(
+                f"linear kernel {kernel!r} is invalid: use one of {', '.join((AUTO, *KERNELS))}"
+            )
+    decode, prefill, head = (k if kernel_available(k, dtype) else "torch" for k in plan[:3])
+    return LinearPlan(decode, prefill, head, plan.prefill_rows)
+
+
+def forced_kernel() -> str | None:
+    """The kernel PAGEDATTN_LINEAR forces, or None when unset or ``auto``."""
     chosen = os.environ.get(KERNEL_ENV, "").strip().lower()
+    if not chosen or chosen == AUTO:
+        return None
+    if chosen not in KERNELS:
+        raise ValueError(
+            f"{KERNEL_ENV}={chosen!r} is invalid: use one of {', '.join((AUTO, *KERNELS))}"
+        )
+    return chosen
+
+
+def linear_kernel() -> str:
+    """The kernel used without a measured plan: PAGEDATTN_LINEAR, else panels, MKL, torch."""
+    chosen = forced_kernel()
     if chosen:
-        if chosen not in KERNELS:
-            raise ValueError(f"{KERNEL_ENV}={chosen!r} is invalid: use one of {', '.join(KERNELS)}")
         return chosen
     if panel_kernel_available():
         return "panels"
     return "mkl" if mkl_packing_available() else "torch"
 
 
-# Panels.
+# Kernels.
 
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -91,13 +164,6 @@ def panel_linear(
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
-def _panel_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return panel_linear(x, self.panels, self.out_features, self.bias32)
-
-
-# MKL.
-
-
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """Reorder a [out, in] float32 weight into MKL's packed GEMM format."""
     return torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_BATCH_HINT)
@@ -114,44 +180,119 @@ def packed_linear(
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _mkl_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return packed_linear(x, self.packed_weight, self.weight, self.bias)
+def pack_onednn(weight: torch.Tensor, batch_hint: int | None = None) -> torch.Tensor:
+    """Reorder a [out, in] weight into oneDNN's blocked layout (an opaque mkldnn tensor)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), batch_hint)
+
+
+def onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear`` through a oneDNN-packed weight; x [..., in] -> [..., out] (weight's dtype)."""
+    x2 = x.reshape(-1, packed.shape[1])  # [M, in]
+    if x2.shape[0] == 0:
+        return x.new_empty(*x.shape[:-1], out_features, dtype=packed.dtype)
+    if x2.dtype != packed.dtype:
+        x2 = x2.to(packed.dtype)
+    out = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out_features)  # [..., out]
+
+
+class PackedLinear:
+    """One [out, in] weight (and bias) packed for one kernel; calling it computes F.linear."""
+
+    def __init__(self, kernel: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.kernel = kernel
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight if kernel in ("mkl", "torch") else None
+        self.bias = bias
+        self.packed: torch.Tensor | None = None
+        if kernel == "panels":
+            self.packed = pack_panels(weight)
+            self.bias = None if bias is None else bias.float().contiguous()
+        elif kernel == "mkl":
+            self.packed = pack_weight(weight)
+        elif kernel == "onednn":
+            self.packed = pack_onednn(weight)
+            self.bias = None if bias is None else bias.to(weight.dtype).contiguous()
+        elif kernel != "torch":
+            raise ValueError(
+                f"linear kernel {kernel!r} is invalid: use one of {', '.join(KERNELS)}"
+            )
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "panels":
+            return panel_linear(x, self.packed, self.out_features, self.bias)
+        if self.kernel == "mkl":
+            return packed_linear(x, self.packed, self.weight, self.bias)
+        if self.kernel == "onednn":
+            return onednn_linear(x, self.packed, self.out_features, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 # Model-wide switch.
 
 
 def packable(weight: torch.Tensor | None, kernel: str) -> bool:
-    """Whether ``weight`` can run on ``kernel`` (CPU; fp32 or bf16 for panels, fp32 for MKL)."""
-    if weight is None or weight.device.type != "cpu":
+    """Whether ``weight`` can run on ``kernel`` (a CPU weight of a dtype the kernel takes)."""
+    if weight is None or weight.device.type != "cpu" or weight.numel() == 0:
         return False
     if kernel == "panels":
         return weight.dtype in (torch.float32, torch.bfloat16)
-    return kernel == "mkl" and weight.dtype == torch.float32
+    if kernel == "mkl":
+        return weight.dtype == torch.float32
+    if kernel == "onednn":
+        return weight.dtype in (torch.float32, torch.bfloat16)
+    return kernel == "torch"
 
 
-def pack_linear_layers(model: nn.Module, kernel: str | None = None) -> int:
-    """Switch every packable CPU nn.Linear of ``model`` to ``kernel`` (default: linear_kernel()).
+def _plan_for(weight: torch.Tensor, plan: LinearPlan) -> LinearPlan:
+    """``plan`` with every kernel that cannot run ``weight`` replaced by torch."""
+    decode, prefill, head = (k if packable(weight, k) else "torch" for k in plan[:3])
+    return LinearPlan(decode, prefill, head, plan.prefill_rows)
 
-    With panels the layer's original weight is released (the panels are the only copy); MKL keeps
-    it, as its op wants both. Returns how many layers were switched.
+
+def _dispatch_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    rows = x.numel() // self.in_features if self.in_features else 0
+    return (self.linear_prefill if rows >= self.prefill_rows else self.linear_decode)(x)
+
+
+def pack_linear(module: nn.Linear, plan: LinearPlan) -> bool:
+    """Switch one CPU nn.Linear to ``plan``'s decode/prefill kernels; False if it stays as is.
+
+    The layer's own weight is released: the packed copies are the only ones (the torch and MKL
+    kernels keep a reference to the original tensor).
     """
-    kernel = kernel or linear_kernel()
-    if kernel == "torch":
-        return 0
+    w = module.weight
+    if w is None or w.device.type != "cpu" or w.numel() == 0:
+        return False
+    plan = _plan_for(w.detach(), plan)
+    if plan.decode == plan.prefill == "torch":
+        return False
+    w, b = w.detach(), None if module.bias is None else module.bias.detach()
+    module.linear_decode = PackedLinear(plan.decode, w, b)
+    module.linear_prefill = (
+        module.linear_decode if plan.prefill == plan.decode else PackedLinear(plan.prefill, w, b)
+    )
+    module.prefill_rows = plan.prefill_rows
+    module.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+    module.forward = types.MethodType(_dispatch_forward, module)
+    return True
+
+
+def pack_linear_layers(
+    model: nn.Module, kernel: str | LinearPlan | None = None, exclude: tuple[nn.Module, ...] = ()
+) -> int:
+    """Switch every packable CPU nn.Linear of ``model`` (but ``exclude``) to ``kernel``.
+
+    ``kernel`` is one kernel name for all rows, or a LinearPlan; default ``linear_kernel()``.
+    Returns how many layers were switched.
+    """
+    plan = (
+        kernel if isinstance(kernel, LinearPlan) else LinearPlan.single(kernel or linear_kernel())
+    )
     count = 0
     for module in model.modules():
-        w = module.weight if isinstance(module, nn.Linear) else None
-        if not packable(w, kernel):
-            continue
-        if kernel == "panels":
-            module.register_buffer("panels", pack_panels(w.detach()), persistent=False)
-            bias32 = None if module.bias is None else module.bias.detach().float().contiguous()
-            module.register_buffer("bias32", bias32, persistent=False)
-            module.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
-            module.forward = types.MethodType(_panel_forward, module)
-        else:
-            module.register_buffer("packed_weight", pack_weight(w.detach()), persistent=False)
-            module.forward = types.MethodType(_mkl_forward, module)
-        count += 1
+        if isinstance(module, nn.Linear) and not any(module is e for e in exclude):
+            count += pack_linear(module, plan)
     return count

@@ -12,6 +12,7 @@ from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads, ke
 from pagedattn.model.packed_linear import (
     linear_kernel,
     mkl_packing_available,
+    onednn_available,
     pack_linear_layers,
     pack_panels,
     panel_kernel_available,
@@ -31,10 +32,29 @@ def test_mkl_packed_linear_matches_f_linear(num_tokens):
     with torch.no_grad():
         expected = model(x)
         assert pack_linear_layers(model, "mkl") == 2
-        assert all(hasattr(m, "packed_weight") for m in model)
+        assert all(m.linear_decode.kernel == "mkl" for m in model)
         got = model(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not onednn_available(torch.float32), reason="torch built without oneDNN")
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 32, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_onednn_packed_linear_matches_f_linear(num_tokens, dtype):
+    if not onednn_available(dtype):
+        pytest.skip(f"oneDNN cannot run {dtype} here")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 48, bias=False)).to(dtype)
+    x = torch.randn(2, num_tokens, 96, dtype=dtype)
+    with torch.no_grad():
+        expected = model(x)
+        assert pack_linear_layers(model, "onednn") == 2
+        assert all(m.linear_decode.kernel == "onednn" and m.weight.numel() == 0 for m in model)
+        got = model(x)
+    assert got.shape == expected.shape and got.dtype == dtype
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
 
 
 @needs_panels

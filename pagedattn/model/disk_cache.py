@@ -1,0 +1,53 @@
+"""Where pagedattn keeps what it measured or converted once (under ~/.cache/pagedattn)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+CACHE_DIR_ENV = "PAGEDATTN_CACHE_DIR"
+
+
+def cache_root() -> Path:
+    """$PAGEDATTN_CACHE_DIR, else $XDG_CACHE_HOME/pagedattn, else ~/.cache/pagedattn."""
+    root = os.environ.get(CACHE_DIR_ENV)
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "pagedattn")
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in ``path``; {} when it is missing or unreadable (a cache only)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_atomic(path: Path, data: bytes) -> bool:
+    """Write ``data`` to ``path`` through a temporary file and a rename; False if it failed.
+
+    Readers never see a half-written file; an unwritable cache only costs time later.
+    """
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        return False
+
+
+def update_json(path: Path, key: str, value: object) -> bool:
+    """Set ``key`` in the JSON object stored at ``path`` (read, change, write atomically)."""
+    data = read_json(path)
+    data[key] = value
+    return write_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode())

@@ -1,0 +1,246 @@
+"""Pick the CPU linear kernels by timing them on the model's own shapes, once per machine.
+
+On the first load of a model on a CPU kind (``cpu_features.cpu_signature()``) in a dtype, every
+kernel that can run there (``packed_linear.KERNELS``) is timed on the model's projection shapes:
+
+- decode: ``DECODE_ROWS`` rows through enough of the model's layers to stream ~48 MiB of weights
+  per pass (as a decode step streams the whole model from memory);
+- prefill: ``PREFILL_ROWS`` rows through one layer's shapes (compute-bound);
+- LM head: ``DECODE_ROWS`` rows through (up to 16k rows of) the head;
+
+and where the decode and prefill winners differ, the row count at which the prefill kernel
+starts winning. Candidates run interleaved, round after round, and each keeps its fastest pass,
+so a busy machine slows all of them alike. The plan is cached in
+``~/.cache/pagedattn/kernel_plans.json`` under the CPU signature, dtype, shapes, torch version and
+candidate set, and printed to stderr at start-up. ``PAGEDATTN_LINEAR=<kernel>`` forces one
+kernel; ``PAGEDATTN_RETUNE=1`` measures again. Tuning takes a few seconds (SmolLM2: ~3 s).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from pagedattn.model import disk_cache
+from pagedattn.model.cpu_features import cpu_signature, describe_cpu
+from pagedattn.model.packed_linear import (
+    DEFAULT_PREFILL_ROWS,
+    KERNEL_ENV,
+    KERNELS,
+    LinearPlan,
+    PackedLinear,
+    forced_kernel,
+    kernel_available,
+)
+
+RETUNE_ENV = "PAGEDATTN_RETUNE"
+CACHE_FILE = "kernel_plans.json"
+PLAN_VERSION = 1  # bump when what is measured changes, so old plans are measured again
+DECODE_ROWS = 32
+PREFILL_ROWS = 512
+SPLIT_ROWS = (64, 128, 256)  # row counts tried for the decode -> prefill kernel switch
+DECODE_PASS_BYTES = 24 << 20  # weights streamed per timed decode pass (well past L2)
+HEAD_MAX_OUT = 16384  # LM head rows timed (the ranking does not change past this)
+MIN_ROUNDS, MAX_ROUNDS = 3, 9
+ROUND_BUDGET_S = 1.0  # per measurement; the rounds stop after MIN_ROUNDS once it is spent
+HOPELESS = 3.0  # a kernel this many times slower than the best after a round is dropped
+
+Shape = tuple[int, int]  # (out_features, in_features) of one weight
+# (kernels, the weights of one pass, rows) -> seconds of the fastest pass, per kernel.
+Measure = Callable[[Sequence[str], Sequence[Shape], int], dict[str, float]]
+
+
+class TuneResult(NamedTuple):
+    """The plan chosen and what was measured for it (seconds per pass, by regime and kernel)."""
+
+    plan: LinearPlan
+    times: dict[str, dict[str, float]]
+    seconds: float
+
+
+def candidates(dtype: torch.dtype) -> list[str]:
+    """The kernels that can run a linear layer in ``dtype`` here, in KERNELS order."""
+    return [k for k in KERNELS if kernel_available(k, dtype)]
+
+
+def fastest(times: dict[str, float]) -> str:
+    """The kernel with the smallest time (the first listed on a tie)."""
+    return min(times, key=lambda k: times[k])
+
+
+def measure_kernels(
+    kernels: Sequence[str], shapes: Sequence[Shape], rows: int, dtype: torch.dtype
+) -> dict[str, float]:
+    """Seconds of the fastest pass of each kernel over random weights of ``shapes``."""
+    gen = torch.Generator().manual_seed(0)
+    # NOTE: one random tensor per distinct shape, copied: distinct memory streams like a model's
+    # weights, and copying is far cheaper than drawing random numbers.
+    first = {s: torch.randn(s, generator=gen).mul_(0.02).to(dtype) for s in dict.fromkeys(shapes)}
+    weights = [first[s].clone() for s in shapes]
+    inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for _, k in shapes}
+    passes = {}
+    for kernel in kernels:
+        layers = [PackedLinear(kernel, w, None) for w in weights]
+
+        def one_pass(layers=layers) -> None:
+            for layer in layers:
+                layer(inputs[layer.in_features])
+
+        passes[kernel] = one_pass
+    best = dict.fromkeys(kernels, math.inf)
+    live = list(kernels)
+    with torch.inference_mode():
+        for one_pass in passes.values():
+            one_pass()  # NOTE: warm-up; oneDNN builds its primitive on the first call
+        start = time.perf_counter()
+        for r in range(MAX_ROUNDS):
+            for kernel in live[r % len(live) :] + live[: r % len(live)]:
+                t0 = time.perf_counter()
+                passes[kernel]()
+                best[kernel] = min(best[kernel], time.perf_counter() - t0)
+            floor = min(best.values())
+            live = [k for k in live if best[k] <= HOPELESS * floor]
+            if r + 1 >= MIN_ROUNDS and time.perf_counter() - start > ROUND_BUDGET_S:
+                break
+    return best
+
+
+def decode_shapes(layer_shapes: Sequence[Shape], dtype: torch.dtype) -> list[Shape]:
+    """The model's first weights, in order, up to DECODE_PASS_BYTES (at least one of each shape)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    chosen, total, seen = [], 0, set()
+    for shape in layer_shapes:
+        if total >= DECODE_PASS_BYTES and shape in seen:
+            continue
+        chosen.append(shape)
+        seen.add(shape)
+        total += shape[0] * shape[1] * itemsize
+    return chosen
+
+
+def tune(
+    layer_shapes: Sequence[Shape],
+    head_shape: Shape,
+    dtype: torch.dtype,
+    measure: Measure | None = None,
+) -> TuneResult:
+    """Time every candidate kernel on these shapes and pick the fastest per regime."""
+    if measure is None:
+
+        def measure(kernels, shapes, rows):
+            return measure_kernels(kernels, shapes, rows, dtype)
+
+    start = time.perf_counter()
+    kernels = candidates(dtype)
+    one_layer = list(dict.fromkeys(layer_shapes))  # each distinct shape once
+    times = {
+        "decode": measure(kernels, decode_shapes(layer_shapes, dtype), DECODE_ROWS),
+        "prefill": measure(kernels, one_layer, PREFILL_ROWS),
+        "head": measure(kernels, [(min(head_shape[0], HEAD_MAX_OUT), head_shape[1])], DECODE_ROWS),
+    }
+    decode, prefill = fastest(times["decode"]), fastest(times["prefill"])
+    split = DEFAULT_PREFILL_ROWS
+    if decode != prefill:
+        split = PREFILL_ROWS
+        for rows in SPLIT_ROWS:
+            times[f"rows_{rows}"] = t = measure([decode, prefill], one_layer, rows)
+            if t[prefill] <= t[decode]:
+                split = rows
+                break
+    plan = LinearPlan(decode, prefill, fastest(times["head"]), split)
+    return TuneResult(plan, times, time.perf_counter() - start)
+
+
+def plan_key(layer_shapes: Sequence[Shape], head_shape: Shape, dtype: torch.dtype) -> str:
+    """Cache key: CPU signature, dtype, shapes, torch version and the candidate kernels."""
+    shapes = json.dumps([list(s) for s in (*layer_shapes, head_shape)])
+    digest = hashlib.sha256(shapes.encode()).hexdigest()[:16]
+    kernels = ",".join(candidates(dtype))
+    return (
+        f"v{PLAN_VERSION}|{cpu_signature()}|{str(dtype).removeprefix('torch.')}|{digest}|"
+        f"torch {torch.__version__}|{kernels}"
+    )
+
+
+def cache_path() -> Path:
+    return disk_cache.cache_root() / CACHE_FILE
+
+
+def _cached(entry: object, dtype: torch.dtype) -> LinearPlan | None:
+    try:
+        plan = LinearPlan(**entry["plan"])  # type: ignore[index]
+    except (TypeError, KeyError):
+        return None
+    ok = all(kernel_available(k, dtype) for k in plan[:3]) and plan.prefill_rows > 0
+    return plan if ok else None
+
+
+_announced: set[str] = set()
+
+
+def announce(key: str, line: str) -> None:
+    """Print the kernel choice to stderr, once per process and key."""
+    if key not in _announced:
+        _announced.add(key)
+        print(f"[kernels] {line}", file=sys.stderr, flush=True)
+
+
+def plan_for_shapes(
+    layer_shapes: Sequence[Shape],
+    head_shape: Shape,
+    dtype: torch.dtype,
+    measure: Measure | None = None,
+) -> LinearPlan:
+    """The forced, cached or freshly measured plan for a model with these shapes in ``dtype``."""
+    name = str(dtype).removeprefix("torch.")
+    forced = forced_kernel()
+    if forced is not None:
+        announce(f"forced {forced}", f"{name}: linear {forced} (forced by {KERNEL_ENV})")
+        return LinearPlan.single(forced)
+    key = plan_key(layer_shapes, head_shape, dtype)
+    path = cache_path()
+    if os.environ.get(RETUNE_ENV, "") in ("", "0"):
+        plan = _cached(disk_cache.read_json(path).get(key), dtype)
+        if plan is not None:
+            announce(key, f"{name}: {plan.describe()} (measured earlier; {RETUNE_ENV}=1 retunes)")
+            return plan
+    result = tune(layer_shapes, head_shape, dtype, measure)
+    entry = {
+        "plan": result.plan._asdict(),
+        "times_ms": {
+            r: {k: round(t * 1e3, 3) for k, t in ts.items()} for r, ts in result.times.items()
+        },
+        "cpu": describe_cpu(),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    disk_cache.update_json(path, key, entry)
+    _announced.discard(key)
+    line = f"{name}: {result.plan.describe()} (measured in {result.seconds:.1f} s"
+    announce(key, f"{line} on {describe_cpu()}; cached in {path})")
+    return result.plan
+
+
+def model_shapes(model: nn.Module, head: nn.Module | None = None) -> list[Shape]:
+    """(out, in) of every nn.Linear of ``model`` but ``head``, in module order."""
+    return [
+        (m.out_features, m.in_features)
+        for m in model.modules()
+        if isinstance(m, nn.Linear) and m is not head
+    ]
+
+
+def plan_for_model(model: nn.Module) -> LinearPlan:
+    """The plan for a PagedCausalLM (its projections, its LM head and its dtype)."""
+    head = None if model.tie_word_embeddings else model.lm_head
+    head_shape = tuple(model.lm_head_weight().shape)
+    return plan_for_shapes(model_shapes(model, head), head_shape, model.dtype)

@@ -1,0 +1,172 @@
+"""The kernel tuner picks what it measured fastest, caches it, and every kernel keeps HF's math."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+from pagedattn.model import kernel_tuner
+from pagedattn.model.kernel_tuner import (
+    DECODE_ROWS,
+    PREFILL_ROWS,
+    candidates,
+    measure_kernels,
+    plan_for_shapes,
+    tune,
+)
+from pagedattn.model.loader import load_model
+from pagedattn.model.packed_linear import LinearPlan, pack_linear_layers
+from tests.model.test_parity import generate_paged, make_prompts
+from tests.model.tiny import make_tiny_gemma3, make_tiny_llama
+
+LAYER = [(96, 32), (32, 32), (128, 32), (32, 64)]
+HEAD = (256, 32)
+FP32_KERNELS = candidates(torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def private_cache(monkeypatch, tmp_path):
+    """Each test gets its own plan cache and no forced kernel."""
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("PAGEDATTN_LINEAR", raising=False)
+    monkeypatch.delenv("PAGEDATTN_RETUNE", raising=False)
+
+
+def fake_measure(table: dict[int, dict[str, float]], calls: list | None = None):
+    """A Measure that answers from ``table`` (rows -> kernel -> seconds)."""
+
+    def measure(kernels, shapes, rows):
+        if calls is not None:
+            calls.append((tuple(kernels), rows))
+        return {k: table[rows][k] for k in kernels}
+
+    return measure
+
+
+def test_tuner_picks_the_fastest_kernel_per_regime():
+    table = {
+        DECODE_ROWS: {"panels": 1.0, "mkl": 2.0, "onednn": 3.0, "torch": 4.0},
+        PREFILL_ROWS: {"panels": 9.0, "mkl": 5.0, "onednn": 2.0, "torch": 3.0},
+        64: {"panels": 1.0, "onednn": 1.5},
+        128: {"panels": 2.0, "onednn": 1.9},  # onednn starts winning at 128 rows
+        256: {"panels": 4.0, "onednn": 2.0},
+    }
+    # The head (measured at decode rows) follows the decode table.
+    result = tune(LAYER * 3, HEAD, torch.float32, fake_measure(table))
+    kernels = candidates(torch.float32)
+    expected_decode = min(kernels, key=lambda k: table[DECODE_ROWS][k])
+    expected_prefill = min(kernels, key=lambda k: table[PREFILL_ROWS][k])
+    assert result.plan.decode == expected_decode
+    assert result.plan.prefill == expected_prefill
+    assert result.plan.head == expected_decode
+    if {"panels", "onednn"} <= set(kernels):
+        assert result.plan == LinearPlan("panels", "onednn", "panels", 128)
+    assert set(result.times["decode"]) == set(kernels)
+
+
+def test_same_winner_needs_no_split_measurement():
+    table = {r: {"panels": 3.0, "mkl": 3.0, "onednn": 3.0, "torch": 1.0} for r in (32, 512)}
+    calls: list = []
+    result = tune(LAYER, HEAD, torch.float32, fake_measure(table, calls))
+    assert result.plan == LinearPlan("torch", "torch", "torch")
+    assert [rows for _, rows in calls] == [DECODE_ROWS, PREFILL_ROWS, DECODE_ROWS]
+
+
+def test_plan_is_cached_and_retune_measures_again(monkeypatch, capsys):
+    table = {r: {k: (0.5 if k == "torch" else 1.0) for k in FP32_KERNELS} for r in (32, 512)}
+    calls: list = []
+    plan = plan_for_shapes(LAYER, HEAD, torch.float32, fake_measure(table, calls))
+    assert plan == LinearPlan.single("torch") and len(calls) == 3
+    assert "linear torch (measured in" in capsys.readouterr().err
+
+    def must_not_measure(kernels, shapes, rows):
+        raise AssertionError("a cached plan was measured again")
+
+    assert plan_for_shapes(LAYER, HEAD, torch.float32, must_not_measure) == plan
+    # Another dtype or other shapes are another entry.
+    other = plan_for_shapes([(64, 32)], HEAD, torch.float32, fake_measure(table, calls))
+    assert other == plan and len(calls) == 6
+
+    monkeypatch.setenv("PAGEDATTN_RETUNE", "1")
+    slow_torch = {r: {k: (9.0 if k == "torch" else 1.0) for k in FP32_KERNELS} for r in (32, 512)}
+    retuned = plan_for_shapes(LAYER, HEAD, torch.float32, fake_measure(slow_torch))
+    assert retuned.decode == FP32_KERNELS[0] != "torch"
+    monkeypatch.delenv("PAGEDATTN_RETUNE")
+    assert plan_for_shapes(LAYER, HEAD, torch.float32, must_not_measure) == retuned
+
+
+def test_forced_kernel_skips_measuring_and_is_used(monkeypatch, tmp_path):
+    forced = FP32_KERNELS[0]
+    monkeypatch.setenv("PAGEDATTN_LINEAR", forced)
+
+    def must_not_measure(kernels, shapes, rows):
+        raise AssertionError("a forced kernel was measured")
+
+    assert plan_for_shapes(LAYER, HEAD, torch.float32, must_not_measure) == LinearPlan.single(
+        forced
+    )
+    model = load_model(str(make_tiny_llama(tmp_path)), "float32", "cpu", "torch").model
+    head = getattr(model, "lm_head", None)  # untied: packed as the LM head, not as a layer
+    layers = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not head]
+    assert layers
+    if forced == "torch":
+        assert all(not hasattr(m, "linear_decode") for m in layers)
+    else:
+        assert all(m.linear_decode.kernel == forced for m in layers)
+        assert model._lm_head.kernel == forced
+    monkeypatch.setenv("PAGEDATTN_LINEAR", "fastest")
+    with pytest.raises(ValueError, match="PAGEDATTN_LINEAR='fastest' is invalid"):
+        plan_for_shapes(LAYER, HEAD, torch.float32, must_not_measure)
+
+
+def test_real_measurement_times_every_candidate():
+    times = measure_kernels(FP32_KERNELS, LAYER, 8, torch.float32)
+    assert set(times) == set(FP32_KERNELS)
+    assert all(0 < t < 1 for t in times.values())
+    assert kernel_tuner.decode_shapes(LAYER * 1000, torch.float32)[: len(LAYER)] == LAYER
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_plan_runs_each_kernel_on_its_rows(dtype):
+    kernels = candidates(dtype)
+    if len(kernels) < 2:
+        pytest.skip("one kernel only")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(40, 72), nn.Linear(72, 24, bias=False)).to(dtype)
+    plan = LinearPlan(kernels[0], kernels[1], kernels[0], prefill_rows=8)
+    with torch.inference_mode():
+        few, many = torch.randn(7, 40, dtype=dtype), torch.randn(3, 8, 40, dtype=dtype)
+        expected = (model(few), model(many))
+        assert pack_linear_layers(model, plan) == 2
+        assert model[0].linear_decode.kernel == kernels[0]
+        assert model[0].linear_prefill.kernel == kernels[1]
+        assert model[0].weight.numel() == 0
+        got = (model(few), model(many))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == e.shape and g.dtype == dtype
+        torch.testing.assert_close(g.float(), e.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("maker", [make_tiny_llama, make_tiny_gemma3], ids=["llama", "gemma3"])
+def test_every_float32_kernel_keeps_hf_greedy_tokens(maker, tmp_path: Path):
+    path = maker(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = make_prompts(hf.config.vocab_size)
+    plans = [LinearPlan.single(k) for k in FP32_KERNELS]
+    if len(FP32_KERNELS) >= 2:  # a split plan: prefill chunks and decode rows on different kernels
+        plans.append(LinearPlan(FP32_KERNELS[0], FP32_KERNELS[-2], FP32_KERNELS[-1], 4))
+    for plan in plans:
+        # NOTE: "torch" leaves every weight as loaded, so the model can be packed with the plan.
+        model = load_model(str(path), "float32", "cpu", "torch", linear_kernel="torch").model
+        model.pack_for_cpu(plan)
+        tokens, logits = generate_paged(model, prompts, block_size=4)
+        for prompt, seq, rows in zip(prompts, tokens, logits, strict=True):
+            with torch.no_grad():
+                ref = hf(torch.tensor([seq[:-1]])).logits[0].float()  # [len - 1, V]
+            torch.testing.assert_close(rows, ref, atol=1e-4, rtol=1e-4, msg=str(plan))
+            assert seq[len(prompt) :] == ref[len(prompt) - 1 :].argmax(-1).tolist(), plan
