@@ -166,28 +166,30 @@ def test_metrics_cover_every_replica(app):
 
 
 def test_killed_replica_fails_its_requests_clearly_and_is_restarted(app):
-    before = set(replica_stats(app))
-    body = {"model": "tiny-llama", "prompt": prompt(77), "max_tokens": 400, "ignore_eos": True,
+    before = replica_stats(app)
+    text = prompt(77, n=8)
+    complete(app, text)  # the prefix now lives on one replica; the stream below follows it
+    after = replica_stats(app)
+    (victim_id,) = [r for r in after if after[r]["num_routed"] > before[r]["num_routed"]]
+    (victim,) = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if "EngineReplica" in a["name"] and victim_id in a["name"]
+    ]
+    body = {"model": "tiny-llama", "prompt": text, "max_tokens": 200, "ignore_eos": True,
             "stream": True}  # fmt: skip
     with app.stream("POST", "/v1/completions", json=body, headers=auth(KEYS[0])) as r:
-        assert r.status_code == 200
+        assert r.status_code == 200, r.read()
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        names = [
-            a["name"]
-            for a in ray.util.list_named_actors(all_namespaces=True)
-            if "EngineReplica" in a["name"]
-        ]
-        # The replica serving the stream is the one with a running request.
-        busy = [rid for rid, s in replica_stats(app).items() if s["num_requests"] > 0]
-        victim = next(n for n in names if busy and busy[0] in n)
         ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
         rest = [line for line in lines if line.startswith("data: ")]
+    # The stream ends (no hang) with an error event naming the failure, then [DONE].
     assert rest[-1] == "data: [DONE]"
     error = json.loads(rest[-2][6:])
-    assert error["error"]["code"] == "replica_failed"
-    # Ray Serve replaces the replica; new requests succeed on both.
-    wait_for(lambda: len(replica_stats(app)) == 2 and set(replica_stats(app)) != before,
+    assert error["error"]["code"] == "replica_failed", rest[-3:]
+    # Ray Serve replaces the replica; new requests succeed and no block leaks.
+    wait_for(lambda: len(replica_stats(app)) == 2 and victim_id not in replica_stats(app),
              "a replacement replica", timeout_s=120.0)  # fmt: skip
     for i in range(4):
         complete(app, prompt(200 + i))
