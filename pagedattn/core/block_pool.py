@@ -74,10 +74,6 @@ class BlockPool:
         """Fraction of usable blocks held by at least one request."""
         return 1.0 - self.free_block_queue.num_free_blocks / self.num_usable_blocks
 
-    def get_cached_block(self, key: BlockHashWithGroupId) -> KVCacheBlock | None:
-        """The cached block with this hash, or None."""
-        return self.cached_block_hash_to_block.get(key)
-
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop blocks from the free queue head with ref_cnt 1, evicting their old hashes."""
         if num_blocks > self.free_block_queue.num_free_blocks:

@@ -127,11 +127,6 @@ class FreeKVCacheBlockQueue:
         tail.prev_free_block = block
         self.num_free_blocks += 1
 
-    def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Append blocks at the tail in the given order."""
-        for block in blocks:
-            self.append(block)
-
     def get_all_free_blocks(self) -> list[KVCacheBlock]:
         """All free blocks, head first (O(n); for tests and debugging)."""
         out = []

@@ -112,6 +112,43 @@ class Scheduler:
         """Waiting plus running requests."""
         return len(self.requests)
 
+    @property
+    def num_running(self) -> int:
+        """Requests in the running set."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting (new or preempted)."""
+        return len(self.waiting)
+
+    def kv_snapshot(self) -> dict:
+        """The block pool and every live request's block tables, as plain JSON."""
+        from pagedattn.core.kv_snapshot import kv_snapshot
+
+        return kv_snapshot(self.kv_cache_manager, self.requests)
+
+    def check_fits_together(self, num_seqs: int, num_tokens: int) -> None:
+        """Raise unless num_seqs sequences of num_tokens can all run every step (no preemption).
+
+        Beam search needs this: its beams advance in lockstep.
+        """
+        config = self.scheduler_config
+        if num_seqs > config.max_num_seqs or num_seqs > config.max_num_batched_tokens:
+            raise RequestRejectedError(
+                f"{num_seqs} sequences in lockstep need max_num_seqs and max_num_batched_tokens "
+                f">= {num_seqs} (they are {config.max_num_seqs} and "
+                f"{config.max_num_batched_tokens})"
+            )
+        # NOTE: one more block per sequence for the copy of a shared partial block.
+        num_needed = num_seqs * (self._num_blocks_needed(num_tokens) + 1)
+        num_usable = self.kv_cache_manager.num_usable_blocks
+        if num_needed > num_usable:
+            raise RequestRejectedError(
+                f"{num_seqs} sequences of {num_tokens} tokens need {num_needed} KV cache blocks, "
+                f"more than the {num_usable} of the pool: give the KV cache more memory"
+            )
+
     def max_tokens_that_fit(self, num_prompt_tokens: int) -> int:
         """The most output tokens a request of this prompt can ever hold (context and pool)."""
         block_size = self.kv_cache_manager.block_size

@@ -45,28 +45,6 @@ def _score(logprob: float, length: int, length_penalty: float) -> float:
     return logprob / max(length, 1) ** length_penalty
 
 
-def _check_capacity(engine, num_prompt: int, params: BeamSearchParams) -> None:
-    """Every beam must run every step (no preemption), so beams stay in lockstep."""
-    scheduler = engine.scheduler
-    width = params.beam_width
-    config = scheduler.scheduler_config
-    num_tokens = num_prompt + params.max_tokens + 1
-    num_needed = width * (scheduler.kv_cache_manager.num_blocks_needed(num_tokens, 1) + 1)
-    num_usable = scheduler.kv_cache_manager.num_usable_blocks
-    if width > config.max_num_seqs or width > config.max_num_batched_tokens:
-        raise InvalidRequestError(
-            f"beam_width={width} needs max_num_seqs and max_num_batched_tokens >= {width}",
-            param="beam_width",
-        )
-    if num_needed > num_usable:
-        raise InvalidRequestError(
-            f"beam search of width {width} over {num_tokens} tokens needs {num_needed} KV "
-            f"cache blocks, more than the {num_usable} of the pool: lower beam_width or "
-            "max_tokens, or give the KV cache more memory",
-            param="beam_width",
-        )
-
-
 def run_beam_search(engine, prompt: str | list[int], params: BeamSearchParams) -> BeamSearchOutput:
     """Run beam search for one prompt; needs an otherwise idle engine."""
     if engine.has_unfinished_requests():
@@ -78,8 +56,9 @@ def run_beam_search(engine, prompt: str | list[int], params: BeamSearchParams) -
             f"must be non-empty and fit max_model_len={engine.max_model_len}",
             param="prompt",
         )
-    _check_capacity(engine, len(prompt_ids), params)
     width = params.beam_width
+    # NOTE: every beam must run every step (no preemption) for the beams to stay in lockstep.
+    engine.check_fits_together(width, len(prompt_ids) + params.max_tokens + 1)
     # NOTE: every beam samples greedily and reports its 2 * width best next tokens; the search
     # then forks the beams it keeps with their chosen token in place of the sampled one.
     step_params = SamplingParams(

@@ -355,8 +355,8 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions_total,
             num_recomputed_tokens=self.num_recomputed_tokens,
             internal_fragmentation=kv.internal_fragmentation,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_failed_requests=self.num_failed_requests,
@@ -367,9 +367,31 @@ class LLMEngine:
         return self.kv_cache_manager.reset_prefix_cache()
 
     def kv_snapshot(self) -> dict:
-        from pagedattn.core.kv_snapshot import kv_snapshot
+        """The block pool's state and block tables as plain JSON (/debug/kv, the dashboard).
 
-        return kv_snapshot(self.kv_cache_manager, self.scheduler.requests)
+        Sequences appear under their user request id; the n - 1 siblings as ``<id>#<index>``.
+        """
+        snapshot = self.scheduler.kv_snapshot()
+        seq_of = self.output_processor.seq_of
+
+        def name(core_id: str) -> str:
+            state = seq_of.get(core_id)
+            if state is None:
+                return core_id
+            rid = state.owner.request_id
+            return rid if state.index == 0 else f"{rid}#{state.index}"
+
+        snapshot["owners"] = [[name(r) for r in owners] for owners in snapshot["owners"]]
+        for key in ("block_tables", "requests"):
+            snapshot[key] = {name(r): v for r, v in snapshot[key].items()}
+        return snapshot
+
+    def check_fits_together(self, num_seqs: int, num_tokens: int) -> None:
+        """Raise InvalidRequestError unless num_seqs sequences can all run every step."""
+        try:
+            self.scheduler.check_fits_together(num_seqs, num_tokens)
+        except RequestRejectedError as exc:
+            raise InvalidRequestError(str(exc)) from exc
 
     def beam_search(self, prompt, params):
         from pagedattn.engine.beam_search import run_beam_search

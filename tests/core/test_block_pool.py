@@ -60,12 +60,12 @@ def test_cached_free_block_stays_findable_until_handed_out_lru_first():
     hashes = hash_request_tokens(1, [10, 11, 12], "s")
     pool.cache_full_blocks(blocks, hashes, 0, 3, G0)
     pool.free_blocks([blocks[1], blocks[0], blocks[2]])  # LRU order: 1, 0, 2
-    assert all(pool.get_cached_block(h + G0) is not None for h in hashes)
+    assert all(pool.cached_block_hash_to_block.get(h + G0) is not None for h in hashes)
     assert len(pool.cached_block_hash_to_block) == 3
     (new,) = pool.get_new_blocks(1)
     assert new.block_id == 1 and new.block_hash is None
-    assert pool.get_cached_block(hashes[1] + G0) is None
-    assert pool.get_cached_block(hashes[0] + G0) is blocks[0]
+    assert pool.cached_block_hash_to_block.get(hashes[1] + G0) is None
+    assert pool.cached_block_hash_to_block.get(hashes[0] + G0) is blocks[0]
     assert pool.take_num_evictions() == 1 and pool.take_num_evictions() == 0
 
 
@@ -75,10 +75,10 @@ def test_touch_revives_a_cached_free_block_from_the_middle_of_the_queue():
     hashes = hash_request_tokens(1, [1, 2, 3], "s")
     pool.cache_full_blocks(blocks, hashes, 0, 3, G0)
     pool.free_blocks(blocks)
-    hit = pool.get_cached_block(hashes[1] + G0)
+    hit = pool.cached_block_hash_to_block.get(hashes[1] + G0)
     pool.touch([hit])
     assert hit.ref_cnt == 1 and free_ids(pool) == [0, 2]
-    assert pool.get_cached_block(hashes[1] + G0) is hit  # still cached while in use
+    assert pool.cached_block_hash_to_block.get(hashes[1] + G0) is hit  # still cached while in use
 
 
 def test_duplicate_content_keeps_first_block_cached():
@@ -87,10 +87,10 @@ def test_duplicate_content_keeps_first_block_cached():
     (h,) = hash_request_tokens(2, [1, 2], "s")
     pool.cache_full_blocks([a], [h], 0, 1, G0)
     pool.cache_full_blocks([b], [h], 0, 1, G0)
-    assert pool.get_cached_block(h + G0) is a and b.block_hash is None
+    assert pool.cached_block_hash_to_block.get(h + G0) is a and b.block_hash is None
     # Another group's key is distinct.
     pool.cache_full_blocks([b], [h], 0, 1, (1).to_bytes(4, "big"))
-    assert pool.get_cached_block(h + (1).to_bytes(4, "big")) is b
+    assert pool.cached_block_hash_to_block.get(h + (1).to_bytes(4, "big")) is b
 
 
 def test_reset_prefix_cache_only_when_nothing_in_use():

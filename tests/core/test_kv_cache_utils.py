@@ -44,7 +44,8 @@ def test_free_queue_popleft_append_remove_order():
     queue.remove(blocks[0])  # the tail
     queue.remove(blocks[2])  # the last one
     assert queue.num_free_blocks == 0 and queue.get_all_free_blocks() == []
-    queue.append_n([blocks[4], blocks[1]])
+    queue.append(blocks[4])
+    queue.append(blocks[1])
     assert ids(queue.get_all_free_blocks()) == [4, 1]
 
 
