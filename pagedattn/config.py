@@ -130,6 +130,12 @@ class CacheConfig:
         "pagedattn",
         "root of the chained block hashes; the same seed gives the same hashes in every process",
     )
+    kv_store: str | None = option(
+        None,
+        "a second KV tier shared across restarts and replicas: file:///dir[?max_bytes=2GiB] or "
+        "redis://host:port; full blocks are saved to it and prompt blocks loaded from it",
+        default_text="none",
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.kv_cache_memory, str):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 from pagedattn.core.request import Request, RequestStatus
 from pagedattn.core.request_queue import create_request_queue
 from pagedattn.core.scheduler_output import (
     CoreOutput,
+    KVLoad,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
@@ -20,6 +21,14 @@ from pagedattn.core.stop import check_token_stop, derive_seed
 if TYPE_CHECKING:
     from pagedattn.config import CacheConfig, SchedulerConfig
     from pagedattn.core.kv_cache_manager import KVCacheManager
+
+
+class KVConnectorLike(Protocol):
+    """The scheduler side of a KV connector (kv_transfer.KVConnector)."""
+
+    def get_num_new_matched_tokens(
+        self, block_hashes: Sequence[bytes], num_computed_tokens: int
+    ) -> int: ...
 
 
 class RequestRejectedError(ValueError):
@@ -43,8 +52,11 @@ class Scheduler:
         cache_config: CacheConfig,
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
+        kv_connector: KVConnectorLike | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
+        # A second KV tier (kv_transfer.KVConnector): prompt blocks past the local prefix hit.
+        self.kv_connector = kv_connector
         self.cache_config = cache_config
         self.kv_cache_manager = kv_cache_manager
         self.max_model_len = max_model_len
@@ -169,6 +181,7 @@ class Scheduler:
         token_budget = config.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         preempted: list[Request] = []
+        loads: list[tuple[Request, int, int]] = []  # second-tier hits: (request, blocks [a, b))
         num_recomputed = 0
 
         req_index = 0
@@ -206,7 +219,8 @@ class Scheduler:
                 break
             request = self.waiting.peek()
             computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
-            num_new_tokens = request.num_tokens - num_computed
+            num_external = self._num_external_tokens(request, num_computed)
+            num_new_tokens = request.num_tokens - num_computed - num_external
             if num_new_tokens > token_budget:
                 # NOTE: without chunked prefill a prompt waits for a step with room for all of it;
                 # a resumed request longer than any step (prompt + outputs) is chunked anyway.
@@ -214,21 +228,27 @@ class Scheduler:
                 if not config.enable_chunked_prefill and whole_fits:
                     break
                 num_new_tokens = token_budget
+            # NOTE: the store's blocks need slots too; they are loaded, not computed.
             new_blocks = self.kv_cache_manager.allocate_slots(
-                request, num_new_tokens, computed_blocks, num_computed
+                request, num_external + num_new_tokens, computed_blocks, num_computed
             )
             if new_blocks is None:
                 break  # NOTE: no skipping ahead: later requests wait behind this one.
             self.waiting.pop()
             if request.status == RequestStatus.WAITING:
-                request.num_cached_tokens = num_computed
-            request.num_computed_tokens = num_computed
+                request.num_cached_tokens = num_computed + num_external
+            request.num_computed_tokens = num_computed + num_external
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             num_scheduled[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            if num_external:
+                block_size = self.kv_cache_manager.block_size
+                end = num_computed + num_external
+                loads.append((request, num_computed // block_size, end // block_size))
 
         output = self._make_output(num_scheduled, preempted)
+        output.kv_loads = [self._make_load(*load) for load in loads]
         output.stats.num_recomputed_tokens = num_recomputed
         output.stats.schedule_time_s = time.perf_counter() - start
         return output
@@ -280,6 +300,27 @@ class Scheduler:
         return outputs
 
     # Internals.
+
+    def _num_external_tokens(self, request: Request, num_computed: int) -> int:
+        """Prompt tokens past the local prefix hit that the KV store holds (whole blocks)."""
+        if self.kv_connector is None or request.block_size is None:
+            return 0
+        block_size = request.block_size
+        # NOTE: as for a local hit, the last token is always computed (its logits are needed).
+        room = (request.num_tokens - 1) // block_size * block_size - num_computed
+        if room <= 0:
+            return 0
+        num_hit = self.kv_connector.get_num_new_matched_tokens(request.block_hashes, num_computed)
+        return max(0, min(num_hit, room))
+
+    def _make_load(self, request: Request, first_block: int, last_block: int) -> KVLoad:
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)[0]
+        return KVLoad(
+            request.request_id,
+            first_block,
+            block_ids[first_block:last_block],
+            request.block_hashes[first_block:last_block],
+        )
 
     def _with_sharers(
         self, scheduler_output: SchedulerOutput, failed: dict[str, str]
@@ -340,6 +381,7 @@ class Scheduler:
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
                     forks=forks,
+                    block_hashes=request.block_hashes,
                 )
             )
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()

@@ -27,6 +27,17 @@ class ScheduledRequest(NamedTuple):
     # Siblings (n > 1) forked from this row after the step: (request id, seed) each; they
     # sample their first token from this row's logits too.
     forks: tuple[tuple[str, int | None], ...] = ()
+    # Live view of the chained hashes of the sequence's full blocks (for the KV store).
+    block_hashes: Sequence[bytes] = ()
+
+
+class KVLoad(NamedTuple):
+    """Blocks a sequence takes from the KV store before the forward, instead of computing them."""
+
+    req_id: str
+    first_block: int  # index in the block table of the first block to load
+    block_ids: list[int]
+    block_hashes: list[bytes]
 
 
 @dataclass
@@ -51,6 +62,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # finished since the last step
     preempted_req_ids: set[str] = field(default_factory=set)
     stats: SchedulerStats = field(default_factory=SchedulerStats)
+    kv_loads: list[KVLoad] = field(default_factory=list)  # second-tier hits to load first
 
     @property
     def is_empty(self) -> bool:

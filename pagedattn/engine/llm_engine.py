@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import time
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedattn.attention.backends.base import get_attn_backend
-from pagedattn.config import EngineConfig
+from pagedattn.config import ConfigError, EngineConfig
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.request import Request, RequestStatus
 from pagedattn.core.scheduler import RequestRejectedError, Scheduler
@@ -65,6 +66,8 @@ class EngineStats:
     num_generation_tokens: int
     num_failed_requests: int = 0
     step_times: StepTimes = field(default_factory=StepTimes)
+    # The second KV tier's counters (kv_transfer.KVConnectorStats), when a store is set.
+    kv_store: object | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -110,9 +113,6 @@ class LLMEngine:
             enable_caching=cache.enable_prefix_caching,
             hash_seed=cache.hash_seed,
         )
-        self.scheduler = Scheduler(
-            config.scheduler, cache, self.kv_cache_manager, self.max_model_len
-        )
         self.runner = ModelRunner(
             self.model,
             backend,
@@ -123,6 +123,10 @@ class LLMEngine:
             plan.dtype,
             vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids,
+        )
+        self.kv_connector = self._make_kv_connector(len(groups))
+        self.scheduler = Scheduler(
+            config.scheduler, cache, self.kv_cache_manager, self.max_model_len, self.kv_connector
         )
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -286,10 +290,14 @@ class LLMEngine:
         self.num_recomputed_tokens += sched.stats.num_recomputed_tokens
         if sched.is_empty:
             return []
+        if sched.kv_loads:
+            self._load_from_store(sched)
         for s in sched.scheduled:
             num_prompt = len(s.prompt_token_ids)
             self.num_prompt_tokens += max(0, min(num_prompt - s.start_pos, len(s.token_ids)))
         runner_output = self._execute(sched)
+        if self.kv_connector is not None:
+            self._save_to_store(sched, runner_output)
         timings = self.runner.last_timings
         times.prepare += timings.prepare
         times.forward += timings.forward
@@ -340,6 +348,78 @@ class LLMEngine:
             self._num_failed_steps = 0
         return output
 
+    # The second KV tier.
+
+    def _make_kv_connector(self, num_groups: int):
+        url = self.config.cache.kv_store
+        if url is None:
+            return None
+        if num_groups != 1:
+            raise ConfigError(
+                f"kv_store works with models of one KV cache group (full attention); "
+                f"{self.model_name} has {num_groups}: leave kv_store unset for it"
+            )
+        from pagedattn.attention.layout import layout_of
+        from pagedattn.kv_transfer import KVConnector, make_store
+
+        connector = KVConnector(
+            make_store(url),
+            model_id=self.model_name,
+            layout=layout_of(self.runner.kv_caches[0][0]),
+            dtype=self.kv_cache_dtype,
+            block_size=self.config.cache.block_size,
+        )
+        atexit.register(connector.close)  # NOTE: flushes the writer's queue at exit
+        return connector
+
+    def _load_from_store(self, sched: SchedulerOutput) -> None:
+        """Copy the store's blocks in; a sequence whose load falls short computes the rest."""
+        block_size = self.config.cache.block_size
+        for load in sched.kv_loads:
+            try:
+                num_loaded = self.kv_connector.load_blocks(
+                    self.runner.kv_caches, load.block_ids, load.block_hashes
+                )
+            except Exception:  # NOTE: no store failure may fail a request: recompute instead.
+                logger.exception("loading %d blocks from the KV store failed", len(load.block_ids))
+                num_loaded = 0
+            if num_loaded == len(load.block_ids):
+                continue
+            start = (load.first_block + num_loaded) * block_size
+            index = next(i for i, s in enumerate(sched.scheduled) if s.req_id == load.req_id)
+            s = sched.scheduled[index]
+            tokens = [*s.prompt_token_ids, *s.output_token_ids]
+            end = s.start_pos + len(s.token_ids)
+            sched.scheduled[index] = s._replace(token_ids=tokens[start:end], start_pos=start)
+            sched.num_scheduled_tokens[s.req_id] = end - start
+            sched.total_num_scheduled_tokens += s.start_pos - start
+            state = self.output_processor.seq_of.get(s.req_id)
+            if state is not None:
+                state.core.num_cached_tokens = min(state.core.num_cached_tokens, start)
+
+    def _save_to_store(self, sched: SchedulerOutput, runner_output: RunnerOutput) -> None:
+        """Hand the blocks this step filled to the store's background writer (never waits)."""
+        block_size = self.config.cache.block_size
+        block_ids: list[int] = []
+        block_hashes: list[bytes] = []
+        for s in sched.scheduled:
+            if s.req_id in runner_output.failed:
+                continue
+            first = s.start_pos // block_size
+            last = min((s.start_pos + len(s.token_ids)) // block_size, len(s.block_hashes))
+            block_ids += s.block_ids[0][first:last]
+            block_hashes += s.block_hashes[first:last]
+        if block_ids:
+            try:
+                self.kv_connector.save_blocks(self.runner.kv_caches, block_ids, block_hashes)
+            except Exception:
+                logger.exception("saving %d blocks to the KV store failed", len(block_ids))
+
+    def close(self) -> None:
+        """Flush and close the KV store, if any (saves in flight finish first)."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+
     # Introspection.
 
     def get_stats(self) -> EngineStats:
@@ -361,6 +441,7 @@ class LLMEngine:
             num_generation_tokens=self.num_generation_tokens,
             num_failed_requests=self.num_failed_requests,
             step_times=self.step_times,
+            kv_store=None if self.kv_connector is None else self.kv_connector.stats,
         )
 
     def reset_prefix_cache(self) -> bool:
