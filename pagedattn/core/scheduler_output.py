@@ -87,6 +87,8 @@ class RunnerOutput:
     stopped_req_ids: set[str] = field(default_factory=set)
     # Requests whose own part of the step failed: request id -> message; they sampled nothing.
     failed: dict[str, str] = field(default_factory=dict)
+    # Sequences that asked for prompt logprobs: id -> [(prompt position, TokenLogprobs)].
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
 
     def merge(self, other: RunnerOutput) -> None:
         """Append another (partial) output of the same step."""
@@ -97,6 +99,7 @@ class RunnerOutput:
             self.logprobs = mine + (other.logprobs or [None] * len(other.req_ids))
         self.stopped_req_ids |= other.stopped_req_ids
         self.failed.update(other.failed)
+        self.prompt_logprobs.update(other.prompt_logprobs)
 
 
 class CoreOutput(NamedTuple):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import time
@@ -211,16 +212,21 @@ class LLMEngine:
             cache_salt=cache_salt,
             priority=priority,
         )
+        num_seqs = ereq.num_seqs
+        core_params = params
+        if num_seqs > params.n and params.logprobs is None:
+            # NOTE: best_of ranks candidates by cumulative logprob: the sampler must compute it.
+            core_params = dataclasses.replace(params, logprobs=0)
         core = Request(
             request_id=f"{request_id}@{next(self._core_ids)}",
             prompt_token_ids=prompt_ids,
-            sampling_params=params,
+            sampling_params=core_params,
             arrival_time=arrival,
             priority=priority,
             cache_salt=cache_salt,
             eos_token_ids=self.eos_token_ids,
             seed=params.seed,
-            num_forks=params.n - 1,
+            num_forks=num_seqs - 1,
             max_tokens=max_tokens,
             block_size=self.config.cache.block_size,
             hash_seed=self.config.cache.hash_seed,
@@ -309,6 +315,8 @@ class LLMEngine:
             raise EngineFaultError(f"updating the scheduler failed: {exc!r}") from exc
         self.num_generation_tokens += len(runner_output.req_ids)
         self.num_failed_requests += len(runner_output.failed)
+        if runner_output.prompt_logprobs:
+            self.output_processor.add_prompt_logprobs(runner_output.prompt_logprobs)
         outputs, stopped, to_abort = self.output_processor.process(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(to_abort, RequestStatus.FINISHED_ABORTED)

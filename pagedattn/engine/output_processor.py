@@ -46,6 +46,13 @@ class OutputProcessor:
                 self.seq_of.pop(s.core.request_id, None)
         return ereq
 
+    def add_prompt_logprobs(self, by_core_id: dict[str, list]) -> None:
+        """Prompt-token logprobs a step computed, by core sequence id."""
+        for core_id, entries in by_core_id.items():
+            state = self.seq_of.get(core_id)
+            if state is not None:
+                state.owner.add_prompt_logprobs(entries)
+
     def process(
         self, core_outputs: list[CoreOutput]
     ) -> tuple[list[RequestOutput], list[str], list[str]]:

@@ -87,3 +87,5 @@ class RequestOutput:
     extra: dict = field(default_factory=dict)
     # Set when the request failed inside a step (finish_reason "error"); the engine went on.
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: per prompt position, None for the first token.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -58,14 +58,11 @@ class SeqState:
         delta = ""
         for token in out.new_token_ids:
             lp = out.logprobs
-            if lp is not None and self.logprobs is not None:
-                entry = {token: Logprob(lp.sampled_logprob, lp.sampled_rank)}
-                for rank, (tid, value) in enumerate(
-                    zip(lp.top_token_ids, lp.top_logprobs, strict=True), start=1
-                ):
-                    entry.setdefault(tid, Logprob(value, rank))
-                self.logprobs.append(entry)
+            if lp is not None:
+                # NOTE: best_of ranks by cumulative logprob even when no logprobs are returned.
                 self.cumulative_logprob += lp.sampled_logprob
+                if self.logprobs is not None:
+                    self.logprobs.append(_entry(token, lp))
             if params.detokenize:
                 delta += self.detokenizer.add_tokens([token])
         self.text += delta
@@ -98,8 +95,20 @@ class SeqState:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=self.logprobs,
-            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            cumulative_logprob=(
+                self.cumulative_logprob
+                if self.logprobs is not None or self.owner.num_seqs > self.owner.params.n
+                else None
+            ),
         )
+
+
+def _entry(token: int, lp) -> dict[int, Logprob]:
+    """One position's logprobs: the chosen token's, then the top ones with their ranks."""
+    entry = {token: Logprob(lp.sampled_logprob, lp.sampled_rank)}
+    for rank, (tid, value) in enumerate(zip(lp.top_token_ids, lp.top_logprobs, strict=True), 1):
+        entry.setdefault(tid, Logprob(value, rank))
+    return entry
 
 
 @dataclass
@@ -116,17 +125,34 @@ class EngineRequest:
     seqs: list[SeqState] = field(default_factory=list)
     error: str | None = None
     metrics: RequestMetrics = field(init=False)
+    # With prompt_logprobs: position -> its entry (position 0 has none).
+    prompt_logprobs: dict[int, dict[int, Logprob]] | None = None
 
     def __post_init__(self) -> None:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = {}
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences generated: best_of candidates (n of them returned), else n."""
+        return max(self.params.best_of or 0, self.params.n)
 
     @property
     def finished(self) -> bool:
         if self.error is not None:
             return True
-        return len(self.seqs) == self.params.n and all(
+        return len(self.seqs) == self.num_seqs and all(
             s.finish_reason is not None for s in self.seqs
         )
+
+    def add_prompt_logprobs(self, entries: list) -> None:
+        """Record prompt-token logprobs a step computed (a recompute repeats none)."""
+        if self.prompt_logprobs is None:
+            return
+        for position, lp in entries:
+            token = self.prompt_token_ids[position]
+            self.prompt_logprobs.setdefault(position, _entry(token, lp))
 
     def make_output(self) -> RequestOutput:
         metrics = self.metrics
@@ -135,6 +161,19 @@ class EngineRequest:
         metrics.num_preemptions = sum(s.core.num_preemptions for s in self.seqs)
         metrics.num_recomputed_tokens = sum(s.core.num_recomputed_tokens for s in self.seqs)
         outputs = [s.make_output() for s in self.seqs]
+        if self.num_seqs > self.params.n:
+            # best_of: the n candidates with the highest cumulative logprob, once all are done.
+            if not self.finished:
+                outputs = []
+            else:
+                outputs.sort(key=lambda o: -o.cumulative_logprob)
+                outputs = outputs[: self.params.n]
+                for index, out in enumerate(outputs):
+                    out.index = index
+        prompt_logprobs = None
+        if self.prompt_logprobs is not None:
+            num_prompt = len(self.prompt_token_ids)
+            prompt_logprobs = [None] + [self.prompt_logprobs.get(p) for p in range(1, num_prompt)]
         if self.error is not None:
             for out in outputs:
                 out.finish_reason = "error"
@@ -147,4 +186,5 @@ class EngineRequest:
             metrics=metrics,
             num_cached_tokens=metrics.num_cached_tokens,
             error=self.error,
+            prompt_logprobs=prompt_logprobs,
         )

@@ -14,6 +14,7 @@ from pagedattn.attention.ops import copy_blocks
 from pagedattn.core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.worker.input_batch import InputBatch, build_input_batch
+from pagedattn.worker.logprobs import compute_logprobs, gather_logprobs
 from pagedattn.worker.sampler import Sampler
 from pagedattn.worker.sampling_metadata import build_sampling_metadata, make_generator
 
@@ -109,6 +110,7 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
         # NOTE: the LM head runs only on the rows that are sampled (the last token of each span).
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         t2 = time.perf_counter()
         rows = []
         for logits_row, index in enumerate(batch.sampled):
@@ -117,8 +119,38 @@ class ModelRunner:
             for child_id, seed in sched.forks:
                 rows.append(_SampleRow(child_id, logits_row, sched, seed))
         output = self.sample(logits, rows)
+        output.prompt_logprobs = prompt_logprobs
         self.last_timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return output
+
+    def _prompt_logprobs(
+        self, scheduled: Sequence[ScheduledRequest], hidden: torch.Tensor
+    ) -> dict[str, list]:
+        """For sequences that ask: logprobs of each prompt token given the tokens before it.
+
+        Returns request id -> [(position, TokenLogprobs)] for the prompt positions this step
+        computed (position p scores prompt token p; position 0 has no logprob).
+        """
+        out: dict[str, list] = {}
+        offset = 0
+        for s in scheduled:
+            num_tokens = len(s.token_ids)
+            params = s.sampling_params
+            k = None if params is None else params.prompt_logprobs
+            num_prompt = len(s.prompt_token_ids)
+            # Row j predicts position start + j + 1; only prompt tokens are scored.
+            num_rows = min(num_tokens, num_prompt - 1 - s.start_pos)
+            if k is not None and num_rows > 0:
+                rows = hidden[offset : offset + num_rows]  # [num_rows, hidden]
+                logprobs = compute_logprobs(self.model.compute_logits(rows))
+                first = s.start_pos + 1
+                targets = torch.tensor(
+                    s.prompt_token_ids[first : first + num_rows], dtype=torch.int64
+                )
+                entries = gather_logprobs(logprobs, targets, [k] * num_rows, k)
+                out[s.req_id] = list(zip(range(first, first + num_rows), entries, strict=True))
+            offset += num_tokens
+        return out
 
     def sample(self, logits: torch.Tensor, rows: list[_SampleRow]) -> RunnerOutput:
         """Sample every row; a row whose own sampling fails is reported, the others go on."""

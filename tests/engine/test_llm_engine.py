@@ -182,3 +182,35 @@ def test_bf16_kv_cache_beside_a_float32_model(tmp_path):
     _assert_all_free(bf16)
     with pytest.raises(ConfigError, match="only the cpu attention backend"):
         LLM(path, dtype="float32", kv_cache_dtype="bfloat16", attn_backend="torch")
+
+
+def test_best_of_returns_the_most_likely_candidates(llm):
+    sampled = dict(temperature=1.0, seed=11, max_tokens=5, ignore_eos=True)
+    all_three = llm.generate([PROMPT], SamplingParams(n=3, logprobs=0, **sampled))[0].outputs
+    best = llm.generate([PROMPT], SamplingParams(n=1, best_of=3, **sampled))[0].outputs
+    assert len(best) == 1 and best[0].index == 0 and best[0].logprobs is None
+    top = max(all_three, key=lambda c: c.cumulative_logprob)
+    assert best[0].token_ids == top.token_ids
+    assert best[0].cumulative_logprob == pytest.approx(top.cumulative_logprob)
+    two = llm.generate([PROMPT], SamplingParams(n=2, best_of=3, **sampled))[0].outputs
+    ranked = sorted(all_three, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c.token_ids for c in two] == [c.token_ids for c in ranked]
+    _assert_all_free(llm)
+
+
+def test_prompt_logprobs_score_every_prompt_token(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=1, logprobs=0)
+    first = llm.generate([PROMPT], greedy)[0]
+    token = first.outputs[0].token_ids[0]
+    sampled_lp = first.outputs[0].logprobs[0][token].logprob
+    # The prompt extended by that token: its last prompt logprob is the one the sampler saw,
+    # though that prefix is in the prefix cache (a request with prompt logprobs skips it).
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    out = llm.generate([PROMPT + [token]], params)[0]
+    entries = out.prompt_logprobs
+    assert len(entries) == len(PROMPT) + 1 and entries[0] is None
+    assert all(PROMPT[p] in entries[p] for p in range(1, len(PROMPT)))
+    assert all(len(e) in (2, 3) for e in entries[1:])
+    assert entries[-1][token].logprob == pytest.approx(sampled_lp, abs=1e-4)
+    assert entries[-1][token].rank == 1  # greedy picked it
+    _assert_all_free(llm)
