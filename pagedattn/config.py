@@ -130,6 +130,12 @@ class CacheConfig:
         "pagedattn",
         "root of the chained block hashes; the same seed gives the same hashes in every process",
     )
+    kv_events_endpoint: str | None = option(
+        None,
+        "publish KV cache events (BlockStored, BlockRemoved, AllBlocksCleared) once per step over "
+        "ZMQ in vLLM's msgpack schema: tcp://*:5557 binds, tcp://host:port connects",
+        default_text="off",
+    )
     kv_store: str | None = option(
         None,
         "a second KV tier shared across restarts and replicas: file:///dir[?max_bytes=2GiB] or "

@@ -113,7 +113,13 @@ class LLMEngine:
             plan.num_blocks,
             enable_caching=cache.enable_prefix_caching,
             hash_seed=cache.hash_seed,
+            enable_kv_cache_events=cache.kv_events_endpoint is not None,
         )
+        self.kv_event_publisher = None
+        if cache.kv_events_endpoint is not None:
+            from pagedattn.distributed.kv_events import ZmqEventPublisher
+
+            self.kv_event_publisher = ZmqEventPublisher(cache.kv_events_endpoint, topic="kv-events")
         self.runner = ModelRunner(
             self.model,
             backend,
@@ -320,6 +326,8 @@ class LLMEngine:
         outputs, stopped, to_abort = self.output_processor.process(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(to_abort, RequestStatus.FINISHED_ABORTED)
+        if self.kv_event_publisher is not None:
+            self.publish_kv_events()
         times.process += time.perf_counter() - t2
         times.num_steps += 1
         return outputs
@@ -424,9 +432,27 @@ class LLMEngine:
                 logger.exception("saving %d blocks to the KV store failed", len(block_ids))
 
     def close(self) -> None:
-        """Flush and close the KV store, if any (saves in flight finish first)."""
+        """Flush and close the KV store and the event publisher, if any."""
         if self.kv_connector is not None:
             self.kv_connector.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.shutdown()
+
+    # KV cache events.
+
+    def enable_kv_cache_events(self) -> None:
+        """Queue KV cache events from now on (the engine must not have stepped yet)."""
+        self.kv_cache_manager.block_pool.enable_kv_cache_events = True
+
+    def take_kv_events(self) -> list:
+        """The KV cache events since the last call, oldest first (core.kv_events types)."""
+        return self.kv_cache_manager.take_events()
+
+    def publish_kv_events(self) -> None:
+        """Send this step's events as one batch (nothing when there are none)."""
+        events = self.take_kv_events()
+        if events:
+            self.kv_event_publisher.publish(events)
 
     # Introspection.
 
@@ -453,7 +479,10 @@ class LLMEngine:
         )
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv_cache_manager.reset_prefix_cache()
+        done = self.kv_cache_manager.reset_prefix_cache()
+        if done and self.kv_event_publisher is not None:
+            self.publish_kv_events()
+        return done
 
     def kv_snapshot(self) -> dict:
         """The block pool's state and block tables as plain JSON (/debug/kv, the dashboard).
