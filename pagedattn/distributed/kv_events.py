@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 
 # Sequence number that ends a replay answer.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# A replay answer slower than this counts as lost (the router must not stall on a dead replica).
+REPLAY_TIMEOUT_MS = 500
 
 
 class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -216,7 +218,11 @@ class ZmqEventPublisher:
 
 
 class ZmqEventSubscriber:
-    """Receives a publisher's batches in order; asks its replay socket for any it missed."""
+    """Receives a publisher's batches in order; asks its replay socket for any it missed.
+
+    With a replay endpoint, the first poll fetches every batch the publisher still buffers (a
+    subscriber that joins late, or after a quiet spell, would otherwise never see a gap).
+    """
 
     def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None) -> None:
         self._ctx = zmq.Context.instance()
@@ -226,11 +232,15 @@ class ZmqEventSubscriber:
         self._replay_endpoint = replay_endpoint
         self.last_seq = -1
         self.num_missed = 0
+        self._caught_up = replay_endpoint is None
 
     def poll(self, timeout_ms: int = 0) -> list[KVEventBatch]:
         """Batches that arrived (waiting up to timeout_ms for the first), oldest first."""
         out: list[KVEventBatch] = []
         wait = timeout_ms
+        if not self._caught_up:
+            self._caught_up = True
+            out.extend(self._replay(0, None))
         while self._sub.poll(wait):
             _, seq_bytes, payload = self._sub.recv_multipart()
             seq = int.from_bytes(seq_bytes, "big")
@@ -243,13 +253,17 @@ class ZmqEventSubscriber:
             wait = 0
         return out
 
-    def _replay(self, start: int, stop: int) -> list[KVEventBatch]:
-        """Batches [start, stop) from the replay socket (those it no longer has are missed)."""
+    def _replay(self, start: int, stop: int | None) -> list[KVEventBatch]:
+        """Batches [start, stop) from the replay socket (those it no longer has are missed).
+
+        stop=None: everything buffered from start on; last_seq moves to the newest one.
+        """
         got: list[KVEventBatch] = []
+        newest = start - 1
         if self._replay_endpoint is not None:
             # NOTE: a DEALER, not a REQ: the answer is many messages, and REQ takes only one.
             req = self._ctx.socket(zmq.DEALER)
-            req.setsockopt(zmq.RCVTIMEO, 2000)
+            req.setsockopt(zmq.RCVTIMEO, REPLAY_TIMEOUT_MS)
             req.setsockopt(zmq.LINGER, 0)
             try:
                 req.connect(self._replay_endpoint)
@@ -258,13 +272,19 @@ class ZmqEventSubscriber:
                     _, seq_bytes, payload = req.recv_multipart()
                     if seq_bytes == END_SEQ:
                         break
-                    if start <= int.from_bytes(seq_bytes, "big") < stop:
+                    seq = int.from_bytes(seq_bytes, "big")
+                    if seq >= start and (stop is None or seq < stop):
                         got.append(decode_batch(payload))
+                        newest = max(newest, seq)
             except zmq.ZMQError as exc:
                 logger.warning("KV event replay from %s failed: %s", self._replay_endpoint, exc)
             finally:
                 req.close()
-        self.num_missed += (stop - start) - len(got)
+        if stop is None:
+            self.num_missed += (newest + 1 - start) - len(got)
+            self.last_seq = max(self.last_seq, newest)
+        else:
+            self.num_missed += (stop - start) - len(got)
         return got
 
     def close(self) -> None:
