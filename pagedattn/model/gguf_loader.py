@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 import torch
 import transformers
-from gguf import GGUFReader
 from gguf.quants import dequantize
 from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 
 from pagedattn.model.gemma3 import FULL, SLIDING
+from pagedattn.model.gguf_file import GGUFFile
 
 # llama.cpp architecture -> (HF model_type, HF architecture).
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -68,19 +68,18 @@ class GGUFCheckpoint:
     def __init__(self, path: str | Path, name: str | None = None) -> None:
         self.path = Path(path)
         self.name = name
-        self.reader = GGUFReader(self.path)
+        self.file = GGUFFile(self.path)
         self.arch = str(self.field("general.architecture"))
         if self.arch not in GGUF_ARCHITECTURES:
             raise GGUFFormatError(
                 f"GGUF architecture {self.arch!r} of {self.path} is not supported; supported: "
                 f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
             )
-        self.tensor_names = {t.name for t in self.reader.tensors}
+        self.tensor_names = {t.name for t in self.file.tensors}
 
     def field(self, key: str, default: Any = None) -> Any:
         """A metadata value (scalar, string or small list), or ``default`` when absent."""
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.file.fields.get(key, default)
 
     def model_name(self) -> str:
         """The name given at construction, else the file name without its extension."""
@@ -109,7 +108,7 @@ class GGUFCheckpoint:
             "rms_norm_eps": self.field(f"{arch}.attention.layer_norm_rms_epsilon"),
             "max_position_embeddings": self.field(f"{arch}.context_length"),
             "rope_theta": self.field(f"{arch}.rope.freq_base", 10000.0),
-            "vocab_size": len(self.reader.fields["tokenizer.ggml.tokens"].data),
+            "vocab_size": len(self.file.fields["tokenizer.ggml.tokens"]),
             "tie_word_embeddings": "output.weight" not in self.tensor_names,
             "bos_token_id": self.field("tokenizer.ggml.bos_token_id"),
             "eos_token_id": self.field("tokenizer.ggml.eos_token_id"),
@@ -142,10 +141,10 @@ class GGUFCheckpoint:
 
     def weights(self, config: PreTrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
         """Dequantised float32 tensors under HF names, with llama.cpp's conversions undone."""
-        for tensor in self.reader.tensors:
+        for tensor in self.file.tensors:
             name = self._hf_name(tensor.name)
-            w = dequantize(tensor.data, tensor.tensor_type)  # [out, in] (numpy order)
-            w = w.reshape([int(d) for d in reversed(tensor.shape)])
+            w = dequantize(self.file.tensor_bytes(tensor), tensor.tensor_type)
+            w = w.reshape(tensor.shape)  # [out, in] (numpy order)
             if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 # NOTE: llama.cpp permutes Q/K rows for its interleaved rope; undo it for HF's.
                 is_q = name.endswith("q_proj.weight")

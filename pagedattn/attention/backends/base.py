@@ -3,13 +3,34 @@
 from __future__ import annotations
 
 import importlib
+import mmap
 from abc import ABC, abstractmethod
 
 import torch
 
 from pagedattn.attention import ops
-from pagedattn.attention.layout import KVCacheLayout, allocate_kv_cache, kv_cache_shapes
+from pagedattn.attention.layout import (
+    KVCacheLayout,
+    allocate_kv_cache,
+    check_cache_dtype,
+    kv_cache_shapes,
+)
 from pagedattn.attention.metadata import AttentionMetadata
+
+# CPU caches at least this large are mapped lazily (see lazy_zeros); smaller ones use torch.zeros.
+LAZY_ZEROS_MIN_BYTES = 1 << 20
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero CPU tensor on fresh anonymous pages, which the OS maps (and zeroes) on first touch.
+
+    ``torch.zeros`` writes every byte up front (seconds for a GiB-sized KV pool, all of it
+    resident); here a block costs memory only once written.
+    """
+    num_bytes = max(1, dtype.itemsize * int(torch.Size(shape).numel()))
+    buffer = mmap.mmap(-1, num_bytes)  # NOTE: the tensor keeps the mapping alive
+    return torch.frombuffer(buffer, dtype=dtype, count=num_bytes // dtype.itemsize).view(shape)
+
 
 # name -> (module, class); imported lazily so that a CPU install never imports triton.
 _BACKENDS: dict[str, tuple[str, str]] = {
@@ -46,7 +67,14 @@ class AttentionBackend(ABC):
         dtype: torch.dtype,
         device: torch.device | str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Allocate one layer's (key_cache, value_cache) in this backend's layout."""
+        """Allocate one layer's zeroed (key_cache, value_cache) in this backend's layout."""
+        key_shape, value_shape = self.kv_cache_shapes(
+            num_blocks, block_size, num_kv_heads, head_size, dtype
+        )
+        num_bytes = dtype.itemsize * torch.Size(key_shape).numel()
+        if torch.device(device).type == "cpu" and num_bytes >= LAZY_ZEROS_MIN_BYTES:
+            check_cache_dtype(dtype, device)
+            return lazy_zeros(key_shape, dtype), lazy_zeros(value_shape, dtype)
         return allocate_kv_cache(
             self.layout, num_blocks, block_size, num_kv_heads, head_size, dtype, device
         )

@@ -15,8 +15,10 @@ callers keep the PyTorch path.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
+import shutil
 from pathlib import Path
 from types import ModuleType
 
@@ -31,6 +33,7 @@ DISABLE_ENV = "PAGEDATTN_DISABLE_CPU_EXT"
 DISABLE_STEP_OPS_ENV = "PAGEDATTN_DISABLE_STEP_OPS"  # keep attention/GEMM, use PyTorch step ops
 DEFAULT_BUILD_DIR = Path.home() / ".cache" / "pagedattn" / "ext"
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+EXTENSION_NAME = "pagedattn_cpu_ext"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # Tokens per work item of long contexts; shorter rows are one item (merged by log-sum-exp).
 DEFAULT_PARTITION_SIZE = 512
@@ -61,6 +64,21 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
+def _build_key() -> str:
+    """A short hash of what the build depends on: sources, headers, flags, torch version."""
+    digest = hashlib.sha1(f"{CFLAGS}|{torch.__version__}".encode())
+    for path in sorted(SOURCE.parent.glob("*.[ch]*")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:10]
+
+
+def _import_library(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(EXTENSION_NAME, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def load_extension(verbose: bool = False) -> ModuleType:
     """Compile (or load the cached build of) the extension; raise ExtensionBuildError on failure."""
     global _module, _error
@@ -74,17 +92,26 @@ def load_extension(verbose: bool = False) -> ModuleType:
         )
     from torch.utils.cpp_extension import load
 
-    build_dir = Path(os.environ.get(BUILD_DIR_ENV, DEFAULT_BUILD_DIR)) / _cpu_tag()
-    build_dir.mkdir(parents=True, exist_ok=True)
+    root = Path(os.environ.get(BUILD_DIR_ENV, DEFAULT_BUILD_DIR)) / f"{_cpu_tag()}-{_build_key()}"
+    published = root / f"{EXTENSION_NAME}.so"
+    build_dir = root / "build"
     try:
+        if published.is_file():
+            _module = _import_library(published)
+            return _module
+        build_dir.mkdir(parents=True, exist_ok=True)
         _module = load(
-            name="pagedattn_cpu_ext",
+            name=EXTENSION_NAME,
             sources=[str(s) for s in SOURCES],
             extra_cflags=CFLAGS,
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=verbose,
         )
+        # NOTE: copy then rename, so that another process never imports a half-written file.
+        tmp = root / f".{EXTENSION_NAME}.{os.getpid()}.so"
+        shutil.copyfile(build_dir / f"{EXTENSION_NAME}.so", tmp)
+        os.replace(tmp, published)
     except Exception as exc:  # NOTE: any compiler or loader failure means "no extension".
         _error = f"{type(exc).__name__}: {exc}"
         raise ExtensionBuildError(
