@@ -113,3 +113,35 @@ def wait_idle(base_url: str, timeout: float = 10.0) -> dict[str, float]:
         if idle or time.monotonic() > deadline:
             return m
         time.sleep(0.05)
+
+
+class InProcessServer:
+    """uvicorn serving `app` on 127.0.0.1 from a thread of this process; `stop()` ends it."""
+
+    def __init__(self, app, server_cls=None, **config) -> None:
+        import threading
+
+        import uvicorn
+
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        cfg = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", **config)
+        self.server = (server_cls or uvicorn.Server)(cfg)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"in-process server did not start: {self.error!r}")
+            time.sleep(0.02)
+
+    def _run(self) -> None:
+        try:
+            self.server.run()
+        except BaseException as exc:  # SystemExit from _GracefulServer after a fault
+            self.error = exc
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)

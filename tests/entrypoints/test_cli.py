@@ -214,4 +214,7 @@ def test_readme_lists_the_options_that_help_prints():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     begin, end = "<!-- options_markdown: begin -->\n", "\n<!-- options_markdown: end -->"
     documented = readme[readme.index(begin) + len(begin) : readme.index(end)]
-    assert documented == options_markdown(), "regenerate README's table: options_markdown()"
+    assert documented == options_markdown(), (
+        "an option changed: paste the output of `python -c 'from pagedattn.entrypoints.args "
+        "import options_markdown; print(options_markdown())'` between the README's markers"
+    )

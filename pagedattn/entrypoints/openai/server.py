@@ -135,8 +135,14 @@ def _install_log_redaction() -> None:
         access.addFilter(RedactSecretsFilter())
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyTooLarge(StarletteHTTPException):
+    """Raised while reading a streamed body past the limit (FastAPI passes HTTP errors on)."""
+
+    code = "request_too_large"
+
+    def __init__(self, limit: int) -> None:
+        message = f"the request body is larger than this server accepts ({limit} bytes)"
+        super().__init__(status_code=413, detail=message)
 
 
 class GuardMiddleware:
@@ -180,7 +186,7 @@ class GuardMiddleware:
             if message["type"] == "http.request":
                 num_bytes += len(message.get("body", b""))
                 if num_bytes > limit:
-                    raise _BodyTooLarge
+                    raise _BodyTooLarge(limit)
             return message
 
         async def tracked_send(message):
@@ -285,7 +291,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
+        code = getattr(exc, "code", None)
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error", code=code)
 
 
 async def _respond(handler: Coroutine, raw: Request) -> Response:
@@ -459,7 +466,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         action="extend",
         nargs="+",
         default=None,
-        help="accepted API keys (repeatable); each key gets its own prefix-cache namespace",
+        help="accepted API keys (repeatable); each key gets its own prefix-cache namespace "
+        "(default: PAGEDATTN_API_KEY's comma-separated keys, else no key needed)",
     )
     g.add_argument(
         "--served-model-name",
