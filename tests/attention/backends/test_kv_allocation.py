@@ -1,0 +1,43 @@
+"""CPU KV caches start as zeros on lazily mapped pages: no memory is touched until written."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from pagedattn.attention.backends.base import get_attn_backend, lazy_zeros
+
+
+def _rss_kib() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    return 0
+
+
+def test_lazy_zeros_are_zeros_and_writable():
+    x = lazy_zeros((3, 5, 7), torch.bfloat16)
+    assert x.shape == (3, 5, 7) and x.dtype == torch.bfloat16 and x.is_contiguous()
+    assert torch.count_nonzero(x) == 0
+    x[1, 2] = 4.0
+    assert x.sum().item() == 28.0
+
+
+def test_large_cpu_cache_costs_no_memory_until_written():
+    backend = get_attn_backend("torch", "cpu")
+    before = _rss_kib()
+    # 2 x 256 MiB: torch.zeros would make all of it resident at once.
+    key, value = backend.allocate_kv_cache(4096, 16, 8, 128, torch.float32, "cpu")
+    assert _rss_kib() - before < 64 * 1024
+    assert key.shape == (4096, 16, 8, 128) and value.shape == key.shape
+    assert key.data_ptr() != value.data_ptr()
+    key[7].fill_(1.0)  # one block: 64 KiB
+    assert key[7].sum().item() == 16 * 8 * 128 and torch.count_nonzero(key[8]) == 0
+    assert _rss_kib() - before < 64 * 1024
+
+
+def test_small_caches_keep_torch_zeros():
+    backend = get_attn_backend("torch", "cpu")
+    key, value = backend.allocate_kv_cache(4, 4, 2, 16, torch.float32, "cpu")
+    assert torch.count_nonzero(key) == 0 and torch.count_nonzero(value) == 0
