@@ -57,6 +57,8 @@ class EngineReplica:
         served_model_name: str | None = None,
         events_host: str | None = None,
         engine_factory=None,
+        events_endpoint: str | None = None,
+        replay_endpoint: str | None = None,
     ) -> None:
         from pagedattn.engine.async_engine import AsyncLLMEngine
         from pagedattn.entrypoints.openai.serving import OpenAIServing
@@ -74,9 +76,16 @@ class EngineReplica:
         self.serving = OpenAIServing(self.engine, served_model_name or self.engine.model_name)
         self.replica_id = _replica_id()
         host = events_host or _node_ip()
+        rank = _replica_rank()
         self.publisher = ZmqEventPublisher(
-            f"tcp://{host}:*", replay_endpoint=f"tcp://{host}:*", topic="kv-events"
+            offset_endpoint_port(events_endpoint, rank) or f"tcp://{host}:*",
+            replay_endpoint=offset_endpoint_port(replay_endpoint, rank) or f"tcp://{host}:*",
+            topic="kv-events",
+            data_parallel_rank=rank,
         )
+        # What the router connects to: a wildcard bind is reached at this node's address.
+        self.events_endpoint = _advertised(self.publisher.endpoint, host)
+        self.replay_endpoint = _advertised(self.publisher.replay_endpoint, host)
         self._stop = threading.Event()
         self._drainer = threading.Thread(target=self._drain_events, name="kv-events", daemon=True)
         self._drainer.start()
@@ -150,8 +159,8 @@ class EngineReplica:
         cached = self.cached_block_hashes()
         return {
             "replica_id": self.replica_id,
-            "kv_events_endpoint": self.publisher.endpoint,
-            "kv_events_replay_endpoint": self.publisher.replay_endpoint,
+            "kv_events_endpoint": self.events_endpoint,
+            "kv_events_replay_endpoint": self.replay_endpoint,
             "kv_events_topic": "kv-events",
             "num_requests": _num_requests(stats),
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
@@ -189,6 +198,35 @@ def _num_requests(scheduler) -> int:
         if attr is not None:
             return int(attr() if callable(attr) else attr)
     return len(getattr(scheduler, "requests", ()))
+
+
+def offset_endpoint_port(endpoint: str | None, rank: int) -> str | None:
+    """vLLM's rule: replica `rank` publishes on the endpoint's port + rank (ipc: a suffix)."""
+    if not endpoint or rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        base, _, port = endpoint.rpartition(":")
+        return f"{base}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
+def _advertised(endpoint: str | None, host: str) -> str | None:
+    if endpoint is None:
+        return None
+    for wildcard in ("tcp://0.0.0.0:", "tcp://*:", "tcp://[::]:"):
+        if endpoint.startswith(wildcard):
+            return f"tcp://{host}:" + endpoint[len(wildcard) :]
+    return endpoint
+
+
+def _replica_rank() -> int:
+    try:
+        from ray import serve
+
+        rank = serve.get_replica_context().rank
+        return int(getattr(rank, "rank", rank))
+    except Exception:
+        return 0
 
 
 def _replica_id() -> str:

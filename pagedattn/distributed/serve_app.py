@@ -232,6 +232,8 @@ def build_app(
     graceful_shutdown_timeout_s: float = 30.0,
     health_check_period_s: float = 2.0,
     seed: int | None = None,
+    kv_events_endpoint: str | None = None,
+    kv_events_replay_endpoint: str | None = None,
 ):
     """The Ray Serve application: `serve.run(build_app(...))`."""
     secret = secret if secret is not None else secrets.token_bytes(32)
@@ -255,7 +257,14 @@ def build_app(
         graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
         health_check_period_s=health_check_period_s,
         health_check_timeout_s=30.0,
-    ).bind(engine_config, served_model_name, events_host)
+    ).bind(
+        engine_config,
+        served_model_name,
+        events_host,
+        None,
+        kv_events_endpoint,
+        kv_events_replay_endpoint,
+    )
     ingress = serve.deployment(
         OpenAIIngress,
         name="OpenAIIngress",
@@ -272,3 +281,91 @@ def build_app(
         list(api_keys or []),
         secret,
     )
+
+
+def run_replicas(args, engine_config) -> int:
+    """`pagedattn serve --data-parallel-size N`: serve until SIGTERM/SIGINT, drain, return 0.
+
+    Starts a local Ray instance unless `--ray-address` names a cluster; on a signal the app is
+    deleted (replicas finish in-flight requests for up to --shutdown-timeout seconds), then Ray
+    is stopped if this command started it.
+    """
+    import os
+    import signal
+    import threading
+
+    import ray
+
+    from pagedattn.distributed.args import validate_distributed_args
+    from pagedattn.entrypoints.openai.server import _keys_from_env
+
+    validate_distributed_args(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    num_replicas = args.data_parallel_size
+    env = {k: v for k, v in os.environ.items() if k.startswith(("PAGEDATTN_", "HF_"))}
+    env.update({k: os.environ[k] for k in ("TRANSFORMERS_OFFLINE",) if k in os.environ})
+    if args.ray_address is None:
+        num_cpus = max(os.cpu_count() or 1, int(num_replicas * args.replica_cpus + 0.999))
+        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env})
+    else:
+        ray.init(address=args.ray_address, runtime_env={"env_vars": env})
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        serve.start(http_options={"host": args.host, "port": args.port})
+        app = build_app(
+            engine_config,
+            num_replicas,
+            router=args.router,
+            api_keys=list(args.api_key or []) or _keys_from_env(),
+            served_model_name=args.served_model_name,
+            imbalance_threshold=args.router_imbalance_threshold,
+            replica_num_cpus=args.replica_cpus,
+            graceful_shutdown_timeout_s=args.shutdown_timeout,
+            kv_events_endpoint=args.kv_events_endpoint,
+            kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+        )
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        logger.info(
+            "serving %d replicas (router %s) on http://%s:%d",
+            num_replicas,
+            args.router,
+            args.host,
+            args.port,
+        )
+        while not stop.wait(1.0):
+            pass
+        logger.info("signal received: draining in-flight requests, then stopping")
+        serve.delete(APP_NAME)
+        if args.ray_address is None:
+            serve.shutdown()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        ray.shutdown()
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m pagedattn.distributed.serve_app --data-parallel-size N ...` (serve's options)."""
+    import argparse
+    import os
+
+    from pagedattn.config import EngineConfig
+    from pagedattn.distributed.args import add_distributed_args
+    from pagedattn.entrypoints.openai.server import add_serve_args
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    parser = argparse.ArgumentParser(prog="pagedattn serve", description=__doc__)
+    add_serve_args(parser)
+    if "--data-parallel-size" not in parser._option_string_actions:
+        add_distributed_args(parser)
+    args = parser.parse_args(argv)
+    return run_replicas(args, EngineConfig.from_cli(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,77 @@
+"""Options of `pagedattn serve` for replicas (Ray Serve) and KV cache events."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedattn.distributed.router import DEFAULT_IMBALANCE_THRESHOLD, ROUTERS
+
+
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    """--data-parallel-size, --ray-address, --router, --kv-events-endpoint and their tuning."""
+    g = parser.add_argument_group("replicas (Ray Serve) and KV cache events")
+    g.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine replicas behind one endpoint, run as a Ray Serve application (N > 1, or "
+        "with --ray-address); needs the `ray` extra",
+    )
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="join this Ray cluster (`ray start --head` prints it); default: start a local one",
+    )
+    g.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default="prefix",
+        help="how requests pick a replica: longest cached prefix (from KV events), power of "
+        "two choices, or round robin",
+    )
+    g.add_argument(
+        "--router-imbalance-threshold",
+        type=int,
+        default=DEFAULT_IMBALANCE_THRESHOLD,
+        metavar="K",
+        help="the prefix router ignores cache affinity while replica queues differ by more",
+    )
+    g.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=1.0,
+        help="Ray CPUs reserved per replica (placement only; --threads sets torch threads)",
+    )
+    g.add_argument(
+        "--kv-events-endpoint",
+        default=None,
+        metavar="URL",
+        help="publish KV cache events (vLLM's ZMQ/msgpack format) here, e.g. tcp://*:5557; "
+        "with replicas, replica i binds the port + i",
+    )
+    g.add_argument(
+        "--kv-events-replay-endpoint",
+        default=None,
+        metavar="URL",
+        help="ROUTER socket answering replay requests for missed batches (port + i likewise)",
+    )
+
+
+def uses_replicas(args: argparse.Namespace) -> bool:
+    """True when `pagedattn serve` should run the Ray Serve application."""
+    return args.data_parallel_size > 1 or args.ray_address is not None
+
+
+def validate_distributed_args(args: argparse.Namespace) -> None:
+    """Raise ValueError naming the bad option."""
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size={args.data_parallel_size} is invalid: use >= 1")
+    if args.replica_cpus < 0:
+        raise ValueError(f"--replica-cpus={args.replica_cpus} is invalid: use >= 0")
+    for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+        value = getattr(args, name)
+        if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+            option = "--" + name.replace("_", "-")
+            raise ValueError(f"{option}={value!r} is invalid: use tcp://HOST:PORT or ipc://PATH")
