@@ -8,6 +8,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,11 @@ import numpy as np
 import torch
 import transformers
 from gguf.quants import dequantize
+from safetensors import safe_open
+from safetensors.torch import save_file
 from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 
+from pagedattn.model.disk_cache import cache_root
 from pagedattn.model.gemma3 import FULL, SLIDING
 from pagedattn.model.gguf_file import GGUFFile
 
@@ -51,6 +55,10 @@ _GLOBAL_TENSORS = {
     "output": "lm_head",
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+WEIGHT_CACHE_ENV = "PAGEDATTN_WEIGHT_CACHE"
+WEIGHT_CACHE_VERSION = 1  # bump when the conversions in _dequantised change
+WEIGHT_CACHE_MIN_BYTES = 16 << 20  # smaller files convert in well under a second
 
 # llama.cpp defaults for Gemma 3 that the file does not state.
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -139,8 +147,45 @@ class GGUFCheckpoint:
             }
         return AutoConfig.for_model(model_type, **kwargs)
 
-    def weights(self, config: PreTrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-        """Dequantised float32 tensors under HF names, with llama.cpp's conversions undone."""
+    def weights(
+        self, config: PreTrainedConfig, dtype: torch.dtype | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Dequantised tensors under HF names, with llama.cpp's conversions undone.
+
+        Without ``dtype``: float32, computed. With it: in ``dtype``, from a cache of this file's
+        converted tensors (``gguf_weights/`` under the cache root, keyed like the tokenizer's)
+        that the first load writes (files of WEIGHT_CACHE_MIN_BYTES or more);
+        PAGEDATTN_WEIGHT_CACHE=0 turns the cache off.
+        """
+        uncached = self.path.stat().st_size < WEIGHT_CACHE_MIN_BYTES
+        if dtype is None or uncached or os.environ.get(WEIGHT_CACHE_ENV, "") == "0":
+            for name, w in self._dequantised(config):
+                yield name, w if dtype is None else w.to(dtype)
+            return
+        path = _weights_cache_path(self.path, dtype)
+        if path.is_file():
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    names = list(f.keys())
+                    tensors = [(name, f.get_tensor(name)) for name in names]
+            except Exception:  # NOTE: a damaged cache file is rewritten below
+                tensors = None
+            if tensors is not None:
+                yield from tensors
+                return
+        converted = {}
+        for name, w in self._dequantised(config):
+            converted[name] = w.to(dtype)
+            yield name, converted[name]
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(converted, str(tmp))
+            os.replace(tmp, path)
+        except OSError:  # an unwritable cache only costs load time
+            tmp.unlink(missing_ok=True)
+
+    def _dequantised(self, config: PreTrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
         for tensor in self.file.tensors:
             name = self._hf_name(tensor.name)
             w = dequantize(self.file.tensor_bytes(tensor), tensor.tensor_type)
@@ -196,15 +241,23 @@ class GGUFCheckpoint:
         return tokenizer
 
 
+def _file_key(path: Path) -> str:
+    stat = path.stat()
+    return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
 def _tokenizer_cache_dir(path: Path) -> Path:
     """Where the converted tokenizer of GGUF file ``path`` is cached."""
-    stat = path.stat()
-    key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{transformers.__version__}"
+    key = f"{_file_key(path)}|{transformers.__version__}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-    root = os.environ.get("PAGEDATTN_CACHE_DIR") or Path(
-        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "pagedattn"
-    )
-    return Path(root) / "gguf_tokenizers" / digest
+    return cache_root() / "gguf_tokenizers" / digest
+
+
+def _weights_cache_path(path: Path, dtype: torch.dtype) -> Path:
+    """Where the tensors of GGUF file ``path`` converted to ``dtype`` are cached."""
+    key = f"{_file_key(path)}|{dtype}|gguf {version('gguf')}|v{WEIGHT_CACHE_VERSION}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    return cache_root() / "gguf_weights" / f"{digest}.safetensors"
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:

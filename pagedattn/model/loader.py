@@ -141,7 +141,7 @@ def build_model(
     # NOTE: built on meta and then materialised, so no time is spent on random init.
     net = net.to(_torch_dtype(dtype)).to_empty(device=device)
     if isinstance(checkpoint, GGUFCheckpoint):
-        net.load_weights(checkpoint.weights(config))
+        net.load_weights(checkpoint.weights(config, _torch_dtype(dtype)))
     else:
         net.load_weights(checkpoint.weights())
     net = net.eval().requires_grad_(False)
