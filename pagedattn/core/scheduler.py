@@ -265,6 +265,10 @@ class Scheduler:
         A sequence aborted since schedule() is skipped; a failed one ends with FINISHED_ERROR.
         """
         outputs: list[CoreOutput] = []
+        for req_id, start in runner_output.kv_load_shortfalls.items():
+            request = self.requests.get(req_id)
+            if request is not None:
+                request.num_cached_tokens = min(request.num_cached_tokens, start)
         failed = self._with_sharers(scheduler_output, runner_output.failed)
         for req_id, message in failed.items():
             request = self.requests.get(req_id)

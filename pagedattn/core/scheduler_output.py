@@ -89,6 +89,8 @@ class RunnerOutput:
     failed: dict[str, str] = field(default_factory=dict)
     # Sequences that asked for prompt logprobs: id -> [(prompt position, TokenLogprobs)].
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
+    # Sequences whose store load fell short: id -> the position they computed from instead.
+    kv_load_shortfalls: dict[str, int] = field(default_factory=dict)
 
     def merge(self, other: RunnerOutput) -> None:
         """Append another (partial) output of the same step."""
@@ -100,6 +102,7 @@ class RunnerOutput:
         self.stopped_req_ids |= other.stopped_req_ids
         self.failed.update(other.failed)
         self.prompt_logprobs.update(other.prompt_logprobs)
+        self.kv_load_shortfalls.update(other.kv_load_shortfalls)
 
 
 class CoreOutput(NamedTuple):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+from pagedattn.core.stop import SEED_LIMIT
 from pagedattn.engine.errors import InvalidRequestError
+from pagedattn.sampling_params import SamplingParams
 
 
 class InputProcessor:
@@ -14,6 +16,36 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.model_name = model_name
+
+    def process(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        max_tokens_that_fit: Callable[[int], int],
+        limits: str,
+    ) -> tuple[list[int], int]:
+        """The prompt's token ids and the request's output-token cap, or InvalidRequestError.
+
+        ``max_tokens_that_fit(num_prompt_tokens)`` is what the context and the KV pool allow;
+        ``limits`` names them in the message. Without max_tokens a request may generate that
+        much, so a short request is never rejected for a whole context's worth of blocks.
+        """
+        if params.seed is not None and not 0 <= params.seed < SEED_LIMIT:
+            raise InvalidRequestError(
+                f"seed={params.seed} is out of range: use an integer in [0, 2**63)", "seed"
+            )
+        prompt_ids = self.tokenize(prompt)
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty: send at least one token", "prompt")
+        num_prompt = len(prompt_ids)
+        room = max_tokens_that_fit(num_prompt)
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens: with one generated token that is more than "
+                f"{limits} hold; shorten the prompt",
+                param="prompt",
+            )
+        return prompt_ids, room if params.max_tokens is None else params.max_tokens
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (with the BOS the tokenizer adds), or checked given ids."""

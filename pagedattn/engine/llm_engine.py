@@ -2,79 +2,36 @@
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import itertools
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 
 from pagedattn.attention.backends.base import get_attn_backend
-from pagedattn.config import ConfigError, EngineConfig
+from pagedattn.config import EngineConfig
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.request import Request, RequestStatus
 from pagedattn.core.scheduler import RequestRejectedError, Scheduler
 from pagedattn.core.scheduler_output import RunnerOutput, SchedulerOutput
-from pagedattn.core.stop import SEED_LIMIT
 from pagedattn.engine.errors import EngineFaultError, InvalidRequestError
 from pagedattn.engine.input_processor import InputProcessor
 from pagedattn.engine.output_processor import OutputProcessor
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.engine.request_state import EngineRequest
+from pagedattn.engine.stats import EngineStats, StepTimes
+from pagedattn.model.cpu_features import resolve_dtype
 from pagedattn.model.loader import load_model
 from pagedattn.sampling_params import InvalidSamplingParamsError, SamplingParams
-from pagedattn.worker.kv_cache_sizing import DTYPES, plan_kv_cache
+from pagedattn.worker.kv_cache_sizing import plan_kv_cache
 from pagedattn.worker.model_runner import BlockCopyError, ModelRunner
 
 logger = logging.getLogger(__name__)
 
 # Steps in a row whose every request failed before the engine counts itself as broken.
 MAX_FAILED_STEPS = 3
-
-
-@dataclass
-class StepTimes:
-    """Seconds spent in each part of the engine's steps so far."""
-
-    schedule: float = 0.0
-    prepare: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
-    process: float = 0.0
-    num_steps: int = 0
-
-
-@dataclass
-class EngineStats:
-    """Engine-level counters: KV usage, prefix-cache hit rate, preemptions, fragmentation."""
-
-    num_blocks: int
-    block_size: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_recomputed_tokens: int
-    internal_fragmentation: int
-    num_running: int
-    num_waiting: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
-    num_failed_requests: int = 0
-    step_times: StepTimes = field(default_factory=StepTimes)
-    # The second KV tier's counters (kv_transfer.KVConnectorStats), when a store is set.
-    kv_store: object | None = None
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return (
-            self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-        )
 
 
 class LLMEngine:
@@ -91,7 +48,7 @@ class LLMEngine:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         device = torch.device(config.model.device)
-        dtype = _model_dtype(config.model.dtype, device)
+        dtype = resolve_dtype(config.model.dtype, device)
         backend = get_attn_backend(config.attn_backend, device)
         loaded = load_model(config.model.model, dtype, device, backend)
         self.model = loaded.model
@@ -131,7 +88,14 @@ class LLMEngine:
             vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids,
         )
-        self.kv_connector = self._make_kv_connector(len(groups))
+        self.kv_connector = None
+        if cache.kv_store is not None:
+            from pagedattn.kv_transfer import connector_for_engine
+
+            self.kv_connector = connector_for_engine(
+                cache.kv_store, self.model_name, len(groups), self.runner.kv_caches, plan.dtype
+            )
+        self.runner.kv_connector = self.kv_connector
         self.scheduler = Scheduler(
             config.scheduler, cache, self.kv_cache_manager, self.max_model_len, self.kv_connector
         )
@@ -186,28 +150,14 @@ class LLMEngine:
             raise InvalidRequestError("the request id must be a non-empty string")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if params.seed is not None and not 0 <= params.seed < SEED_LIMIT:
-            raise InvalidRequestError(
-                f"seed={params.seed} is out of range: use an integer in [0, 2**63)", "seed"
-            )
-        prompt_ids = self.tokenize(prompt)
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty: send at least one token", "prompt")
-        num_prompt = len(prompt_ids)
-        max_tokens = params.max_tokens
-        if max_tokens is None:
-            # NOTE: no max_tokens: as much as the context and the pool can hold, so a short
-            # request is not rejected for a whole context's worth of blocks.
-            max_tokens = self.scheduler.max_tokens_that_fit(num_prompt)
-        prompt_fits = self.scheduler.max_tokens_that_fit(num_prompt) >= 1
-        if max_tokens < 1 or not prompt_fits:
-            raise InvalidRequestError(
-                f"the prompt has {num_prompt} tokens: with one generated token that is more than "
-                f"max_model_len={self.max_model_len} or the KV cache's "
-                f"{self.kv_cache_manager.num_usable_blocks} blocks of "
-                f"{self.config.cache.block_size} tokens hold; shorten the prompt",
-                param="prompt",
-            )
+        prompt_ids, max_tokens = self.input_processor.process(
+            prompt,
+            params,
+            self.scheduler.max_tokens_that_fit,
+            f"max_model_len={self.max_model_len} or the KV cache's "
+            f"{self.kv_cache_manager.num_usable_blocks} blocks of {self.config.cache.block_size} "
+            "tokens",
+        )
         arrival = time.monotonic() if arrival_time is None else arrival_time
         ereq = EngineRequest(
             request_id=request_id,
@@ -302,14 +252,10 @@ class LLMEngine:
         self.num_recomputed_tokens += sched.stats.num_recomputed_tokens
         if sched.is_empty:
             return []
-        if sched.kv_loads:
-            self._load_from_store(sched)
         for s in sched.scheduled:
             num_prompt = len(s.prompt_token_ids)
             self.num_prompt_tokens += max(0, min(num_prompt - s.start_pos, len(s.token_ids)))
         runner_output = self._execute(sched)
-        if self.kv_connector is not None:
-            self._save_to_store(sched, runner_output)
         timings = self.runner.last_timings
         times.prepare += timings.prepare
         times.forward += timings.forward
@@ -365,71 +311,6 @@ class LLMEngine:
         return output
 
     # The second KV tier.
-
-    def _make_kv_connector(self, num_groups: int):
-        url = self.config.cache.kv_store
-        if url is None:
-            return None
-        if num_groups != 1:
-            raise ConfigError(
-                f"kv_store works with models of one KV cache group (full attention); "
-                f"{self.model_name} has {num_groups}: leave kv_store unset for it"
-            )
-        from pagedattn.attention.layout import layout_of
-        from pagedattn.kv_transfer import KVConnector, make_store
-
-        connector = KVConnector(
-            make_store(url),
-            model_id=self.model_name,
-            layout=layout_of(self.runner.kv_caches[0][0]),
-            dtype=self.kv_cache_dtype,
-            block_size=self.config.cache.block_size,
-        )
-        atexit.register(connector.close)  # NOTE: flushes the writer's queue at exit
-        return connector
-
-    def _load_from_store(self, sched: SchedulerOutput) -> None:
-        """Copy the store's blocks in; a sequence whose load falls short computes the rest."""
-        block_size = self.config.cache.block_size
-        for load in sched.kv_loads:
-            try:
-                num_loaded = self.kv_connector.load_blocks(
-                    self.runner.kv_caches, load.block_ids, load.block_hashes
-                )
-            except Exception:  # NOTE: no store failure may fail a request: recompute instead.
-                logger.exception("loading %d blocks from the KV store failed", len(load.block_ids))
-                num_loaded = 0
-            if num_loaded == len(load.block_ids):
-                continue
-            start = (load.first_block + num_loaded) * block_size
-            index = next(i for i, s in enumerate(sched.scheduled) if s.req_id == load.req_id)
-            s = sched.scheduled[index]
-            tokens = [*s.prompt_token_ids, *s.output_token_ids]
-            end = s.start_pos + len(s.token_ids)
-            sched.scheduled[index] = s._replace(token_ids=tokens[start:end], start_pos=start)
-            sched.num_scheduled_tokens[s.req_id] = end - start
-            sched.total_num_scheduled_tokens += s.start_pos - start
-            state = self.output_processor.seq_of.get(s.req_id)
-            if state is not None:
-                state.core.num_cached_tokens = min(state.core.num_cached_tokens, start)
-
-    def _save_to_store(self, sched: SchedulerOutput, runner_output: RunnerOutput) -> None:
-        """Hand the blocks this step filled to the store's background writer (never waits)."""
-        block_size = self.config.cache.block_size
-        block_ids: list[int] = []
-        block_hashes: list[bytes] = []
-        for s in sched.scheduled:
-            if s.req_id in runner_output.failed:
-                continue
-            first = s.start_pos // block_size
-            last = min((s.start_pos + len(s.token_ids)) // block_size, len(s.block_hashes))
-            block_ids += s.block_ids[0][first:last]
-            block_hashes += s.block_hashes[first:last]
-        if block_ids:
-            try:
-                self.kv_connector.save_blocks(self.runner.kv_caches, block_ids, block_hashes)
-            except Exception:
-                logger.exception("saving %d blocks to the KV store failed", len(block_ids))
 
     def close(self) -> None:
         """Flush and close the KV store and the event publisher, if any."""
@@ -489,20 +370,7 @@ class LLMEngine:
 
         Sequences appear under their user request id; the n - 1 siblings as ``<id>#<index>``.
         """
-        snapshot = self.scheduler.kv_snapshot()
-        seq_of = self.output_processor.seq_of
-
-        def name(core_id: str) -> str:
-            state = seq_of.get(core_id)
-            if state is None:
-                return core_id
-            rid = state.owner.request_id
-            return rid if state.index == 0 else f"{rid}#{state.index}"
-
-        snapshot["owners"] = [[name(r) for r in owners] for owners in snapshot["owners"]]
-        for key in ("block_tables", "requests"):
-            snapshot[key] = {name(r): v for r, v in snapshot[key].items()}
-        return snapshot
+        return self.output_processor.rename_snapshot(self.scheduler.kv_snapshot())
 
     def check_fits_together(self, num_seqs: int, num_tokens: int) -> None:
         """Raise InvalidRequestError unless num_seqs sequences can all run every step."""
@@ -515,17 +383,6 @@ class LLMEngine:
         from pagedattn.engine.beam_search import run_beam_search
 
         return run_beam_search(self, prompt, params)
-
-
-def _model_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The model's dtype; "auto" asks the CPU what it computes fast (float32 where unknown)."""
-    if name == "auto":
-        try:
-            from pagedattn.model.cpu_features import resolve_dtype
-        except ImportError:
-            return torch.float32
-        return resolve_dtype(name, device)
-    return DTYPES[name]
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

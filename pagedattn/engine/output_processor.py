@@ -46,6 +46,22 @@ class OutputProcessor:
                 self.seq_of.pop(s.core.request_id, None)
         return ereq
 
+    def display_id(self, core_id: str) -> str:
+        """A sequence's user-facing name: its request id, or ``<id>#<index>`` for a sibling."""
+        state = self.seq_of.get(core_id)
+        if state is None:
+            return core_id
+        rid = state.owner.request_id
+        return rid if state.index == 0 else f"{rid}#{state.index}"
+
+    def rename_snapshot(self, snapshot: dict) -> dict:
+        """A kv_snapshot() with sequences under their user-facing names."""
+        name = self.display_id
+        snapshot["owners"] = [[name(r) for r in owners] for owners in snapshot["owners"]]
+        for key in ("block_tables", "requests"):
+            snapshot[key] = {name(r): v for r, v in snapshot[key].items()}
+        return snapshot
+
     def add_prompt_logprobs(self, by_core_id: dict[str, list]) -> None:
         """Prompt-token logprobs a step computed, by core sequence id."""
         for core_id, entries in by_core_id.items():

@@ -11,6 +11,7 @@ so tenants never share entries; any missing, truncated or mismatched entry means
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import math
@@ -24,7 +25,13 @@ import numpy as np
 import torch
 
 from pagedattn.attention.layout import KVCacheLayout, block_size_of, layout_of
-from pagedattn.kv_transfer.codec import BlockFormat, BlockKeySpace, decode_block, split_payload
+from pagedattn.kv_transfer.codec import (
+    HEADER_BYTES,
+    BlockFormat,
+    BlockKeySpace,
+    decode_block,
+    split_payload,
+)
 from pagedattn.kv_transfer.stats import KVConnectorStats
 from pagedattn.kv_transfer.store import KVStore, StoreUnavailableError
 from pagedattn.kv_transfer.writer import BlockWriter, SaveJob
@@ -187,8 +194,8 @@ class KVConnector:
         start = time.perf_counter()
         fmt = self.block_format(kv_caches)
         keys = [self.key_space.key(h) for h in block_hashes]
-        # [n, payload_bytes]: each verified payload is copied here once, then per layer into place.
-        staging = torch.empty((len(keys), fmt.payload_bytes), dtype=torch.uint8)
+        # [n, value_bytes]: each value is read (or copied) into its row and verified in place.
+        staging = torch.empty((len(keys), fmt.value_bytes), dtype=torch.uint8)
         staging_np = staging.numpy()
         chunks = [
             range(first, min(first + _LOAD_CHUNK_BLOCKS, len(keys)))
@@ -204,7 +211,8 @@ class KVConnector:
             if num_good < len(rows):
                 break
         if num_loaded:
-            k, v = split_payload(staging[:num_loaded], fmt)  # [n, L, *key_shape], [n, L, ...]
+            payloads = staging[:num_loaded, HEADER_BYTES : HEADER_BYTES + fmt.payload_bytes]
+            k, v = split_payload(payloads, fmt)  # [n, L, *key_shape], [n, L, *value_shape]
             layers = self._layers(kv_caches)
             device = kv_caches[layers[0]][0].device
             ids = torch.tensor(block_ids[:num_loaded], dtype=torch.long, device=device)
@@ -227,20 +235,20 @@ class KVConnector:
     ) -> tuple[int, int]:
         """Fetch and verify keys[rows] into staging[rows]: (leading good entries, their bytes)."""
         try:
-            values = self.store.get_many([keys[row] for row in rows])
+            outs = [staging[row] for row in rows]  # NOTE: views; staging[rows] would copy
+            lengths = self.store.get_many_into([keys[row] for row in rows], outs)
         except Exception as error:
             self._store_failed(error)
             return 0, 0
         num_good = num_bytes = 0
-        for row, value in zip(rows, values, strict=True):
-            payload = decode_block(value, fmt, keys[row])
-            if payload is None:
-                if value is not None:
-                    self._drop_corrupt(keys[row])
+        for row, length in zip(rows, lengths, strict=True):
+            if length is None:
                 break
-            staging[row] = np.frombuffer(payload, dtype=np.uint8)
+            if length != fmt.value_bytes or decode_block(staging[row], fmt, keys[row]) is None:
+                self._drop_corrupt(keys[row])
+                break
             num_good += 1
-            num_bytes += len(value)
+            num_bytes += length
         return num_good, num_bytes
 
     def _drop_corrupt(self, key: str) -> None:
@@ -315,3 +323,30 @@ class KVConnector:
 def _bytes_view(tensor: torch.Tensor) -> np.ndarray:
     """uint8 [..., bytes of the last dim] over a contiguous CPU tensor (bf16 included)."""
     return tensor.view(torch.uint8).numpy()
+
+
+def connector_for_engine(
+    url: str, model_id: str, num_groups: int, kv_caches: KVCaches, dtype: torch.dtype
+) -> KVConnector:
+    """The connector an engine uses for ``kv_store=url``; closed (flushed) at exit.
+
+    Only models with one KV cache group: a hybrid model's sliding-window group is refused.
+    """
+    from pagedattn.config import ConfigError
+    from pagedattn.kv_transfer.store import make_store
+
+    if num_groups != 1:
+        raise ConfigError(
+            f"kv_store works with models of one KV cache group (full attention); {model_id} "
+            f"has {num_groups}: leave kv_store unset for it"
+        )
+    key_cache = kv_caches[0][0]
+    connector = KVConnector(
+        make_store(url),
+        model_id=model_id,
+        layout=layout_of(key_cache),
+        dtype=dtype,
+        block_size=block_size_of(key_cache),
+    )
+    atexit.register(connector.close)  # NOTE: flushes the writer's queue at exit
+    return connector

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from pagedattn.worker.input_batch import InputBatch, build_input_batch
 from pagedattn.worker.logprobs import compute_logprobs, gather_logprobs
 from pagedattn.worker.sampler import Sampler
 from pagedattn.worker.sampling_metadata import build_sampling_metadata, make_generator
+
+logger = logging.getLogger(__name__)
 
 # Sampling settings of a sequence that carries none (the simulator's and some tests').
 _GREEDY = SamplingParams(temperature=0.0)
@@ -83,6 +86,8 @@ class ModelRunner:
             for _ in range(model.num_layers)
         ]
         self.sampler = Sampler()
+        # The second KV tier (kv_transfer.KVConnector), set by the engine when a store is used.
+        self.kv_connector = None
         # Seeded sequences' own generators, kept until the sequence finishes.
         self._generators: dict[str, torch.Generator] = {}
         self.last_timings = StepTimings()
@@ -102,6 +107,7 @@ class ModelRunner:
         except Exception as exc:
             raise BlockCopyError(f"copying blocks {scheduler_output.block_copies} failed") from exc
         t0 = time.perf_counter()
+        shortfalls = self._load_from_store(scheduler_output) if scheduler_output.kv_loads else {}
         scheduled = scheduler_output.scheduled
         batch: InputBatch = build_input_batch(
             scheduled, self.block_size, self.num_groups, self.device
@@ -120,8 +126,60 @@ class ModelRunner:
                 rows.append(_SampleRow(child_id, logits_row, sched, seed))
         output = self.sample(logits, rows)
         output.prompt_logprobs = prompt_logprobs
+        output.kv_load_shortfalls = shortfalls
+        if self.kv_connector is not None:
+            self._save_to_store(scheduled, output.failed)
         self.last_timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return output
+
+    def _load_from_store(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
+        """Copy the store's blocks in before the forward; returns id -> new start of short loads.
+
+        NOTE: a sequence whose load falls short computes from its first missing block: its entry
+        in ``scheduler_output`` is widened in place (so a retry of the step sees it too).
+        """
+        block_size = self.block_size
+        shortfalls = {}
+        for load in scheduler_output.kv_loads:
+            try:
+                num_loaded = self.kv_connector.load_blocks(
+                    self.kv_caches, load.block_ids, load.block_hashes
+                )
+            except Exception:  # NOTE: no store failure may fail a request: recompute instead.
+                logger.exception("loading %d blocks from the KV store failed", len(load.block_ids))
+                num_loaded = 0
+            if num_loaded == len(load.block_ids):
+                continue
+            start = (load.first_block + num_loaded) * block_size
+            scheduled = scheduler_output.scheduled
+            index = next(i for i, s in enumerate(scheduled) if s.req_id == load.req_id)
+            s = scheduled[index]
+            tokens = [*s.prompt_token_ids, *s.output_token_ids]
+            end = s.start_pos + len(s.token_ids)
+            scheduled[index] = s._replace(token_ids=tokens[start:end], start_pos=start)
+            scheduler_output.num_scheduled_tokens[s.req_id] = end - start
+            scheduler_output.total_num_scheduled_tokens += s.start_pos - start
+            shortfalls[s.req_id] = start
+        scheduler_output.kv_loads = []
+        return shortfalls
+
+    def _save_to_store(self, scheduled: Sequence[ScheduledRequest], failed: dict) -> None:
+        """Hand the blocks this step filled to the store's background writer (never waits)."""
+        block_size = self.block_size
+        block_ids: list[int] = []
+        block_hashes: list[bytes] = []
+        for s in scheduled:
+            if s.req_id in failed:
+                continue
+            first = s.start_pos // block_size
+            last = min((s.start_pos + len(s.token_ids)) // block_size, len(s.block_hashes))
+            block_ids += s.block_ids[0][first:last]
+            block_hashes += s.block_hashes[first:last]
+        if block_ids:
+            try:
+                self.kv_connector.save_blocks(self.kv_caches, block_ids, block_hashes)
+            except Exception:
+                logger.exception("saving %d blocks to the KV store failed", len(block_ids))
 
     def _prompt_logprobs(
         self, scheduled: Sequence[ScheduledRequest], hidden: torch.Tensor
