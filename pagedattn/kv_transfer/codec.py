@@ -19,14 +19,17 @@ from hashlib import blake2b
 import torch
 
 # Bumped whenever the key or the value format changes: old entries then simply miss.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAGIC = b"PAKV"
 CHECKSUM_BYTES = 16
 # Block shapes have at most 4 dims (classic key: [num_kv_heads, head_size / x, B, x]).
 MAX_BLOCK_DIMS = 4
-# magic, version, dtype code, num_layers, key ndim, value ndim, key dims, value dims, payload len
-_HEADER = struct.Struct(f"<4sHBHBB{MAX_BLOCK_DIMS}I{MAX_BLOCK_DIMS}IQ")
+# magic, version, dtype code, num_layers, key ndim, value ndim, key dims, value dims, payload len,
+# zero padding to 64 bytes.
+# NOTE: the padding aligns the payload, so a value read into a buffer is viewed as K/V in place.
+_HEADER = struct.Struct(f"<4sHBHBB{MAX_BLOCK_DIMS}I{MAX_BLOCK_DIMS}IQ13x")
 HEADER_BYTES = _HEADER.size
+assert HEADER_BYTES == 64
 
 _DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -172,16 +175,23 @@ def encode_block(fmt: BlockFormat, key: str, *payload_parts: bytes | memoryview)
     return b"".join((header, *parts, _checksum(key, header, *parts)))
 
 
-def decode_block(value: bytes | bytearray | None, fmt: BlockFormat, key: str) -> memoryview | None:
+def decode_block(
+    value: bytes | bytearray | memoryview | None, fmt: BlockFormat, key: str
+) -> memoryview | None:
     """The verified payload bytes of a stored value, or None if anything about it is wrong.
+
+    value may be any buffer (a numpy row the value was read into, say); the payload returned is a
+    view of it, at offset HEADER_BYTES.
 
     Never raises on bad bytes: None for a missing value, a wrong length, bad magic or version,
     another dtype, layer count or block shape than fmt, or a checksum mismatch (flipped bytes,
     or a value stored under another key).
     """
-    if value is None or len(value) != fmt.value_bytes:
+    if value is None:
         return None
     view = memoryview(value).cast("B")
+    if view.nbytes != fmt.value_bytes:
+        return None
     header = view[:HEADER_BYTES]
     if header != fmt.header():
         return None

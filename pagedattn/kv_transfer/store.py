@@ -42,6 +42,19 @@ class KVStore(ABC):
         """get() of each key; backends override it with one round trip."""
         return [self.get(key) for key in keys]
 
+    def get_many_into(self, keys: Sequence[str], outs: Sequence[memoryview]) -> list[int | None]:
+        """Copy each key's value into the start of its buffer; each value's length (None if
+        missing). A value longer than its buffer is not copied (its length tells the caller).
+
+        Backends that can read straight into the buffers (files: readinto) override this.
+        """
+        lengths: list[int | None] = []
+        for value, out in zip(self.get_many(keys), outs, strict=True):
+            if value is not None and len(value) <= len(out):
+                memoryview(out).cast("B")[: len(value)] = value
+            lengths.append(None if value is None else len(value))
+        return lengths
+
     def num_prefix_hits(self, keys: Sequence[str]) -> int:
         """How many of keys, from the first, are present without a gap."""
         num_hits = 0

@@ -196,6 +196,9 @@ class BrokenStore(FileKVStore):
     def get(self, key: str) -> bytes | None:
         raise RuntimeError("bug in get")
 
+    def get_many_into(self, keys, outs) -> list[int | None]:
+        raise RuntimeError("bug in get_many_into")
+
     def put(self, key: str, value: bytes) -> None:
         raise RuntimeError("bug in put")
 

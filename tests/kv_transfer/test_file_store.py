@@ -96,3 +96,17 @@ def test_io_errors_become_store_unavailable_and_open_the_breaker(tmp_path: Path)
     with pytest.raises(StoreUnavailableError):
         store.get("other")  # refused during the back-off without touching the disk
     assert store.breaker.num_rejected == 1 and store.breaker.num_failures == 1
+
+
+def test_get_many_into_reads_into_the_buffers(tmp_path: Path) -> None:
+    store = FileKVStore(tmp_path)
+    store.put("four", b"abcd")
+    store.put("long", b"0123456789")
+    outs = [bytearray(6) for _ in range(3)]
+    assert store.get_many_into(["four", "missing", "long"], [memoryview(o) for o in outs]) == [
+        4,
+        None,
+        10,
+    ]
+    assert outs[0] == b"abcd\0\0"
+    assert outs[2] == bytearray(6)  # too long for its buffer: not copied, its length reported

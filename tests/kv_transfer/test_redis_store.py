@@ -105,3 +105,19 @@ def test_a_stalled_server_costs_one_timeout(redis_server: RedisServer) -> None:
     assert 0.25 < first < 1.5, first
     assert second < 0.05, second
     store.close()
+
+
+def test_get_many_into_copies_values_into_the_buffers(redis_server: RedisServer) -> None:
+    import numpy as np
+
+    store = RedisKVStore("127.0.0.1", redis_server.port)
+    store.put("four", b"abcd")
+    store.put("long", b"0123456789")
+    rows = np.zeros((3, 6), dtype=np.uint8)
+    assert store.get_many_into(["four", "missing", "long"], [rows[0], rows[1], rows[2]]) == [
+        4,
+        None,
+        10,
+    ]
+    assert rows[0].tobytes() == b"abcd\0\0" and not rows[1:].any()
+    store.close()
