@@ -28,6 +28,17 @@ STACKED_PARAMS: dict[str, tuple[str, int]] = {
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def _adoptable(tensor: torch.Tensor, target: torch.Tensor) -> bool:
+    """Whether ``tensor`` can stand in for ``target`` (dtype, device, contiguous, own storage)."""
+    return (
+        tensor.dtype == target.dtype
+        and tensor.device == target.device
+        and tensor.is_contiguous()
+        and not tensor.requires_grad
+        and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    )
+
+
 class WeightLoadError(RuntimeError):
     """A checkpoint does not match the model: missing, unknown or misshaped tensors."""
 
@@ -160,7 +171,12 @@ class PagedCausalLM(nn.Module):
                     f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)} but "
                     f"{name!r} expects {tuple(target.shape)}; check the config matches the weights"
                 )
-            target.copy_(tensor)
+            if shard is None and _adoptable(tensor, target):
+                # NOTE: the loaded tensor becomes the parameter: no copy, and the freshly
+                # allocated parameter memory is never touched (no page faults).
+                params[name].data = tensor
+            else:
+                target.copy_(tensor)
             loaded.add((name, -1 if shard is None else shard))
         self._check_all_loaded(params, loaded)
 

@@ -123,7 +123,10 @@ class Gemma3Model(nn.Module):
         self, config: PreTrainedConfig, backend: AttentionBackend, sliding: list[bool]
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # NOTE: an explicit (empty) weight skips nn.Embedding's random init, whose first call on
+        # the meta device costs seconds of one-time setup; the checkpoint overwrites it anyway.
+        empty = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=empty)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, backend, s) for s in sliding)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 

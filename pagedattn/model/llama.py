@@ -173,7 +173,10 @@ class LlamaModel(nn.Module):
         windows: list[int | None],
     ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # NOTE: an explicit (empty) weight skips nn.Embedding's random init, whose first call on
+        # the meta device costs seconds of one-time setup; the checkpoint overwrites it anyway.
+        empty = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=empty)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, variant, backend, w) for w in windows)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
