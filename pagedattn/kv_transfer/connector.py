@@ -243,6 +243,8 @@ class KVConnector:
         num_good = num_bytes = 0
         for row, length in zip(rows, lengths, strict=True):
             if length is None:
+                with self._lock:  # NOTE: evicted since it was seen: let the recompute save it
+                    self._known.pop(keys[row], None)
                 break
             if length != fmt.value_bytes or decode_block(staging[row], fmt, keys[row]) is None:
                 self._drop_corrupt(keys[row])

@@ -220,3 +220,18 @@ def test_a_store_bug_never_reaches_the_caller(tmp_path: Path, caplog) -> None:
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "treated as unavailable" in errors[0].getMessage()
     conn.close()
+
+
+def test_a_block_evicted_behind_the_connector_is_saved_again(tmp_path: Path) -> None:
+    store = FileKVStore(tmp_path)
+    conn = connector(store)
+    caches, block_hashes = make_caches(seed=7), hashes(2)
+    assert conn.save_blocks(caches, [0, 1], block_hashes) == 2
+    conn.flush()
+    assert conn.save_blocks(caches, [0, 1], block_hashes) == 0  # known to be stored
+    assert conn.get_num_new_matched_tokens(block_hashes, 0) == 2 * BLOCK_SIZE
+    FileKVStore(tmp_path).delete(conn.key_space.key(block_hashes[1]))  # another process evicts
+    assert conn.load_blocks(make_caches(seed=None), [2, 3], block_hashes) == 1
+    assert conn.save_blocks(caches, [0, 1], block_hashes) == 1  # the recomputed block only
+    conn.close()
+    assert conn.get_num_new_matched_tokens(block_hashes, 0) == 2 * BLOCK_SIZE
