@@ -10,7 +10,9 @@ kernel that can run there (``packed_linear.KERNELS``) is timed on the model's pr
 
 and where the decode and prefill winners differ, the row count at which the prefill kernel
 starts winning. Candidates run interleaved, round after round, and each keeps its fastest pass,
-so a busy machine slows all of them alike. The plan is cached in
+so a busy machine slows all of them alike; when the load average says other processes hold every
+core, the kernels are timed on one thread (multi-threaded passes then mostly time waits) and
+the plan is kept only until a start on a quiet machine measures again. The plan is cached in
 ``~/.cache/pagedattn/kernel_plans.json`` under the CPU signature, dtype, shapes, torch version and
 candidate set, and printed to stderr at start-up. ``PAGEDATTN_LINEAR=<kernel>`` forces one
 kernel; ``PAGEDATTN_RETUNE=1`` measures again. Tuning takes a few seconds (SmolLM2: ~3 s).
@@ -66,6 +68,16 @@ class TuneResult(NamedTuple):
     plan: LinearPlan
     times: dict[str, dict[str, float]]
     seconds: float
+    busy: bool = False  # measured on one thread while other processes held the cores
+
+
+def machine_busy() -> bool:
+    """True when the 1-minute load average says other processes compete for every core."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return False
+    return load >= (os.cpu_count() or 1) + 0.5
 
 
 def candidates(dtype: torch.dtype) -> list[str]:
@@ -108,8 +120,9 @@ def measure_kernels(
                 t0 = time.perf_counter()
                 passes[kernel]()
                 best[kernel] = min(best[kernel], time.perf_counter() - t0)
-            floor = min(best.values())
-            live = [k for k in live if best[k] <= HOPELESS * floor]
+            if r >= 1:
+                floor = min(best.values())
+                live = [k for k in live if best[k] <= HOPELESS * floor]
             if r + 1 >= MIN_ROUNDS and time.perf_counter() - start > ROUND_BUDGET_S:
                 break
     return best
@@ -142,6 +155,26 @@ def tune(
 
     start = time.perf_counter()
     kernels = candidates(dtype)
+    busy = machine_busy()
+    threads = torch.get_num_threads()
+    if busy:
+        # NOTE: with more runnable processes than cores, a multi-threaded pass mostly measures
+        # how long its threads wait for each other; one thread still ranks the kernels.
+        torch.set_num_threads(1)
+    try:
+        plan, times = _tune(layer_shapes, head_shape, dtype, kernels, measure)
+    finally:
+        torch.set_num_threads(threads)
+    return TuneResult(plan, times, time.perf_counter() - start, busy)
+
+
+def _tune(
+    layer_shapes: Sequence[Shape],
+    head_shape: Shape,
+    dtype: torch.dtype,
+    kernels: list[str],
+    measure: Measure,
+) -> tuple[LinearPlan, dict[str, dict[str, float]]]:
     one_layer = list(dict.fromkeys(layer_shapes))  # each distinct shape once
     times = {
         "decode": measure(kernels, decode_shapes(layer_shapes, dtype), DECODE_ROWS),
@@ -157,8 +190,7 @@ def tune(
             if t[prefill] <= t[decode]:
                 split = rows
                 break
-    plan = LinearPlan(decode, prefill, fastest(times["head"]), split)
-    return TuneResult(plan, times, time.perf_counter() - start)
+    return LinearPlan(decode, prefill, fastest(times["head"]), split), times
 
 
 def plan_key(layer_shapes: Sequence[Shape], head_shape: Shape, dtype: torch.dtype) -> str:
@@ -210,7 +242,10 @@ def plan_for_shapes(
     key = plan_key(layer_shapes, head_shape, dtype)
     path = cache_path()
     if os.environ.get(RETUNE_ENV, "") in ("", "0"):
-        plan = _cached(disk_cache.read_json(path).get(key), dtype)
+        entry = disk_cache.read_json(path).get(key)
+        plan = _cached(entry, dtype)
+        if plan is not None and entry.get("busy") and not machine_busy():
+            plan = None  # NOTE: measured on a busy machine; measure again now that it is quiet
         if plan is not None:
             announce(key, f"{name}: {plan.describe()} (measured earlier; {RETUNE_ENV}=1 retunes)")
             return plan
@@ -221,11 +256,14 @@ def plan_for_shapes(
             r: {k: round(t * 1e3, 3) for k, t in ts.items()} for r, ts in result.times.items()
         },
         "cpu": describe_cpu(),
+        "busy": result.busy,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     disk_cache.update_json(path, key, entry)
     _announced.discard(key)
     line = f"{name}: {result.plan.describe()} (measured in {result.seconds:.1f} s"
+    if result.busy:
+        line += " on 1 thread, the machine being busy (measured again once it is quiet),"
     announce(key, f"{line} on {describe_cpu()}; cached in {path})")
     return result.plan
 

@@ -30,8 +30,9 @@ FP32_KERNELS = candidates(torch.float32)
 
 @pytest.fixture(autouse=True)
 def private_cache(monkeypatch, tmp_path):
-    """Each test gets its own plan cache and no forced kernel."""
+    """Each test gets its own plan cache, no forced kernel, and a quiet machine."""
     monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernel_tuner, "machine_busy", lambda: False)
     monkeypatch.delenv("PAGEDATTN_LINEAR", raising=False)
     monkeypatch.delenv("PAGEDATTN_RETUNE", raising=False)
 
@@ -97,6 +98,28 @@ def test_plan_is_cached_and_retune_measures_again(monkeypatch, capsys):
     assert retuned.decode == FP32_KERNELS[0] != "torch"
     monkeypatch.delenv("PAGEDATTN_RETUNE")
     assert plan_for_shapes(LAYER, HEAD, torch.float32, must_not_measure) == retuned
+
+
+def test_busy_machine_measures_on_one_thread_and_again_when_quiet(monkeypatch, capsys):
+    table = {r: {k: (0.5 if k == "torch" else 1.0) for k in FP32_KERNELS} for r in (32, 512)}
+    seen_threads: list[int] = []
+
+    def measure(kernels, shapes, rows):
+        seen_threads.append(torch.get_num_threads())
+        return {k: table[rows][k] for k in kernels}
+
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(kernel_tuner, "machine_busy", lambda: True)
+    plan_for_shapes(LAYER, HEAD, torch.float32, measure)
+    assert set(seen_threads) == {1} and torch.get_num_threads() == threads
+    assert "on 1 thread, the machine being busy" in capsys.readouterr().err
+    plan_for_shapes(LAYER, HEAD, torch.float32, measure)  # still busy: the plan stands
+    assert len(seen_threads) == 3
+    monkeypatch.setattr(kernel_tuner, "machine_busy", lambda: False)
+    plan_for_shapes(LAYER, HEAD, torch.float32, measure)  # quiet: measured again, all threads
+    assert seen_threads[3:] == [threads] * 3
+    plan_for_shapes(LAYER, HEAD, torch.float32, measure)
+    assert len(seen_threads) == 6
 
 
 def test_forced_kernel_skips_measuring_and_is_used(monkeypatch, tmp_path):
