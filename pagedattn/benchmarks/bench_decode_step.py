@@ -24,9 +24,11 @@ KV_DTYPE_ENV = "PAGEDATTN_BENCH_KV_CACHE_DTYPE"
 
 # name -> (environment overrides, what it switches off)
 CONFIGS: dict[str, tuple[dict[str, str], str]] = {
-    "default": ({}, "everything on"),
+    "default": ({}, "everything on (linear kernels: the kernel tuner's measured plan)"),
     "omp_passive": ({"OMP_WAIT_POLICY": "passive"}, "OpenMP threads sleep between ops"),
-    "linear_mkl": ({"PAGEDATTN_LINEAR": "mkl"}, "MKL packed GEMM instead of the panel GEMM"),
+    "linear_panels": ({"PAGEDATTN_LINEAR": "panels"}, "the panel GEMM for every linear"),
+    "linear_onednn": ({"PAGEDATTN_LINEAR": "onednn"}, "oneDNN packed at load (AMX for bf16)"),
+    "linear_mkl": ({"PAGEDATTN_LINEAR": "mkl"}, "MKL packed GEMM (float32 only)"),
     "linear_torch": ({"PAGEDATTN_LINEAR": "torch"}, "plain F.linear"),
     "no_step_ops": ({"PAGEDATTN_DISABLE_STEP_OPS": "1"}, "PyTorch norm/rope/SwiGLU/argmax/cache"),
     "kv_cache_bf16": (

@@ -1,4 +1,4 @@
-"""A decode step's matmuls alone: F.linear against MKL's packed GEMM and the panel GEMM.
+"""A decode step's matmuls alone: F.linear against MKL's and oneDNN's packed GEMMs and the panels.
 
     python -m pagedattn.benchmarks.bench_linear [--rows 1,8,32,128] [--layers 30] [--threads 2]
 
@@ -17,7 +17,9 @@ import torch.nn.functional as F
 
 from pagedattn.benchmarks.pagedattn_runner import median_time
 from pagedattn.model.packed_linear import (
+    PackedLinear,
     mkl_packing_available,
+    onednn_available,
     pack_panels,
     pack_weight,
     packed_linear,
@@ -46,6 +48,15 @@ def kernels(weights: list[torch.Tensor]) -> dict[str, list]:
                 lambda x, n=w.shape[0], p=pack_panels(w.to(dtype)): panel_linear(x, p, n, None)
                 for w in weights
             ]
+    if onednn_available(torch.float32):
+        out["oneDNN fp32"] = [PackedLinear("onednn", w, None) for w in weights]
+    if onednn_available(torch.bfloat16):
+        # NOTE: bf16 activations and weights (AMX tiles where the CPU has them); the casts of
+        # x and of the result are part of the time.
+        out["oneDNN bf16"] = [
+            lambda x, p=PackedLinear("onednn", w.bfloat16(), None): p(x.bfloat16()).float()
+            for w in weights
+        ]
     return out
 
 

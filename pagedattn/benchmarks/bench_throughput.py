@@ -37,6 +37,7 @@ from pagedattn.benchmarks.workloads import (
     workload_from_dict,
     workload_to_dict,
 )
+from pagedattn.model.cpu_features import describe_cpu
 
 PEERS = ("hf_static", "hf_batch", "llama_cpp")
 ENGINES = ("pagedattn", *PEERS)
@@ -256,6 +257,7 @@ def parent_main(args: argparse.Namespace) -> int:
         f"throughput benchmark: size={size} threads={args.threads} dtype={args.dtype} "
         f"load average {load_before[0]:.2f}"
     )
+    print(f"machine: {describe_cpu(args.threads)}")
 
     results: list[dict] = []
     for name in names:
@@ -287,6 +289,7 @@ def parent_main(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "omp_wait_policy": "inherit (in-process)" if args.in_process else args.omp_wait_policy,
         "dtype": args.dtype,
+        "machine": describe_cpu(args.threads),
         "model": args.model or "smollm2-135m (default)",
         "hf_batch_size": args.hf_batch_size,
         "load_average_start": load_before[0],

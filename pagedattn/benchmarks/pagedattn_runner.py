@@ -179,6 +179,7 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
         keep_freed_heap_memory,
     )
     from pagedattn.attention.layout import bytes_per_block
+    from pagedattn.model.kernel_tuner import candidates, measure_kernels
     from pagedattn.model.loader import load_model
 
     # NOTE: the process settings the engine's runner makes, so that the matmuls run as in a step.
@@ -211,6 +212,13 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
 
             one_pass()  # warm-up
             result["matmul_s"][str(batch)] = median_time(one_pass, reps)
+        # NOTE: the same matmuls through every kernel that can run them (random weights of the
+        # model's shapes), so the ceiling is the machine's best, not only the engine's choice.
+        shapes = [(m.out_features, m.in_features) for m in linears] + [(vocab_size, hidden_size)]
+        result["kernel_matmul_s"] = {
+            str(batch): measure_kernels(candidates(dtype), shapes, batch, dtype)
+            for batch in batches
+        }
         src = torch.ones(256 * 2**20, dtype=torch.uint8)
         dst = torch.empty_like(src)
         # NOTE: a copy reads and writes each byte, so it moves twice the buffer size.

@@ -152,6 +152,10 @@ def ceiling_rows(
             "matmul_s": ceiling["matmul_s"].get(str(batch)),
             "bandwidth_floor_s": (ceiling["weight_bytes"] + kv_bytes) / bw,
         }
+        per_kernel = ceiling.get("kernel_matmul_s", {}).get(str(batch))
+        if per_kernel:
+            fastest = min(per_kernel, key=per_kernel.get)
+            row |= {"fastest_kernel": fastest, "fastest_matmul_s": per_kernel[fastest]}
         steps = paged.get(name, {}).get("steps", {})
         if steps.get("decode_step_s"):
             row |= {
@@ -160,23 +164,30 @@ def ceiling_rows(
                 "step_over_matmul": steps["decode_step_s"] / row["matmul_s"],
                 "step_over_bandwidth": steps["decode_step_s"] / row["bandwidth_floor_s"],
             }
+            if "fastest_matmul_s" in row:
+                row["step_over_fastest"] = steps["decode_step_s"] / row["fastest_matmul_s"]
         rows.append(row)
         line = (
             f"ceiling batch {batch:3d} (context {context:.0f}): matmuls {_ms(row['matmul_s'])} ms, "
             f"bandwidth floor {_ms(row['bandwidth_floor_s'])} ms"
         )
+        if "fastest_kernel" in row:
+            line += f", fastest kernel {row['fastest_kernel']} {_ms(row['fastest_matmul_s'])} ms"
         if "decode_step_s" in row:
             line += (
                 f"; pagedattn decode step {_ms(row['decode_step_s'])} ms (batch "
                 f"{row['decode_batch']}) = {row['step_over_matmul']:.1f}x matmuls, "
                 f"{row['step_over_bandwidth']:.1f}x bandwidth floor"
             )
+            if "step_over_fastest" in row:
+                line += f", {row['step_over_fastest']:.1f}x the fastest kernel's matmuls"
         lines.append(line)
     return {
         "rows": rows,
         "lines": lines,
         "bandwidth_Bps": bw,
         **{k: ceiling[k] for k in ("weight_bytes", "kv_bytes_per_token")},
+        "kernel_matmul_s": ceiling.get("kernel_matmul_s", {}),
     }
 
 
@@ -210,6 +221,8 @@ def render_markdown(
     verdict = "met" if prefix and prefix["meets_target"] else "NOT met"
     md = [
         f"# Throughput benchmark ({meta['size']})",
+        "",
+        f"Machine: {meta.get('machine', 'not recorded')}.",
         "",
         f"model {meta['model']}, {meta['dtype']}, {meta['threads']} threads, seed {meta['seed']}, "
         f"HF static batch {meta['hf_batch_size']}; load average {meta['load_average_start']:.2f} "

@@ -73,10 +73,11 @@ def cpu_signature() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def describe_cpu() -> str:
-    """One line for reports: model name, threads and the notable flags."""
+def describe_cpu(threads: int | None = None) -> str:
+    """One line for reports: model name, threads (default: torch's) and the notable flags."""
     flags = " ".join(notable_flags()) or "no AVX2/AVX-512"
-    return f"{cpu_model_name()}; {torch.get_num_threads()} threads; {flags}"
+    threads = torch.get_num_threads() if threads is None else threads
+    return f"{cpu_model_name()}; {threads} threads; {flags}"
 
 
 def has_bf16_hardware() -> bool:

@@ -12,6 +12,6 @@ def test_ablation_rows(tmp_path, capsys):
     argv += ["--measure", "3", "--configs", "default,no_step_ops", "--rounds", "1"]
     assert bench_decode_step.main(argv) == 0
     out = capsys.readouterr().out
-    assert "| default | everything on |" in out
+    assert "| default | everything on (linear kernels: the kernel tuner's measured plan) |" in out
     assert "| no_step_ops | PyTorch norm/rope/SwiGLU/argmax/cache |" in out
     assert "1.00x" in out  # the default row against itself

@@ -11,6 +11,7 @@ from pagedattn.benchmarks import bench_throughput
 from pagedattn.benchmarks.peers import parse_batched_bench
 from pagedattn.benchmarks.throughput_report import percentile, step_analysis
 from pagedattn.benchmarks.workloads import SIZE_PRESETS, load_trace, make_workloads, save_trace
+from pagedattn.model.cpu_features import describe_cpu
 from tests.model.tiny import TINY_VOCAB_SIZE, make_tiny_llama
 
 SPECIAL = {0, 1, 2, 3, 4}
@@ -91,11 +92,16 @@ def test_end_to_end_rows_ratios_ceiling_and_breakdown(tmp_path, tiny_model, caps
     for row in ceiling["rows"]:
         assert row["matmul_s"] > 0 and row["bandwidth_floor_s"] > 0
         assert row["step_over_matmul"] == pytest.approx(row["decode_step_s"] / row["matmul_s"])
+        # The fastest kernel's pass: the best of every kernel measured at this batch.
+        measured = ceiling["kernel_matmul_s"][str(row["batch"])]
+        assert row["fastest_matmul_s"] == min(measured.values())
+        assert measured[row["fastest_kernel"]] == row["fastest_matmul_s"]
     md = report["markdown"]
     for engine in ("pagedattn", "pagedattn_nocache", *PEERS):
         assert f"| {engine} |" in md
     assert "## Prefix caching" in md and "## pagedattn step breakdown" in md
     assert "thread probe:" in md
+    assert f"Machine: {describe_cpu(2)}." in md and "fastest kernel" in md
     printed = capsys.readouterr().out
     assert printed.count("uniform        pagedattn ") == 1  # one line per result
     # The saved trace replays the same requests.
