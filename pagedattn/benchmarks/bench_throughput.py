@@ -29,6 +29,7 @@ from pagedattn.benchmarks.pagedattn_runner import (
 from pagedattn.benchmarks.peers import RUNNERS
 from pagedattn.benchmarks.throughput_report import ceiling_rows, render_markdown, summarise
 from pagedattn.benchmarks.workloads import (
+    DEFAULT_WORKLOADS,
     SIZE_PRESETS,
     WORKLOAD_NAMES,
     load_trace,
@@ -62,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--engines", default=",".join(ENGINES), help="comma list of " + ", ".join(ENGINES)
     )
-    p.add_argument("--workloads", default=",".join(WORKLOAD_NAMES))
+    p.add_argument(
+        "--workloads",
+        default=",".join(DEFAULT_WORKLOADS),
+        help=f"comma list of {', '.join(WORKLOAD_NAMES)} (single: batch-1 latency)",
+    )
     p.add_argument("--quick", action="store_true", help="scaled-down workloads (= --size quick)")
     p.add_argument("--size", choices=sorted(SIZE_PRESETS), default="full")
     p.add_argument("--trace-out", type=Path, help="save the ShareGPT-like trace here")

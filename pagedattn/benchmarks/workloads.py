@@ -1,4 +1,5 @@
-"""Throughput-benchmark workloads: uniform, ShareGPT-like and shared-prefix, as token-id prompts.
+"""Throughput-benchmark workloads: uniform, ShareGPT-like, shared-prefix and single (batch-1
+latency: one request), as token-id prompts.
 
 Every engine gets the same token ids (random ids from the model's vocabulary, special ids left
 out), so no tokenizer difference can change the work done. The ShareGPT-like trace can be saved
@@ -13,7 +14,8 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-WORKLOAD_NAMES = ("uniform", "sharegpt", "shared_prefix")
+WORKLOAD_NAMES = ("uniform", "sharegpt", "shared_prefix", "single")
+DEFAULT_WORKLOADS = ("uniform", "sharegpt", "shared_prefix")
 TRACE_VERSION = 1
 
 
@@ -33,6 +35,8 @@ class WorkloadSizes:
     shared_prefix_len: int = 1024
     shared_suffix_len: int = 32
     shared_output_len: int = 64
+    single_prompt_len: int = 512
+    single_output_len: int = 256
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -51,6 +55,7 @@ class WorkloadSizes:
             self.uniform_prompt_len + self.uniform_output_len,
             2 * self.sharegpt_max_len,
             self.shared_prefix_len + self.shared_suffix_len + self.shared_output_len,
+            self.single_prompt_len + self.single_output_len,
         )
 
 
@@ -68,6 +73,8 @@ SIZE_PRESETS = {
         shared_prefix_len=512,
         shared_suffix_len=16,
         shared_output_len=16,
+        single_prompt_len=256,
+        single_output_len=64,
     ),
     # For the smoke test on a tiny random model with a 256-token context.
     "tiny": WorkloadSizes(
@@ -82,6 +89,8 @@ SIZE_PRESETS = {
         shared_prefix_len=64,
         shared_suffix_len=8,
         shared_output_len=8,
+        single_prompt_len=32,
+        single_output_len=8,
     ),
 }
 
@@ -167,15 +176,22 @@ def make_shared_prefix(sizes: WorkloadSizes, tokens: TokenSampler) -> Workload:
     return Workload("shared_prefix", reqs, warm_prefix=system)
 
 
+def make_single(sizes: WorkloadSizes, tokens: TokenSampler) -> Workload:
+    """One request alone: time to first token and per-token latency at batch 1."""
+    prompt = tokens.sample(sizes.single_prompt_len)
+    return Workload("single", [BenchRequest(prompt, sizes.single_output_len)])
+
+
 def make_workloads(
     sizes: WorkloadSizes, vocab_size: int, special_ids: set[int], seed: int
 ) -> dict[str, Workload]:
-    """All three workloads, deterministic in ``seed``."""
+    """Every workload, deterministic in ``seed``."""
     tokens = TokenSampler(vocab_size, special_ids, random.Random(seed))
     return {
         "uniform": make_uniform(sizes, tokens),
         "sharegpt": make_sharegpt(sizes, tokens, seed),
         "shared_prefix": make_shared_prefix(sizes, tokens),
+        "single": make_single(sizes, tokens),
     }
 
 

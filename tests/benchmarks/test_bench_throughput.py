@@ -210,3 +210,18 @@ def test_parse_llama_batched_bench_table() -> None:
 def test_unknown_engine_is_rejected() -> None:
     with pytest.raises(SystemExit, match="unknown engines"):
         bench_throughput.main(["--engines", "vllm", "--size", "tiny"])
+
+
+def test_single_workload_is_one_request_at_batch_one(tmp_path, tiny_model) -> None:
+    sizes = SIZE_PRESETS["tiny"]
+    single = make_workloads(sizes, TINY_VOCAB_SIZE, SPECIAL, 0)["single"]
+    assert len(single.requests) == 1
+    assert len(single.requests[0].prompt_token_ids) == sizes.single_prompt_len
+    assert single.num_output_tokens == sizes.single_output_len
+    report = _run(
+        tmp_path, tiny_model, "--in-process", "--workloads", "single", "--engines", "pagedattn"
+    )
+    (row,) = report["results"]
+    assert row["workload"] == "single" and row["status"] == "ok"
+    assert row["num_output_tokens"] == sizes.single_output_len
+    assert 0 < row["ttft_p50_s"] and 0 < row["tpot_p50_s"]
