@@ -24,6 +24,12 @@ class SamplerOutput(NamedTuple):
 
     sampled_token_ids: torch.Tensor  # [num_reqs] int64
     logprobs: list[TokenLogprobs | None] | None  # per request; None when no request asked
+    # Rows whose grammar completed with this token: those requests stop (finish_reason "stop").
+    terminated_rows: list[int] = []
+
+
+class StructuredOutputError(RuntimeError):
+    """A sampled token was not allowed by the request's grammar (a bug, or an all-masked row)."""
 
 
 def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -41,6 +47,46 @@ def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.
         rows, token_ids = metadata.min_tokens_mask
         logits.index_put_((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
     return logits
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Add each request's logit_bias to its row (in place)."""
+    if metadata.logit_bias is not None:
+        rows, token_ids, biases = metadata.logit_bias
+        logits.index_put_((rows, token_ids), biases, accumulate=True)
+    return logits
+
+
+def apply_grammar_bitmask(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Forbid (-inf) every token the grammar of a constrained row does not allow (in place)."""
+    if metadata.matchers is None:
+        return logits
+    from pagedattn.structured_output.matcher import allocate_bitmask, apply_bitmask
+
+    rows = [i for i, m in enumerate(metadata.matchers) if m is not None]
+    bitmask = allocate_bitmask(logits.shape[0], logits.shape[1])  # [num_reqs, ceil(vocab / 32)]
+    for row in rows:
+        metadata.matchers[row].fill_bitmask(bitmask, row)
+    apply_bitmask(logits, bitmask, rows)
+    return logits
+
+
+def advance_matchers(sampled: torch.Tensor, metadata: SamplingMetadata) -> list[int]:
+    """Feed each constrained row its sampled token; the rows whose grammar has terminated."""
+    if metadata.matchers is None:
+        return []
+    token_ids = sampled.tolist()
+    terminated = []
+    for row, matcher in enumerate(metadata.matchers):
+        if matcher is None:
+            continue
+        if not matcher.accept_token(token_ids[row]):
+            raise StructuredOutputError(
+                f"row {row}: token {token_ids[row]} is not allowed by the request's grammar"
+            )
+        if matcher.is_terminated:
+            terminated.append(row)
+    return terminated
 
 
 def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -197,20 +243,31 @@ class Sampler:
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = compute_logprobs(logits)
+        original = logits
         logits = logits.float()
         # NOTE: the caller's logits are never modified: penalties return a copy, else clone.
         if not metadata.no_penalties:
             logits = apply_penalties(logits, metadata)
-        elif metadata.min_tokens_mask is not None:
+        elif logits is original and (
+            metadata.min_tokens_mask is not None
+            or metadata.logit_bias is not None
+            or metadata.matchers is not None
+        ):
             logits = logits.clone()
+        logits = apply_logit_bias(logits, metadata)
         logits = apply_min_tokens(logits, metadata)
+        # NOTE: last, so that no bias or penalty can revive a token the grammar forbids.
+        logits = apply_grammar_bitmask(logits, metadata)
         sampled = self.sample(logits, metadata)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(
                 raw_logprobs, sampled, metadata.num_logprobs, metadata.max_num_logprobs
             )
-        return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
+        terminated = advance_matchers(sampled, metadata)
+        return SamplerOutput(
+            sampled_token_ids=sampled, logprobs=logprobs, terminated_rows=terminated
+        )
 
     def sample(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
         """Greedy rows take the argmax (lowest id on ties); the others sample. [num_reqs] int64."""

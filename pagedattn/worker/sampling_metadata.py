@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedattn.sampling_params import SAMPLING_EPS, SamplingParams
+
+if TYPE_CHECKING:
+    from pagedattn.structured_output.matcher import Matcher
 
 
 @dataclass
@@ -41,6 +45,10 @@ class SamplingMetadata:
     # Per row: None (no logprobs) or the number of top logprobs. None when no request asks.
     num_logprobs: list[int | None] | None = None
     max_num_logprobs: int | None = None
+    # (rows, token ids, biases) added to the logits: OpenAI's logit_bias. None when unused.
+    logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # Per row: the request's grammar matcher, or None. None when no request is constrained.
+    matchers: list[Matcher | None] | None = None
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -66,8 +74,13 @@ def build_sampling_metadata(
     num_output_tokens_list: Sequence[int] | None = None,
     *,
     device: torch.device | str = "cpu",
+    matchers: Sequence[Matcher | None] | None = None,
 ) -> SamplingMetadata:
-    """Build one step's SamplingMetadata; an all-greedy batch without extras costs one pass."""
+    """Build one step's SamplingMetadata; an all-greedy batch without extras costs one pass.
+
+    `matchers`: one per row, the request's structured-output Matcher or None (the runner keeps
+    them, made by `pagedattn.structured_output.new_matcher`); the sampler masks and advances them.
+    """
     num_reqs = len(params_list)
     if num_output_tokens_list is None:
         num_output_tokens_list = [len(ids) for ids in output_token_ids_list]
@@ -118,6 +131,27 @@ def build_sampling_metadata(
             torch.tensor(rows, dtype=torch.int64, device=device),
             torch.tensor(cols, dtype=torch.int64, device=device),
         )
+
+    bias_rows: list[int] = []
+    bias_ids: list[int] = []
+    bias_values: list[float] = []
+    for i, p in enumerate(params_list):
+        for token_id, bias in (p.logit_bias or {}).items():
+            if token_id < vocab_size:
+                bias_rows.append(i)
+                bias_ids.append(token_id)
+                bias_values.append(bias)
+    if bias_rows:
+        meta.logit_bias = (
+            torch.tensor(bias_rows, dtype=torch.int64, device=device),
+            torch.tensor(bias_ids, dtype=torch.int64, device=device),
+            _floats(bias_values),
+        )
+
+    if matchers is not None and any(m is not None for m in matchers):
+        if len(matchers) != num_reqs:
+            raise ValueError(f"got {len(matchers)} matchers for {num_reqs} rows: pass one per row")
+        meta.matchers = list(matchers)
 
     if any(p.logprobs is not None for p in params_list):
         meta.num_logprobs = [p.logprobs for p in params_list]

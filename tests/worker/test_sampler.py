@@ -289,3 +289,62 @@ def test_logprobs_are_raw_log_softmax_with_true_top_k() -> None:
         assert entry.top_token_ids == top.indices.tolist()
         torch.testing.assert_close(torch.tensor(entry.top_logprobs), top.values)
         assert len(entry.top_token_ids) == k
+
+
+def test_logit_bias_moves_greedy_choice_and_leaves_caller_logits() -> None:
+    logits = _logits(3)
+    before = logits.clone()
+    target = int(logits[0].argmin())
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={target: 100.0}),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logit_bias={int(logits[2].argmax()): -100.0}),
+    ]
+    out = Sampler()(logits, _meta(params))
+    assert torch.equal(logits, before)
+    assert int(out.sampled_token_ids[0]) == target
+    assert int(out.sampled_token_ids[1]) == int(logits[1].argmax())
+    assert int(out.sampled_token_ids[2]) != int(logits[2].argmax())
+    assert out.terminated_rows == []
+
+
+def test_logit_bias_ignores_ids_outside_the_logits() -> None:
+    meta = _meta([SamplingParams(logit_bias={VOCAB_SIZE + 5: 1.0, 2: 1.0})])
+    rows, ids, biases = meta.logit_bias
+    assert ids.tolist() == [2] and rows.tolist() == [0] and biases.tolist() == [1.0]
+
+
+class _OnlyTokenMatcher:
+    """A stand-in grammar: only `token` is allowed; terminates after `length` tokens."""
+
+    def __init__(self, token: int, length: int) -> None:
+        self.token, self.length, self.accepted = token, length, []
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        bitmask[row, self.token // 32] = 1 << (self.token % 32)
+
+    def accept_token(self, token_id: int) -> bool:
+        self.accepted.append(token_id)
+        return token_id == self.token
+
+    @property
+    def is_terminated(self) -> bool:
+        return len(self.accepted) >= self.length
+
+
+def test_bitmask_applies_to_constrained_rows_only_and_reports_terminated_rows() -> None:
+    pytest.importorskip("xgrammar")
+    logits = _logits(3)
+    first, last = _OnlyTokenMatcher(token=37, length=1), _OnlyTokenMatcher(token=5, length=2)
+    params = [SamplingParams(temperature=1.0, logit_bias={37: -100.0}),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]  # fmt: skip
+    meta = build_sampling_metadata(
+        params, [[], [], []], [[], [], []], None, VOCAB_SIZE, matchers=[first, None, last]
+    )
+    out = Sampler()(logits, meta)
+    assert out.sampled_token_ids.tolist()[0] == 37  # the mask beats a -100 bias
+    assert out.sampled_token_ids.tolist()[1] == int(logits[1].argmax())
+    assert out.sampled_token_ids.tolist()[2] == 5
+    assert out.terminated_rows == [0]
+    assert first.accepted == [37] and last.accepted == [5]

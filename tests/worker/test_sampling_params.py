@@ -115,3 +115,31 @@ def test_beam_search_params() -> None:
         BeamSearchParams(beam_width=2, max_tokens=0)
     with pytest.raises(InvalidSamplingParamsError, match="temperature"):
         BeamSearchParams(beam_width=2, max_tokens=4, temperature=-0.5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field_name"),
+    [
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": 7}, "stop_token_ids"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**63}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("nan")}, "top_p"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"logit_bias": [1, 2]}, "logit_bias"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"structured_outputs": {"json": {}}}, "structured_outputs"),
+    ],
+)
+def test_boundary_values_raise_with_a_message(kwargs: dict, field_name: str) -> None:
+    with pytest.raises(InvalidSamplingParamsError, match=rf"^{field_name}=.* is invalid: "):
+        SamplingParams(**kwargs)
+
+
+def test_largest_seed_and_logit_bias_accepted() -> None:
+    assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
+    assert SamplingParams(logit_bias={3: -100, 4: 100.0}).logit_bias == {3: -100, 4: 100.0}
