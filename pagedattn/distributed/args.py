@@ -8,7 +8,11 @@ from pagedattn.distributed.router import DEFAULT_IMBALANCE_THRESHOLD, ROUTERS
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
-    """--data-parallel-size, --ray-address, --router, --kv-events-endpoint and their tuning."""
+    """--data-parallel-size, --ray-address, --router and their tuning.
+
+    `--kv-events-endpoint` is an engine option (CacheConfig.kv_events_endpoint); with replicas,
+    replica i publishes on its port + i, with a replay socket (--kv-events-replay-endpoint).
+    """
     g = parser.add_argument_group("replicas (Ray Serve) and KV cache events")
     g.add_argument(
         "--data-parallel-size",
@@ -45,17 +49,11 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         help="Ray CPUs reserved per replica (placement only; --threads sets torch threads)",
     )
     g.add_argument(
-        "--kv-events-endpoint",
-        default=None,
-        metavar="URL",
-        help="publish KV cache events (vLLM's ZMQ/msgpack format) here, e.g. tcp://*:5557; "
-        "with replicas, replica i binds the port + i",
-    )
-    g.add_argument(
         "--kv-events-replay-endpoint",
         default=None,
         metavar="URL",
-        help="ROUTER socket answering replay requests for missed batches (port + i likewise)",
+        help="with --kv-events-endpoint: a ROUTER socket answering replay requests for missed "
+        "batches; with replicas, replica i binds the port + i (as --kv-events-endpoint does)",
     )
 
 
@@ -71,7 +69,7 @@ def validate_distributed_args(args: argparse.Namespace) -> None:
     if args.replica_cpus < 0:
         raise ValueError(f"--replica-cpus={args.replica_cpus} is invalid: use >= 0")
     for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
-        value = getattr(args, name)
+        value = getattr(args, name, None)
         if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
             option = "--" + name.replace("_", "-")
             raise ValueError(f"{option}={value!r} is invalid: use tcp://HOST:PORT or ipc://PATH")

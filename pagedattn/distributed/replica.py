@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -16,6 +17,7 @@ logger = logging.getLogger(__name__)
 # How often the replica drains its engine's KV cache events and publishes them.
 EVENT_DRAIN_PERIOD_S = 0.005
 COMPLETION, CHAT = "completion", "chat"
+EVENTS_TOPIC = "kv-events"
 # A prefix-cache key ends with its KV cache group id (make_block_hash_with_group_id).
 GROUP_ID_BYTES = 4
 _GROUP0 = (0).to_bytes(GROUP_ID_BYTES, "big")
@@ -67,6 +69,13 @@ class EngineReplica:
             from pagedattn.engine.llm_engine import LLMEngine
 
             engine_factory = LLMEngine
+        cache = engine_config.cache
+        if getattr(cache, "kv_events_endpoint", None) is not None:
+            # NOTE: this replica publishes (rank-offset port, with replay); the engine must not
+            # bind the same endpoint in every replica.
+            events_endpoint = events_endpoint or cache.kv_events_endpoint
+            cache = dataclasses.replace(cache, kv_events_endpoint=None)
+            engine_config = dataclasses.replace(engine_config, cache=cache)
         self.llm_engine = engine_factory(engine_config)
         self.kv_cache_manager = self.llm_engine.kv_cache_manager
         # NOTE: events on after construction: the engine is not running yet, nothing is lost.
@@ -77,15 +86,22 @@ class EngineReplica:
         self.replica_id = _replica_id()
         host = events_host or _node_ip()
         rank = _replica_rank()
+        # The router's feed: bound here on a free port, with replay, whatever the user asked for.
         self.publisher = ZmqEventPublisher(
-            offset_endpoint_port(events_endpoint, rank) or f"tcp://{host}:*",
-            replay_endpoint=offset_endpoint_port(replay_endpoint, rank) or f"tcp://{host}:*",
-            topic="kv-events",
-            data_parallel_rank=rank,
+            f"tcp://{host}:*", replay_endpoint=f"tcp://{host}:*", topic=EVENTS_TOPIC
         )
-        # What the router connects to: a wildcard bind is reached at this node's address.
         self.events_endpoint = _advertised(self.publisher.endpoint, host)
         self.replay_endpoint = _advertised(self.publisher.replay_endpoint, host)
+        # --kv-events-endpoint: the same batches for external consumers, port + rank (vLLM's rule;
+        # a wildcard binds, a host address connects to the consumer).
+        self.external_publisher = None
+        if events_endpoint is not None:
+            self.external_publisher = ZmqEventPublisher(
+                offset_endpoint_port(events_endpoint, rank),
+                replay_endpoint=offset_endpoint_port(replay_endpoint, rank),
+                topic=EVENTS_TOPIC,
+                data_parallel_rank=rank,
+            )
         self._stop = threading.Event()
         self._drainer = threading.Thread(target=self._drain_events, name="kv-events", daemon=True)
         self._drainer.start()
@@ -103,6 +119,8 @@ class EngineReplica:
             events = self.kv_cache_manager.take_events()
             if events:
                 self.publisher.publish(events)
+                if self.external_publisher is not None:
+                    self.external_publisher.publish(events)
 
     # ---- requests ----------------------------------------------------------------------------
 
@@ -161,7 +179,10 @@ class EngineReplica:
             "replica_id": self.replica_id,
             "kv_events_endpoint": self.events_endpoint,
             "kv_events_replay_endpoint": self.replay_endpoint,
-            "kv_events_topic": "kv-events",
+            "kv_events_topic": EVENTS_TOPIC,
+            "kv_events_external_endpoint": (
+                self.external_publisher.endpoint if self.external_publisher else None
+            ),
             "num_requests": _num_requests(stats),
             "num_free_blocks": self.kv_cache_manager.num_free_blocks,
             "num_usable_blocks": self.kv_cache_manager.num_usable_blocks,
@@ -190,6 +211,8 @@ class EngineReplica:
         stop.set()
         self.engine.shutdown()
         self.publisher.shutdown()
+        if self.external_publisher is not None:
+            self.external_publisher.shutdown()
 
 
 def _num_requests(scheduler) -> int:

@@ -324,7 +324,7 @@ def run_replicas(args, engine_config) -> int:
             imbalance_threshold=args.router_imbalance_threshold,
             replica_num_cpus=args.replica_cpus,
             graceful_shutdown_timeout_s=args.shutdown_timeout,
-            kv_events_endpoint=args.kv_events_endpoint,
+            kv_events_endpoint=getattr(args, "kv_events_endpoint", None),
             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
         )
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
