@@ -132,7 +132,10 @@ class OpenAIIngress:
                 with contextlib.suppress(BaseException):
                     await task
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
-        result = task.result()
+        try:
+            result = task.result()
+        except Exception as exc:
+            result = _replica_failed(exc)
         return JSONResponse(result["body"], status_code=result["status"])
 
     async def _stream(self, kind: str, payload: dict, salt, hashes) -> Response:
