@@ -97,7 +97,6 @@ class FileKVStore(KVStore):
         path = self._path(stem)
         try:
             value = path.read_bytes()
-            os.utime(path)
         except FileNotFoundError:
             with self._lock:
                 self._forget(stem)
@@ -105,6 +104,7 @@ class FileKVStore(KVStore):
         except OSError as error:
             raise self.breaker.record_failure(error) from error
         self.breaker.record_success()
+        _touch(path)
         with self._lock:
             self._remember(stem, len(value))
         return value
@@ -120,7 +120,6 @@ class FileKVStore(KVStore):
                 with open(path, "rb", buffering=0) as f:
                     size = os.fstat(f.fileno()).st_size
                     length = _read_into(f, memoryview(out)[:size]) if size <= len(out) else size
-                os.utime(path)
             except FileNotFoundError:
                 with self._lock:
                     self._forget(stem)
@@ -128,6 +127,7 @@ class FileKVStore(KVStore):
                 continue
             except OSError as error:
                 raise self.breaker.record_failure(error) from error
+            _touch(path)
             with self._lock:
                 self._remember(stem, size)
             lengths.append(length)
@@ -199,3 +199,9 @@ def _read_into(f, out: memoryview) -> int:
             break
         num_read += n
     return num_read
+
+
+def _touch(path: Path) -> None:
+    """Mark a file used now (its mtime orders the LRU across restarts); gone already is fine."""
+    with contextlib.suppress(OSError):
+        os.utime(path)

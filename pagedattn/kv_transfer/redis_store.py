@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from pagedattn.kv_transfer.circuit_breaker import CircuitBreaker
 from pagedattn.kv_transfer.store import KVStore, StoreUnavailableError
 
-# Keys per pipelined round trip (GET values are a block each, ~0.1-1 MB).
-_BATCH_KEYS = 16
+# Keys per pipelined round trip: GET values are a block each (~0.1-1 MB), EXISTS replies tiny.
+_GET_BATCH_KEYS = 16
+_EXISTS_BATCH_KEYS = 1024
 
 
 def _import_redis():
@@ -70,12 +71,14 @@ class RedisKVStore(KVStore):
         self.breaker.record_success()
         return result
 
-    def _pipelined(self, command: str, keys: Sequence[str]) -> list:
+    def _pipelined(self, command: str, keys: Sequence[str], batch: int) -> list:
+        """One pipelined round trip per `batch` keys."""
+
         def call() -> list:
             out = []
-            for start in range(0, len(keys), _BATCH_KEYS):
+            for start in range(0, len(keys), batch):
                 pipe = self._client.pipeline(transaction=False)
-                for key in keys[start : start + _BATCH_KEYS]:
+                for key in keys[start : start + batch]:
                     getattr(pipe, command)(key)
                 out.extend(pipe.execute())
             return out
@@ -86,13 +89,13 @@ class RedisKVStore(KVStore):
         return self._run(lambda: self._client.get(key))
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        return self._pipelined("get", keys)
+        return self._pipelined("get", keys, _GET_BATCH_KEYS)
 
     def put(self, key: str, value: bytes) -> None:
         self._run(lambda: self._client.set(key, value))
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        return [bool(n) for n in self._pipelined("exists", keys)]
+        return [bool(n) for n in self._pipelined("exists", keys, _EXISTS_BATCH_KEYS)]
 
     def delete(self, key: str) -> None:
         self._run(lambda: self._client.delete(key))
