@@ -579,6 +579,8 @@ void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                        c10::optional<torch::Tensor> residual);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor gemma_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_last_dim(torch::Tensor logits);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -589,6 +591,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "Neox rotary embedding of [T, H, D] in place");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H], optionally adding a residual in place first");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU of a fused [T, 2I] gate/up projection");
+  m.def("gemma_rms_norm", &gemma_rms_norm, "Gemma RMSNorm (scale 1 + w, one rounding) of [..., H]");
+  m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "GeGLU (tanh gelu) of a fused [T, 2I] gate/up");
   m.def("argmax_last_dim", &argmax_last_dim, "First index of each row's maximum");
   m.def("paged_decode", &paged_decode, "Paged decode attention over a flash-layout KV cache");
   m.def("set_flush_denormal_all_threads", &set_flush_denormal_all_threads,

@@ -1,12 +1,13 @@
 // Small per-layer ops of a CPU forward step, each one call instead of a chain of PyTorch ops:
 // writing K/V into the paged cache through the slot mapping, the rotary embedding in place,
-// RMSNorm (optionally adding the residual first), SwiGLU, and the greedy argmax over logits.
+// RMSNorm (optionally adding the residual first), Gemma's (1 + w) RMSNorm, SwiGLU, GeGLU, and
+// the greedy argmax over logits.
 //
 // The cache write and the rotation compute exactly what the PyTorch code they replace computes
 // (pagedattn.attention.ops.reshape_and_cache, pagedattn.model.layers.apply_rotary): a copy, and a
 // rotation that rounds after every multiply and add, in the tensor's dtype, with no fused
-// multiply-add. RMSNorm and SwiGLU round where the PyTorch code rounds, but sum squares and take
-// exp in their own order, so they can differ from it in the last bit of fp32.
+// multiply-add. The norms and the gated activations round where the PyTorch code rounds, but sum
+// squares and take exp/tanh in their own way, so they can differ from it in the last bits of fp32.
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -209,6 +210,90 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
   }
 }
 
+// out = T(x * rsqrt(mean(x^2) + eps) * (1 + weight)): Gemma's RMSNorm, all in fp32 and rounded
+// once (the weights are zero-centred).
+template <typename T>
+void gemma_rms_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t H, float eps) {
+  auto body = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * H;
+      float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) {
+        const float v = static_cast<float>(xr[i]);
+        ss += v * v;
+      }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
+      T* o = out + r * H;
+      int64_t i = 0;
+#if defined(PAGEDATTN_VEC_F32)
+      if constexpr (vectorized<T>()) {
+        const __m512 vinv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.0f);
+        for (; i + 16 <= H; i += 16) {
+          const __m512 scale = _mm512_add_ps(one, load16(weight + i));
+          store16(o + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), vinv), scale));
+        }
+      }
+#endif
+      for (; i < H; ++i) {
+        const float scale = 1.0f + static_cast<float>(weight[i]);
+        o[i] = round_to<T>(static_cast<float>(xr[i]) * inv * scale);
+      }
+    }
+  };
+  if (rows <= kSerialRows) {
+    body(0, rows);
+  } else {
+    at::parallel_for(0, rows, kSerialRows / 4, body);
+  }
+}
+
+// gelu with the tanh approximation: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))).
+constexpr float kGeluC = 0.7978845608028654f, kGeluA = 0.044715f;
+
+// out[t, i] = T(T(gelu_tanh(g)) * u) with g = gate_up[t, i], u = gate_up[t, I + i] (GeGLU).
+template <typename T>
+void gelu_tanh_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
+  auto body = [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* g = gate_up + r * 2 * I;
+      const T* u = g + I;
+      T* o = out + r * I;
+      int64_t i = 0;
+#if defined(PAGEDATTN_VEC_F32)
+      if constexpr (vectorized<T>()) {
+        const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
+        const __m512 c = _mm512_set1_ps(kGeluC), a = _mm512_set1_ps(kGeluA);
+        const __m512 minus_two = _mm512_set1_ps(-2.0f);
+        for (; i + 16 <= I; i += 16) {
+          const __m512 gv = load16(g + i);
+          const __m512 y = _mm512_mul_ps(c, _mm512_fmadd_ps(_mm512_mul_ps(a, gv),
+                                                            _mm512_mul_ps(gv, gv), gv));
+          // tanh(|y|) = (1 - e) / (1 + e) with e = exp(-2 |y|) <= 1, then y's sign.
+          const __m512 e = pagedattn_vec::exp16(_mm512_mul_ps(minus_two, _mm512_abs_ps(y)));
+          __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+          const __mmask16 neg = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ);
+          t = _mm512_mask_sub_ps(t, neg, _mm512_setzero_ps(), t);
+          const __m512 gelu = vround(_mm512_mul_ps(_mm512_mul_ps(half, gv), _mm512_add_ps(one, t)), g);
+          store16(o + i, _mm512_mul_ps(gelu, load16(u + i)));
+        }
+      }
+#endif
+      for (; i < I; ++i) {
+        const float gv = static_cast<float>(g[i]);
+        const float t = std::tanh(kGeluC * (gv + kGeluA * gv * gv * gv));
+        const T gelu = round_to<T>(0.5f * gv * (1.0f + t));
+        o[i] = round_to<T>(static_cast<float>(gelu) * static_cast<float>(u[i]));
+      }
+    }
+  };
+  if (rows <= kSerialRows / 4) {
+    body(0, rows);
+  } else {
+    at::parallel_for(0, rows, 16, body);
+  }
+}
+
 // Index of the first maximum of each row; a NaN counts as the maximum (the first NaN wins), as
 // in torch.argmax. Two passes: the maximum (and whether any NaN exists), then its first position.
 void argmax_rows(const float* x, int64_t* out, int64_t rows, int64_t V) {
@@ -344,6 +429,42 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   } else {
     TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "silu_and_mul: float32 or bfloat16");
     silu_mul_rows<bf16>(gate_up.data_ptr<bf16>(), out.data_ptr<bf16>(), rows, I);
+  }
+  return out;
+}
+
+// x [..., H] contiguous; weight [H] in x's dtype -> Gemma RMSNorm of each row.
+torch::Tensor gemma_rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() >= 1 && x.is_contiguous(), "x must be a contiguous [..., H] tensor");
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == H && weight.is_contiguous() &&
+                  weight.scalar_type() == x.scalar_type(),
+              "weight must be [H] in x's dtype");
+  auto out = torch::empty_like(x);
+  const int64_t rows = H == 0 ? 0 : x.numel() / H;
+  if (x.scalar_type() == torch::kFloat32) {
+    gemma_rms_rows<float>(x.data_ptr<float>(), weight.data_ptr<float>(), out.data_ptr<float>(),
+                          rows, H, static_cast<float>(eps));
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "gemma_rms_norm takes float32 or bfloat16");
+    gemma_rms_rows<bf16>(x.data_ptr<bf16>(), weight.data_ptr<bf16>(), out.data_ptr<bf16>(), rows,
+                         H, static_cast<float>(eps));
+  }
+  return out;
+}
+
+// gate_up [T, 2I] contiguous -> [T, I]: GeGLU with gelu's tanh approximation.
+torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "gate_up must be a contiguous [T, 2I] tensor");
+  const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, I}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat32) {
+    gelu_tanh_mul_rows<float>(gate_up.data_ptr<float>(), out.data_ptr<float>(), rows, I);
+  } else {
+    TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16,
+                "gelu_tanh_and_mul: float32 or bfloat16");
+    gelu_tanh_mul_rows<bf16>(gate_up.data_ptr<bf16>(), out.data_ptr<bf16>(), rows, I);
   }
   return out;
 }

@@ -15,7 +15,7 @@ from pagedattn.model.layers import (
     GemmaRMSNorm,
     PagedAttention,
     RotaryEmbedding,
-    apply_rotary,
+    apply_rotary_,
     gelu_tanh_and_mul,
 )
 
@@ -72,7 +72,7 @@ class Gemma3Attention(nn.Module):
         k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_size))  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_size)  # [T, Hkv, D]
         cos, sin = rope[self.is_sliding]
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)  # fresh tensors: in place
         return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
 
 

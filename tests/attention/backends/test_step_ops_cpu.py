@@ -9,7 +9,14 @@ from pagedattn.attention.backends import cpu_ext
 from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.attention.layout import PAD_SLOT_ID
 from pagedattn.attention.ops import reshape_and_cache
-from pagedattn.model.layers import RMSNorm, apply_rotary, apply_rotary_, silu_and_mul
+from pagedattn.model.layers import (
+    GemmaRMSNorm,
+    RMSNorm,
+    apply_rotary,
+    apply_rotary_,
+    gelu_tanh_and_mul,
+    silu_and_mul,
+)
 
 pytestmark = pytest.mark.skipif(cpu_ext.get_extension() is None, reason="extension unavailable")
 
@@ -108,6 +115,38 @@ def test_compiled_silu_and_mul(dtype):
     tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
     torch.testing.assert_close(silu_and_mul(gate_up), expected, **tol)
     assert silu_and_mul(gate_up).shape == (37, 200)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_gelu_tanh_and_mul(dtype):
+    torch.manual_seed(0)
+    gate_up = (torch.randn(37, 2 * 200) * 6).to(dtype)  # I = 200: vector body and scalar tail
+    gate_up[0, :4] = torch.tensor([0.0, -30.0, 30.0, 1e-3]).to(dtype)  # tanh's saturation, 0
+    gate, up = gate_up.chunk(2, dim=-1)
+    expected = torch.nn.functional.gelu(gate, approximate="tanh") * up  # HF's GeGLU
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    got = gelu_tanh_and_mul(gate_up)
+    assert got.shape == (37, 200) and got.dtype == dtype
+    torch.testing.assert_close(got, expected, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 640), (300, 640), (7, 4, 72)])
+def test_compiled_gemma_rms_norm(dtype, shape):
+    torch.manual_seed(0)
+    norm = GemmaRMSNorm(shape[-1], 1e-6).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]) * 0.5)
+    x = (torch.randn(*shape) * 3).to(dtype)
+    # HF's Gemma3RMSNorm: fp32 throughout, scaled by (1 + w), rounded once.
+    x32 = x.float()
+    expected = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + norm.eps)
+    expected = (expected * (1.0 + norm.weight.float())).to(dtype)
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    torch.testing.assert_close(norm(x), expected, **tol)
+    # A strided view (a q/k norm of the fused qkv output) gives the same numbers.
+    wide = torch.cat((x, x), dim=-1)
+    torch.testing.assert_close(norm(wide[..., : shape[-1]]), norm(x), atol=0, rtol=0)
 
 
 def test_compiled_argmax_first_index_and_nan():
