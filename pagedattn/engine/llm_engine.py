@@ -87,6 +87,7 @@ class LLMEngine:
             plan.dtype,
             vocab_size=self.vocab_size,
             eos_token_ids=self.eos_token_ids,
+            tokenizer=self.tokenizer,
         )
         self.kv_connector = None
         if cache.kv_store is not None:

@@ -26,9 +26,12 @@ class OutputProcessor:
         self.requests[ereq.request_id] = ereq
         self.add_seq(ereq, core)
 
-    def add_seq(self, ereq: EngineRequest, core: Request) -> SeqState:
-        """Track one more sequence of a request (a fork)."""
-        state = SeqState(ereq, len(ereq.seqs), core, self.tokenizer)
+    def add_seq(self, ereq: EngineRequest, core: Request, num_pending: int = 0) -> SeqState:
+        """Track one more sequence of a request (a fork).
+
+        num_pending: its last tokens whose output is about to be processed (not yet text).
+        """
+        state = SeqState(ereq, len(ereq.seqs), core, self.tokenizer, num_pending)
         ereq.seqs.append(state)
         self.seq_of[core.request_id] = state
         return state
@@ -86,7 +89,7 @@ class OutputProcessor:
             if state is None and out.fork is not None:
                 parent = self.seq_of.get(out.forked_from)
                 if parent is not None:
-                    state = self.add_seq(parent.owner, out.fork)
+                    state = self.add_seq(parent.owner, out.fork, len(out.new_token_ids))
             if state is None:
                 continue  # aborted meanwhile
             ereq = state.owner

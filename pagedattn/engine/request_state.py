@@ -23,7 +23,10 @@ _FINISH_REASON = {
 class SeqState:
     """One of the n sequences of a request: its core Request, text so far and stop state."""
 
-    def __init__(self, owner: EngineRequest, index: int, core: Request, tokenizer) -> None:
+    def __init__(
+        self, owner: EngineRequest, index: int, core: Request, tokenizer, num_pending: int = 0
+    ) -> None:
+        """num_pending: the core's last tokens that an output still to be processed carries."""
         self.owner = owner
         self.index = index
         self.core = core
@@ -32,8 +35,9 @@ class SeqState:
             tokenizer, core.prompt_token_ids, params.skip_special_tokens
         )
         self.text = ""
-        if core.output_token_ids and params.detokenize:  # a fork that starts mid-sequence
-            self.text = self.detokenizer.add_tokens(list(core.output_token_ids))
+        prior = core.output_token_ids[: len(core.output_token_ids) - num_pending]
+        if prior and params.detokenize:  # a fork that starts mid-sequence
+            self.text = self.detokenizer.add_tokens(list(prior))
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None

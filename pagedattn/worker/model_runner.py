@@ -67,6 +67,7 @@ class ModelRunner:
         *,
         vocab_size: int,
         eos_token_ids: Sequence[int] = (),
+        tokenizer=None,
     ) -> None:
         self.model = model
         self.attn_backend = attn_backend
@@ -76,6 +77,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
+        self.tokenizer = tokenizer  # for structured-output grammars
         if self.device.type == "cpu":
             flush_denormals_all_threads()
             keep_freed_heap_memory()
@@ -88,8 +90,10 @@ class ModelRunner:
         self.sampler = Sampler()
         # The second KV tier (kv_transfer.KVConnector), set by the engine when a store is used.
         self.kv_connector = None
-        # Seeded sequences' own generators, kept until the sequence finishes.
+        # Seeded sequences' own generators and structured-output matchers, kept until the
+        # sequence finishes.
         self._generators: dict[str, torch.Generator] = {}
+        self._matchers: dict[str, object] = {}
         self.last_timings = StepTimings()
 
     def copy_blocks(self, src_to_dst: Sequence[tuple[int, int]]) -> None:
@@ -102,6 +106,7 @@ class ModelRunner:
         """Run one scheduled step: block copies, the forward, then one sample per sampling row."""
         for req_id in scheduler_output.finished_req_ids:
             self._generators.pop(req_id, None)
+            self._matchers.pop(req_id, None)
         try:
             self.copy_blocks(scheduler_output.block_copies)
         except Exception as exc:
@@ -232,6 +237,7 @@ class ModelRunner:
         index = [r.logits_row for r in rows]
         if index != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(index, dtype=torch.int64))
+        matchers = [self._matcher(r) for r in rows]
         meta = build_sampling_metadata(
             [r.params for r in rows],
             [r.output_token_ids for r in rows],
@@ -239,13 +245,30 @@ class ModelRunner:
             [self._generator(r) for r in rows],
             self.vocab_size,
             self.eos_token_ids,
+            matchers=matchers if any(m is not None for m in matchers) else None,
         )
         out = self.sampler(logits, meta)
         return RunnerOutput(
             req_ids=[r.req_id for r in rows],
             sampled_token_ids=out.sampled_token_ids.tolist(),
             logprobs=out.logprobs,
+            stopped_req_ids={rows[i].req_id for i in out.terminated_rows},
         )
+
+    def _matcher(self, row: _SampleRow):
+        """The sequence's structured-output matcher (made on first sight), or None."""
+        if row.params.structured_outputs is None:
+            return None
+        matcher = self._matchers.get(row.req_id)
+        if matcher is None:
+            from pagedattn.structured_output import new_matcher
+
+            matcher = new_matcher(row.params, self.tokenizer, self.vocab_size)
+            # NOTE: a sequence forked mid-way starts where its tokens are.
+            for token in row.output_token_ids:
+                matcher.accept_token(token)
+            self._matchers[row.req_id] = matcher
+        return matcher
 
     def _generator(self, row: _SampleRow) -> torch.Generator | None:
         if row.seed is None:
