@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -19,11 +20,13 @@ logger = logging.getLogger(__name__)
 MAX_CACHED_GRAMMARS = 256
 
 
+_REGEX_SPECIAL = re.compile(r"([.^$*+?()\[\]{}|\\/-])")
+
+
 def _choice_regex(choices: tuple[str, ...]) -> str:
     """A regex matching exactly one of the strings."""
-    import re
-
-    return "(" + "|".join(re.escape(c) for c in choices) + ")"
+    # NOTE: not re.escape, which also escapes spaces ("\ "), an escape xgrammar warns about.
+    return "(" + "|".join(_REGEX_SPECIAL.sub(r"\\\1", c) for c in choices) + ")"
 
 
 class GrammarCache:
@@ -58,10 +61,16 @@ class GrammarCache:
     def _compile(self, params: StructuredOutputsParams):
         kind, spec = params.key
         try:
+            # NOTE: compact JSON (no free whitespace): a small model given "any whitespace" can
+            # emit blank lines until max_tokens and never close the object.
             if kind == "json":
-                return self._compiler.compile_json_schema(json.dumps(params.json))
+                return self._compiler.compile_json_schema(
+                    json.dumps(params.json), any_whitespace=False
+                )
             if kind == "json_object":
-                return self._compiler.compile_builtin_json_grammar()
+                return self._compiler.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False
+                )
             if kind == "regex":
                 return self._compiler.compile_regex(spec)
             if kind == "choice":
