@@ -9,6 +9,7 @@ from torch import nn
 
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from pagedattn.model.packed_linear import (
+    QUANTIZATIONS,
     LinearPlan,
     PackedLinear,
     pack_linear_layers,
@@ -101,12 +102,22 @@ class PagedCausalLM(nn.Module):
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
-    def pack_for_cpu(self, plan: LinearPlan | str | None = None) -> LinearPlan:
+    def pack_for_cpu(
+        self, plan: LinearPlan | str | None = None, quantization: str | None = None
+    ) -> LinearPlan:
         """On CPU: run every projection and the LM head on packed kernels (see packed_linear).
 
         ``plan`` is a LinearPlan, one kernel name, or None for the kernel tuner's choice
-        (measured once per CPU, model shapes and dtype, then cached). Returns the plan used.
+        (measured once per CPU, model shapes and dtype, then cached). ``quantization="int8"``
+        runs every projection and the LM head on int8 weights instead. Returns the plan used.
         """
+        if quantization is not None:
+            if quantization not in QUANTIZATIONS:
+                raise ValueError(
+                    f"quantization={quantization!r} is invalid: use None or one of "
+                    f"{', '.join(QUANTIZATIONS)}"
+                )
+            plan = LinearPlan.single(quantization)
         self._lm_head: PackedLinear | None = None
         self.linear_plan = LinearPlan.single("torch")
         if isinstance(plan, str):
@@ -122,7 +133,7 @@ class PagedCausalLM(nn.Module):
         pack_linear_layers(self, plan, exclude=(untied,) if untied is not None else ())
         weight = self.lm_head_weight().detach()
         bias = None if untied is None or untied.bias is None else untied.bias.detach()
-        if plan.head != "torch" and weight.dtype in (torch.float32, torch.bfloat16):
+        if plan.head != "torch" and weight.dtype in (torch.float32, torch.bfloat16, torch.float16):
             # NOTE: a tied head is the embedding, which lookups still need, so the LM head gets
             # its own packed copy; an untied head's nn.Linear weight is released.
             self._lm_head = PackedLinear(plan.head, weight, bias)
@@ -130,6 +141,7 @@ class PagedCausalLM(nn.Module):
                 untied.weight = nn.Parameter(
                     torch.empty(0, dtype=weight.dtype), requires_grad=False
                 )
+        self.linear_plan = plan
         return plan
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -122,11 +122,13 @@ def build_model(
     device: str | torch.device = "cpu",
     attn_backend: AttentionBackend | str | None = None,
     linear_kernel: str | None = None,
+    quantization: str | None = None,
 ) -> tuple[PagedCausalLM, PreTrainedConfig]:
     """Our model with the checkpoint's weights loaded, and the (text) config it was built from.
 
     ``linear_kernel`` forces one CPU linear kernel (packed_linear.KERNELS); None or "auto" uses
-    the kernel tuner's measured choice (or PAGEDATTN_LINEAR when set).
+    the kernel tuner's measured choice (or PAGEDATTN_LINEAR when set). ``quantization="int8"``
+    stores the projections and LM head as per-channel int8 weights (packed_linear.QUANTIZATIONS).
     """
     backend = (
         attn_backend
@@ -145,7 +147,8 @@ def build_model(
     else:
         net.load_weights(checkpoint.weights())
     net = net.eval().requires_grad_(False)
-    net.pack_for_cpu(None if linear_kernel in (None, "auto") else linear_kernel)
+    kernel = None if linear_kernel in (None, "auto") else linear_kernel
+    net.pack_for_cpu(kernel, quantization)
     return net, config
 
 
@@ -155,10 +158,11 @@ def load_model(
     device: str | torch.device = "cpu",
     attn_backend: AttentionBackend | str | None = None,
     linear_kernel: str | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load ``model`` (see ModelNotFoundError for what is accepted) on ``device`` in ``dtype``."""
     checkpoint = resolve_checkpoint(model)
-    net, config = build_model(checkpoint, dtype, device, attn_backend, linear_kernel)
+    net, config = build_model(checkpoint, dtype, device, attn_backend, linear_kernel, quantization)
     tokenizer = checkpoint.tokenizer()
     extra_eos = (
         checkpoint.generation_eos_token_ids() if isinstance(checkpoint, HFCheckpoint) else []

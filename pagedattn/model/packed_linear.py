@@ -11,6 +11,9 @@ Kernels (``KERNELS``):
   (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``); on a CPU with AMX a bf16
   GEMM runs on the tiles (``brg_matmul:avx10_1_512_amx`` in ONEDNN_VERBOSE).
 - ``torch``: plain ``F.linear``.
+- ``int8`` (``--quantization int8``, never picked by the tuner): per-output-channel symmetric int8
+  weights (scale = max |w| / 127) through torch's weight-only ``_weight_int8pack_mm``;
+  activations stay in the model's dtype. Half the weight bytes of bf16.
 
 A ``LinearPlan`` names one kernel for few rows (decode) and one for many (prefill), split at
 ``prefill_rows``, and one for the LM head; ``pagedattn.model.kernel_tuner`` picks it by measuring
@@ -31,6 +34,9 @@ from pagedattn.attention.backends import cpu_ext
 
 KERNEL_ENV = "PAGEDATTN_LINEAR"
 KERNELS = ("panels", "mkl", "onednn", "torch")
+# Weight quantizations (not tuned: they change the numbers); see PackedLinear.
+QUANTIZATIONS = ("int8",)
+INT8_MAX = 127
 AUTO = "auto"
 PANEL = 32  # output columns per panel (the C++ kernel's kPanel)
 # The batch size MKL tunes its packed layout for; any batch size works with it.
@@ -92,13 +98,15 @@ def kernel_available(kernel: str, dtype: torch.dtype) -> bool:
         return dtype == torch.float32 and mkl_packing_available()
     if kernel == "onednn":
         return onednn_available(dtype)
+    if kernel == "int8":
+        return hasattr(torch.ops.aten, "_weight_int8pack_mm")
     return False
 
 
 def usable_plan(plan: LinearPlan, dtype: torch.dtype) -> LinearPlan:
     """``plan`` with each kernel that cannot run ``dtype`` here replaced by torch."""
     for kernel in plan[:3]:
-        if kernel not in KERNELS:
+        if kernel not in (*KERNELS, *QUANTIZATIONS):
             raise ValueError(
                 f"linear kernel {kernel!r} is invalid: use one of {', '.join((AUTO, *KERNELS))}"
             )
@@ -198,6 +206,25 @@ def onednn_linear(
     return out.reshape(*x.shape[:-1], out_features)  # [..., out]
 
 
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] weight -> (int8 [N, K], scales [N] in the weight's dtype), per output channel."""
+    w = weight.float()
+    scales = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / INT8_MAX  # [N]
+    q = torch.round(w / scales[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.contiguous(), scales.to(weight.dtype)
+
+
+def int8_linear(
+    x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """x [..., K] @ (q * scales).T (+ bias) -> [..., N] in the scales' dtype."""
+    x2 = x.reshape(-1, q.shape[1]).to(scales.dtype).contiguous()  # [M, K]
+    out = torch.ops.aten._weight_int8pack_mm(x2, q, scales)  # [M, N]
+    if bias is not None:
+        out += bias
+    return out.reshape(*x.shape[:-1], q.shape[0])
+
+
 class PackedLinear:
     """One [out, in] weight (and bias) packed for one kernel; calling it computes F.linear."""
 
@@ -215,6 +242,9 @@ class PackedLinear:
         elif kernel == "onednn":
             self.packed = pack_onednn(weight)
             self.bias = None if bias is None else bias.to(weight.dtype).contiguous()
+        elif kernel == "int8":
+            self.packed, self.scales = quantize_int8(weight)
+            self.bias = None if bias is None else bias.to(weight.dtype).contiguous()
         elif kernel != "torch":
             raise ValueError(
                 f"linear kernel {kernel!r} is invalid: use one of {', '.join(KERNELS)}"
@@ -227,6 +257,8 @@ class PackedLinear:
             return packed_linear(x, self.packed, self.weight, self.bias)
         if self.kernel == "onednn":
             return onednn_linear(x, self.packed, self.out_features, self.bias)
+        if self.kernel == "int8":
+            return int8_linear(x, self.packed, self.scales, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -243,6 +275,8 @@ def packable(weight: torch.Tensor | None, kernel: str) -> bool:
         return weight.dtype == torch.float32
     if kernel == "onednn":
         return weight.dtype in (torch.float32, torch.bfloat16)
+    if kernel == "int8":
+        return weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
     return kernel == "torch"
 
 

@@ -20,6 +20,7 @@ from pagedattn.model.kernel_tuner import (
 )
 from pagedattn.model.loader import load_model
 from pagedattn.model.packed_linear import LinearPlan, pack_linear_layers
+from tests.model.paged_driver import PagedDriver
 from tests.model.test_parity import generate_paged, make_prompts
 from tests.model.tiny import make_tiny_gemma3, make_tiny_llama
 
@@ -141,6 +142,7 @@ def test_forced_kernel_skips_measuring_and_is_used(monkeypatch, tmp_path):
     else:
         assert all(m.linear_decode.kernel == forced for m in layers)
         assert model._lm_head.kernel == forced
+    assert model.linear_plan == LinearPlan.single(forced)
     monkeypatch.setenv("PAGEDATTN_LINEAR", "fastest")
     with pytest.raises(ValueError, match="PAGEDATTN_LINEAR='fastest' is invalid"):
         plan_for_shapes(LAYER, HEAD, torch.float32, must_not_measure)
@@ -193,3 +195,17 @@ def test_every_float32_kernel_keeps_hf_greedy_tokens(maker, tmp_path: Path):
                 ref = hf(torch.tensor([seq[:-1]])).logits[0].float()  # [len - 1, V]
             torch.testing.assert_close(rows, ref, atol=1e-4, rtol=1e-4, msg=str(plan))
             assert seq[len(prompt) :] == ref[len(prompt) - 1 :].argmax(-1).tolist(), plan
+
+
+def test_int8_quantized_model_tracks_float32(tmp_path: Path):
+    path = str(make_tiny_llama(tmp_path))
+    ref = load_model(path, "float32", "cpu", "torch", linear_kernel="torch").model
+    q8 = load_model(path, "float32", "cpu", "torch", quantization="int8").model
+    assert q8.linear_plan == LinearPlan.single("int8") and q8._lm_head.kernel == "int8"
+    prompt = make_prompts(128)[0]
+    expected = PagedDriver(ref).step([(0, prompt)])[0]
+    got = PagedDriver(q8).step([(0, prompt)])[0]
+    assert not torch.equal(got, expected)  # the weights really changed
+    assert (got - expected).abs().max() < 0.05 * expected.abs().max()
+    with pytest.raises(ValueError, match="quantization='int4' is invalid"):
+        load_model(path, "float32", "cpu", "torch", quantization="int4")

@@ -17,6 +17,7 @@ from pagedattn.model.packed_linear import (
     pack_panels,
     panel_kernel_available,
     panel_linear,
+    quantize_int8,
 )
 
 needs_panels = pytest.mark.skipif(not panel_kernel_available(), reason="no AVX-512 extension")
@@ -164,3 +165,27 @@ def test_keep_freed_heap_memory_stops_page_faults_on_reallocation():
     touch_fresh_tensor()
     # glibc's default would mmap and fault in all 1,536 pages again every time.
     assert touch_fresh_tensor() < 100
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_weights_compute_the_dequantised_product(dtype):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 48, bias=False)).to(dtype)
+    first = model[0]
+    q, scales = quantize_int8(first.weight.detach())
+    assert q.dtype == torch.int8 and q.abs().max() == 127 and scales.shape == (160,)
+    dequantised = q.float() * scales.float()[:, None]
+    # Rounding to the nearest step of max|w| / 127 per row: at most half a step off (plus, in
+    # bf16, the scale's own rounding: 2^-9 of it, times up to 127 steps).
+    err = (dequantised - first.weight.float()).abs().max(dim=1).values
+    slack = 0.0 if dtype == torch.float32 else 127 * 2**-9
+    assert torch.all(err <= scales.float() * (0.5 + slack) + 1e-6)
+    x = torch.randn(5, 96, dtype=dtype)
+    with torch.no_grad():
+        expected = (x.float() @ dequantised.t() + first.bias.float()).to(dtype)
+        assert pack_linear_layers(model, "int8") == 2
+        assert model[0].linear_decode.kernel == "int8"
+        got = model[0](x)
+        assert model(torch.randn(2, 3, 96, dtype=dtype)).shape == (2, 3, 48)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
