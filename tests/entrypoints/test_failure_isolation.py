@@ -27,8 +27,15 @@ MODEL = "tiny"
 class PoisonedEngine:
     """Delegates to a real LLMEngine; requests whose prompt holds POISON fail at their 2nd step."""
 
-    def __init__(self, engine, poison_id: int, fault_after_steps: int | None = None) -> None:
+    def __init__(
+        self,
+        engine,
+        poison_id: int,
+        fault_after_steps: int | None = None,
+        step_delay_s: float = 0.0,
+    ) -> None:
         self._engine = engine
+        self._step_delay_s = step_delay_s
         self._poison_id = poison_id
         self._poisoned: dict[str, int] = {}
         self._fault_after_steps = fault_after_steps
@@ -50,6 +57,7 @@ class PoisonedEngine:
 
     def step(self):
         self.num_steps += 1
+        time.sleep(self._step_delay_s)  # NOTE: a slow engine keeps requests in flight for a test
         if self._fault_after_steps is not None and self.num_steps > self._fault_after_steps:
             raise RuntimeError("injected engine fault")
         outputs = [o for o in self._engine.step() if o.request_id not in self._poisoned]
