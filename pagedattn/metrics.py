@@ -65,6 +65,32 @@ class ServerMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", E2E_BUCKETS)
+        self.failed_requests = counter(
+            "failed_requests", "Requests that failed inside a step (the engine went on)."
+        )
+        # The second KV tier (--kv-store); they stay at 0 without a store.
+        self.kv_store_hit_tokens = counter(
+            "kv_store_hit_tokens", "Prompt tokens past the local prefix hit the KV store held."
+        )
+        self.kv_store_miss_tokens = counter(
+            "kv_store_miss_tokens", "Prompt tokens past the local prefix hit the KV store lacked."
+        )
+        self.kv_store_bytes_read = counter("kv_store_bytes_read", "Bytes loaded from the KV store.")
+        self.kv_store_bytes_written = counter(
+            "kv_store_bytes_written", "Bytes written to the KV store."
+        )
+        self.kv_store_load_seconds = counter(
+            "kv_store_load_seconds", "Time loading blocks from the KV store."
+        )
+        self.kv_store_save_seconds = counter(
+            "kv_store_save_seconds", "Step time spent copying blocks out for the KV store."
+        )
+        self.kv_store_skipped_saves = counter(
+            "kv_store_skipped_saves", "Blocks not saved because the writer's queue was full."
+        )
+        self.kv_store_errors = counter(
+            "kv_store_errors", "KV store calls that failed (the engine recomputed instead)."
+        )
         self._last_totals: dict[str, float] = {}
 
     def record_engine_stats(self, stats) -> None:
@@ -78,6 +104,20 @@ class ServerMetrics:
         self._advance(self.prefix_cache_queries, "queries", stats.prefix_cache_queries)
         self._advance(self.prefix_cache_hits, "hits", stats.prefix_cache_hits)
         self._advance(self.num_preemptions, "preemptions", stats.num_preemptions)
+        self._advance(self.failed_requests, "failed", getattr(stats, "num_failed_requests", 0))
+        store = getattr(stats, "kv_store", None)
+        if store is not None:
+            for counter, key, total in (
+                (self.kv_store_hit_tokens, "store_hits", store.num_hit_tokens),
+                (self.kv_store_miss_tokens, "store_misses", store.num_miss_tokens),
+                (self.kv_store_bytes_read, "store_read", store.bytes_read),
+                (self.kv_store_bytes_written, "store_written", store.bytes_written),
+                (self.kv_store_load_seconds, "store_load_s", store.load_time_s),
+                (self.kv_store_save_seconds, "store_save_s", store.save_copy_time_s),
+                (self.kv_store_skipped_saves, "store_skipped", store.num_skipped_saves),
+                (self.kv_store_errors, "store_errors", store.num_store_errors),
+            ):
+                self._advance(counter, key, total)
 
     def _advance(self, counter: Counter, key: str, total: float) -> None:
         """Turn an engine-lifetime total into counter increments (counters only go up)."""

@@ -127,3 +127,18 @@ def test_engine_b_served_from_engine_a_blocks_through_redis(model_dir, cold):
         b.engine.close()
     finally:
         server.stop()
+
+
+def test_store_counters_reach_prometheus(model_dir, tmp_path):
+    from pagedattn.metrics import ServerMetrics
+
+    llm = _llm(model_dir, f"file://{tmp_path}/kv")
+    _generate(llm)
+    llm.engine.close()
+    metrics = ServerMetrics("tiny")
+    metrics.record_engine_stats(llm.get_stats())
+    text = metrics.render()[0].decode()
+    written = llm.get_stats().kv_store.bytes_written
+    assert written > 0
+    assert f'pagedattn_kv_store_bytes_written_total{{model_name="tiny"}} {float(written)}' in text
+    assert 'pagedattn_kv_store_miss_tokens_total{model_name="tiny"} 68.0' in text
