@@ -311,3 +311,26 @@ def test_health_after_all_of_the_above(server):
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     m = read_metrics(server.base_url)
     assert m["pagedattn_num_requests_running"] == 0
+
+
+# ---- OpenAI fields ---------------------------------------------------------------------------
+
+
+def test_echo_user_best_of_and_cached_tokens(server):
+    body = {"model": MODEL, "prompt": "hello w1 w2", "max_tokens": 3, "temperature": 0,
+            "ignore_eos": True, "echo": True, "user": "someone", "best_of": 2, "n": 1}  # fmt: skip
+    resp = _post(server, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    plain = _post(server, "/v1/completions", {**body, "echo": False, "user": None}).json()
+    assert len(data["choices"]) == 1
+    assert data["choices"][0]["text"] == "hello w1 w2" + plain["choices"][0]["text"]
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+    body.update(stream=True, stream_options={"include_usage": True}, best_of=None)
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                      headers=_headers(), timeout=30) as r:  # fmt: skip
+        events = [json.loads(line[6:]) for line in r.iter_lines()
+                  if line.startswith("data: {")]  # fmt: skip
+    text = "".join(c["text"] for e in events for c in e["choices"])
+    assert text == data["choices"][0]["text"]
+    assert "cached_tokens" in events[-1]["usage"]["prompt_tokens_details"]
