@@ -296,17 +296,6 @@ def test_query_secrets_never_reach_the_access_log(server):
     )
 
 
-# ---- defect 8: no max_tokens ----------------------------------------------------------------
-
-
-def test_chat_without_max_tokens_runs_to_a_stop(server):
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "temperature": 0}
-    resp = _post(server, "/v1/chat/completions", body)
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["finish_reason"] in ("stop", "length")
-    assert "cached_tokens" in resp.json()["usage"]["prompt_tokens_details"]
-
-
 def test_health_after_all_of_the_above(server):
     assert httpx.get(f"{server.base_url}/health").status_code == 200
     m = read_metrics(server.base_url)
@@ -334,3 +323,17 @@ def test_echo_user_best_of_and_cached_tokens(server):
     text = "".join(c["text"] for e in events for c in e["choices"])
     assert text == data["choices"][0]["text"]
     assert "cached_tokens" in events[-1]["usage"]["prompt_tokens_details"]
+
+
+def test_echo_with_logprobs_covers_the_prompt(server):
+    body = {"model": MODEL, "prompt": "hello w1 w2", "max_tokens": 2, "temperature": 0,
+            "ignore_eos": True, "echo": True, "logprobs": 1}  # fmt: skip
+    resp = _post(server, "/v1/completions", body)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    lp = data["choices"][0]["logprobs"]
+    num_prompt = data["usage"]["prompt_tokens"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == num_prompt + 2
+    assert lp["token_logprobs"][0] is None  # nothing comes before the first prompt token
+    assert all(x is not None and x <= 0 for x in lp["token_logprobs"][1:])
+    assert lp["text_offset"] == sorted(lp["text_offset"])
