@@ -1,0 +1,174 @@
+"""Quantized weights: quality next to speed, against the same model unquantized.
+
+    python -m pagedattn.benchmarks.bench_quant [--model M] [--dtype bfloat16] [--quantization int8]
+        [--new-tokens 32] [--threads 2]
+
+For the reference (``--dtype``, the kernel tuner's plan) and the quantized model it prints:
+greedy agreement on a fixed prompt set (identical continuations, and the share of tokens before
+the first divergence), the mean token NLL (and perplexity) of a fixed text and its delta, and
+batch-1 speed: the median decode-step time over the greedy runs and the weight bytes per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import time
+
+import torch
+
+from pagedattn.attention import AttentionMetadata, get_attn_backend
+from pagedattn.model.base import PagedCausalLM
+from pagedattn.model.cpu_features import describe_cpu
+from pagedattn.model.loader import load_model
+
+PROMPTS = (
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "To make a cup of tea, first",
+    "The largest planet in our solar system is",
+    "In machine learning, overfitting means",
+)
+TEXT = (
+    "The history of computing is longer than the history of computing hardware and modern "
+    "computing technology and includes the history of methods intended for pen and paper or for "
+    "chalk and slate, with or without the aid of tables. Digital computing is intimately tied to "
+    "the representation of numbers. But long before abstractions like the number arose, there "
+    "were mathematical concepts to serve the purposes of civilization. These concepts are "
+    "implicit in concrete practices such as one-to-one correspondence, the basis of counting, "
+    "and comparison of quantities. Eventually, the concept of numbers became concrete and "
+    "familiar enough for counting to arise, at times with sing-song mnemonics to teach "
+    "sequences to others."
+)
+BLOCK_SIZE = 16
+
+
+class SequenceRunner:
+    """One sequence at a time through a model's paged cache (contiguous blocks)."""
+
+    def __init__(self, model: PagedCausalLM, max_len: int) -> None:
+        self.model = model
+        backend = get_attn_backend(None, "cpu")
+        self.num_blocks = -(-max_len // BLOCK_SIZE)
+        self.kv_caches = [
+            backend.allocate_kv_cache(
+                self.num_blocks, BLOCK_SIZE, model.num_kv_heads, model.head_size, model.dtype, "cpu"
+            )
+            for _ in range(model.num_layers)
+        ]
+        self.num_groups = len(model.kv_cache_group_windows())
+
+    @torch.inference_mode()
+    def forward(self, tokens: list[int], start: int) -> torch.Tensor:
+        """Feed ``tokens`` at positions start.. (cache holds 0..start); float32 logits [T, V]."""
+        seq_len = start + len(tokens)
+        blocks = list(range(-(-seq_len // BLOCK_SIZE)))
+        metadata = [
+            AttentionMetadata.build([len(tokens)], [seq_len], [blocks], BLOCK_SIZE)
+            for _ in range(self.num_groups)
+        ]
+        hidden = self.model(
+            torch.tensor(tokens), torch.arange(start, seq_len), self.kv_caches, metadata
+        )
+        return self.model.compute_logits(hidden)
+
+    def greedy(self, prompt: list[int], num_new: int) -> tuple[list[int], list[float]]:
+        """Greedy continuation and the time of each decode step (seconds)."""
+        nxt = int(self.forward(prompt, 0)[-1].argmax())
+        out, times = [nxt], []
+        for i in range(num_new - 1):
+            t0 = time.perf_counter()
+            nxt = int(self.forward([nxt], len(prompt) + i)[-1].argmax())
+            times.append(time.perf_counter() - t0)
+            out.append(nxt)
+        return out, times
+
+    def mean_nll(self, tokens: list[int]) -> float:
+        """Mean negative log-likelihood of tokens[1:] given their prefixes (one prefill)."""
+        logprobs = torch.log_softmax(self.forward(tokens, 0)[:-1], dim=-1)  # [T - 1, V]
+        target = torch.tensor(tokens[1:])
+        return float(-logprobs.gather(1, target[:, None]).mean())
+
+
+def weight_bytes(model: PagedCausalLM) -> int:
+    """Bytes of the packed linear weights a decode step reads (int8 codes and scales included)."""
+    total = 0
+    packed = [getattr(m, "linear_decode", None) for m in model.modules()]
+    for p in [*packed, getattr(model, "_lm_head", None)]:
+        if p is None:
+            continue
+        for t in (p.packed if p.kernel != "onednn" else None, p.weight, getattr(p, "scales", None)):
+            if t is not None:
+                total += t.numel() * t.element_size()
+        if p.kernel == "onednn":
+            total += p.out_features * p.in_features * p.packed.element_size()
+    return total
+
+
+def evaluate(model: PagedCausalLM, prompts: list[list[int]], text: list[int], num_new: int):
+    max_len = max(len(text), max(len(p) for p in prompts) + num_new) + BLOCK_SIZE
+    runner = SequenceRunner(model, max_len)
+    runner.greedy(prompts[0], 4)  # warm-up
+    outputs, step_times = [], []
+    for prompt in prompts:
+        out, times = runner.greedy(prompt, num_new)
+        outputs.append(out)
+        step_times += times
+    return outputs, runner.mean_nll(text), statistics.median(step_times)
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> tuple[int, float]:
+    """(continuations identical, mean share of tokens before the first divergence)."""
+    same, shares = 0, []
+    for a, b in zip(ref, got, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+        same += n == len(a)
+        shares.append(n / len(a))
+    return same, sum(shares) / len(shares)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", default=None)
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--quantization", default="int8", choices=("int8",))
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print(f"machine: {describe_cpu()}")
+    ref = load_model(args.model, args.dtype, "cpu")
+    quant = load_model(args.model, args.dtype, "cpu", quantization=args.quantization)
+    tok = ref.tokenizer
+    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
+    text = tok(TEXT, add_special_tokens=False).input_ids
+    rows = {}
+    for name, loaded in ((args.dtype, ref), (f"{args.quantization} ({args.dtype})", quant)):
+        outputs, nll, step_s = evaluate(loaded.model, prompts, text, args.new_tokens)
+        rows[name] = (outputs, nll, step_s, weight_bytes(loaded.model))
+    (ref_out, ref_nll, _, _), (q_out, q_nll, _, _) = rows.values()
+    same, share = agreement(ref_out, q_out)
+    print(
+        f"model {ref.model_name}; {len(prompts)} prompts x {args.new_tokens} greedy tokens; "
+        f"NLL over {len(text) - 1} tokens of a fixed text"
+    )
+    print("\n| weights | batch-1 decode step ms | weight MiB | mean NLL | perplexity |")
+    print("|---|---|---|---|---|")
+    for name, (_, nll, step_s, nbytes) in rows.items():
+        print(
+            f"| {name} | {step_s * 1e3:.1f} | {nbytes / 2**20:.0f} | {nll:.4f} | "
+            f"{math.exp(nll):.2f} |"
+        )
+    print(
+        f"\ngreedy agreement: {same}/{len(prompts)} continuations identical, "
+        f"{share:.1%} of tokens before the first divergence; NLL delta {q_nll - ref_nll:+.4f}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
