@@ -18,6 +18,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,12 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--replicas" or a.startswith(("--replicas=", "--router")) for a in argv):
+        # NOTE: `pagedattn bench serve --replicas N --router R`: the Ray Serve replicas benchmark.
+        from pagedattn.benchmarks.bench_replicas import main as replicas_main
+
+        return replicas_main(argv)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model", default=None, help="HF folder or .gguf (default: SmolLM2-135M)")

@@ -484,6 +484,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging"
     )
     add_limit_args(g)
+    from pagedattn.distributed.args import add_distributed_args
+
+    add_distributed_args(parser)
 
 
 def add_limit_args(group) -> None:
@@ -506,6 +509,14 @@ def add_limit_args(group) -> None:
 def run_server(args: argparse.Namespace) -> int:
     """Load the model, serve until SIGINT/SIGTERM, finish or abort in-flight requests, return 0."""
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from pagedattn.distributed.args import uses_replicas, validate_distributed_args
+
+    validate_distributed_args(args)
+    if uses_replicas(args):
+        # NOTE: N engine replicas behind one endpoint, on Ray Serve (the `ray` extra).
+        from pagedattn.distributed.serve_app import run_replicas
+
+        return run_replicas(args, EngineConfig.from_cli(args))
     engine = LLMEngine(EngineConfig.from_cli(args), verbose=True)
     api_keys = list(args.api_key or []) or _keys_from_env()
     app = build_app(
