@@ -220,6 +220,19 @@ class ModelConfig:
     )
     device: str = option("cpu", "cpu or cuda[:N]")
     seed: int = option(0, "seed of the engine's random state (requests without their own seed)")
+    linear_kernel: str = option(
+        "auto",
+        "the CPU linear kernel; auto: each one timed on the model's shapes at the first start on "
+        "a machine (cached per CPU, dtype and shapes), the fastest per batch size. "
+        "PAGEDATTN_LINEAR forces one too, PAGEDATTN_RETUNE=1 measures again",
+        choices=("auto", "panels", "mkl", "onednn", "torch"),
+    )
+    quantization: str | None = option(
+        None,
+        "int8: per-channel int8 weights (half the bytes of bf16; output no longer HF's)",
+        choices=(None, "int8"),
+        default_text="none",
+    )
 
     def __post_init__(self) -> None:
         if self.model is not None and not isinstance(self.model, str):

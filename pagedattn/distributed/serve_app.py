@@ -358,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from pagedattn.config import EngineConfig
     from pagedattn.distributed.args import add_distributed_args
-    from pagedattn.entrypoints.openai.server import add_serve_args
+    from pagedattn.entrypoints.args import add_serve_args
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

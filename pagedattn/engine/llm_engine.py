@@ -27,6 +27,7 @@ from pagedattn.model.loader import load_model
 from pagedattn.sampling_params import InvalidSamplingParamsError, SamplingParams
 from pagedattn.worker.kv_cache_sizing import plan_kv_cache
 from pagedattn.worker.model_runner import BlockCopyError, ModelRunner
+from pagedattn.worker.sampling_metadata import make_generator
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,17 @@ class LLMEngine:
         device = torch.device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, device)
         backend = get_attn_backend(config.attn_backend, device)
-        loaded = load_model(config.model.model, dtype, device, backend)
+        model_config = config.model
+        loaded = load_model(
+            model_config.model,
+            dtype,
+            device,
+            backend,
+            linear_kernel=None
+            if model_config.linear_kernel == "auto"
+            else model_config.linear_kernel,
+            quantization=model_config.quantization,
+        )
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.model_name
@@ -100,6 +111,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler, cache, self.kv_cache_manager, self.max_model_len, self.kv_connector
         )
+        # NOTE: requests without a seed of their own draw from one generator seeded here.
+        self.runner.sampler.generator = make_generator(config.model.seed, device)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._core_ids = itertools.count()

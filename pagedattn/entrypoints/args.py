@@ -94,3 +94,60 @@ def options_markdown() -> str:
             rows.append(f"| {flags} | {keyword}{formatter._expand_help(action)} |")
         tables.append("\n".join(rows))
     return "\n\n".join(tables)
+
+
+# `pagedattn serve`'s options live here, not in the server module, so that parsing the command
+# line does not import the web stack (FastAPI, uvicorn) for generate, chat or bench.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """Options of `pagedattn serve`: the engine's plus host, port, keys and model name."""
+    add_engine_args(parser)
+    g = parser.add_argument_group("server options")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument(
+        "--api-key",
+        action="extend",
+        nargs="+",
+        default=None,
+        help="accepted API keys (repeatable); each key gets its own prefix-cache namespace "
+        "(default: PAGEDATTN_API_KEY's comma-separated keys, else no key needed)",
+    )
+    g.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients must send (default: the model's name)",
+    )
+    g.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
+        help="seconds in-flight requests may finish after SIGTERM/SIGINT before being aborted",
+    )
+    g.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging"
+    )
+    add_limit_args(g)
+    from pagedattn.distributed.args import add_distributed_args
+
+    add_distributed_args(parser)
+
+
+def add_limit_args(group) -> None:
+    """The server's request limits (body size, prompt size)."""
+    group.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body accepted (413 above it)",
+    )
+    group.add_argument(
+        "--max-prompt-chars",
+        type=int,
+        default=None,
+        help="longest prompt text accepted before tokenising (default: max_model_len times the "
+        "longest token's length, the most that could ever fit)",
+    )

@@ -12,6 +12,7 @@ from pagedattn.entrypoints.args import (
     HelpFormatter,
     add_engine_args,
     add_sampling_args,
+    add_serve_args,
     build_llm,
     sampling_params,
 )
@@ -148,8 +149,6 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=cmd_chat)
 
     serve = add("serve", "OpenAI-compatible HTTP server")
-    from pagedattn.entrypoints.openai.server import add_serve_args
-
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 

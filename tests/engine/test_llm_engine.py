@@ -214,3 +214,17 @@ def test_prompt_logprobs_score_every_prompt_token(llm):
     assert entries[-1][token].logprob == pytest.approx(sampled_lp, abs=1e-4)
     assert entries[-1][token].rank == 1  # greedy picked it
     _assert_all_free(llm)
+
+
+def test_linear_kernel_and_quantization_options_reach_the_model(tmp_path):
+    path = make_tiny_llama(tmp_path)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = LLM(path, dtype="float32", num_blocks=32, block_size=4, linear_kernel="panels")
+    forced = LLM(path, dtype="float32", num_blocks=32, block_size=4, linear_kernel="torch")
+    assert "torch" in str(forced.engine.model.linear_plan)
+    assert "panels" in str(ref.engine.model.linear_plan)
+    expected = ref.generate([PROMPT], params)[0].outputs[0].token_ids
+    assert forced.generate([PROMPT], params)[0].outputs[0].token_ids == expected
+    quant = LLM(path, dtype="float32", num_blocks=32, block_size=4, quantization="int8")
+    assert "int8" in str(quant.engine.model.linear_plan)
+    assert len(quant.generate([PROMPT], params)[0].outputs[0].token_ids) == 6

@@ -47,7 +47,11 @@ from pagedattn.config import EngineConfig
 from pagedattn.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from pagedattn.engine.errors import InvalidRequestError
 from pagedattn.engine.llm_engine import LLMEngine
-from pagedattn.entrypoints.args import HelpFormatter, add_engine_args
+from pagedattn.entrypoints.args import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    HelpFormatter,
+    add_serve_args,
+)
 from pagedattn.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -58,11 +62,9 @@ from pagedattn.entrypoints.openai.serving import APIError, OpenAIServing
 logger = logging.getLogger(__name__)
 
 STATIC_DIR = Path(__file__).parent / "static"
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DISCONNECT_POLL_S = 0.5
 # nginx's status for "the client closed the connection before the response was ready".
 CLIENT_CLOSED_REQUEST = 499
-DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
 # Paths served without an API key: aggregate counters and a static page, no prompt content.
 PUBLIC_PATHS = frozenset({"/health", "/metrics", "/dashboard"})
 # After --shutdown-timeout the requests still in flight get an error; this long to send it.
@@ -453,57 +455,6 @@ class _GracefulServer(uvicorn.Server):
         finally:
             for sig, handler in original.items():
                 signal.signal(sig, handler)
-
-
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Options of `pagedattn serve`: the engine's plus host, port, keys and model name."""
-    add_engine_args(parser)
-    g = parser.add_argument_group("server options")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument(
-        "--api-key",
-        action="extend",
-        nargs="+",
-        default=None,
-        help="accepted API keys (repeatable); each key gets its own prefix-cache namespace "
-        "(default: PAGEDATTN_API_KEY's comma-separated keys, else no key needed)",
-    )
-    g.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model id clients must send (default: the model's name)",
-    )
-    g.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-        help="seconds in-flight requests may finish after SIGTERM/SIGINT before being aborted",
-    )
-    g.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging"
-    )
-    add_limit_args(g)
-    from pagedattn.distributed.args import add_distributed_args
-
-    add_distributed_args(parser)
-
-
-def add_limit_args(group) -> None:
-    """The server's request limits (body size, prompt size)."""
-    group.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="largest request body accepted (413 above it)",
-    )
-    group.add_argument(
-        "--max-prompt-chars",
-        type=int,
-        default=None,
-        help="longest prompt text accepted before tokenising (default: max_model_len times the "
-        "longest token's length, the most that could ever fit)",
-    )
 
 
 def run_server(args: argparse.Namespace) -> int:
