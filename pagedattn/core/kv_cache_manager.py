@@ -304,6 +304,10 @@ class KVCacheManager:
             raise UnknownRequestError(f"request {request_id!r} holds no blocks")
         return tuple([b.block_id for b in m.req_to_blocks[request_id]] for m in self.managers)
 
+    def cached_block_keys(self) -> list[bytes]:
+        """Every prefix-cache key now (block hash + 4-byte group id), in no particular order."""
+        return list(self.block_pool.cached_block_hash_to_block)
+
     def take_block_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) block pairs since the last call, to run before the forward."""
         copies, self._block_copies = self._block_copies, []

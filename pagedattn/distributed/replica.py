@@ -79,7 +79,7 @@ class EngineReplica:
         self.llm_engine = engine_factory(engine_config)
         self.kv_cache_manager = self.llm_engine.kv_cache_manager
         # NOTE: events on after construction: the engine is not running yet, nothing is lost.
-        self.kv_cache_manager.block_pool.enable_kv_cache_events = True
+        self.llm_engine.enable_kv_cache_events()
         self.engine = AsyncLLMEngine(self.llm_engine)
         self.engine.start()
         self.serving = OpenAIServing(self.engine, served_model_name or self.engine.model_name)
@@ -116,7 +116,7 @@ class EngineReplica:
         # NOTE: take_events swaps the queue list in one assignment; an append racing with it lands
         # in the list it returns (GIL), so no event is lost while the engine thread steps.
         while not self._stop.wait(EVENT_DRAIN_PERIOD_S):
-            events = self.kv_cache_manager.take_events()
+            events = self.llm_engine.take_kv_events()
             if events:
                 self.publisher.publish(events)
                 if self.external_publisher is not None:
@@ -196,7 +196,7 @@ class EngineReplica:
 
     def cached_block_hashes(self) -> set[bytes]:
         """Group-0 block hashes in this replica's prefix cache now (what its events describe)."""
-        keys = list(self.kv_cache_manager.block_pool.cached_block_hash_to_block)
+        keys = self.kv_cache_manager.cached_block_keys()
         return {key[:-GROUP_ID_BYTES] for key in keys if key[-GROUP_ID_BYTES:] == _GROUP0}
 
     def check_health(self) -> None:
