@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> int:
     lines = ["# Structures: one line per module", ""]
-    for folder in ("pagedattn", "benchmarks"):
+    for folder in ("pagedattn",):
         for path in sorted((ROOT / folder).rglob("*.py")):
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
             first = doc.strip().splitlines()[0] if doc.strip() else "(package marker)"
@@ -21,7 +21,8 @@ def main() -> int:
         "Native code, one extension built on first use (`pagedattn/csrc`):",
         "- `paged_attention_cpu.cpp`: CPU paged decode attention through the block tables, and the"
         " module's bindings.",
-        "- `linear_cpu.cpp`: the panel GEMM every CPU linear layer and the LM head run on.",
+        "- `linear_cpu.cpp`: the panel GEMM, one of the linear kernels the tuner measures"
+        " (panels, MKL, oneDNN, F.linear).",
         "- `step_ops_cpu.cpp`: per-layer step ops: cache write, rotary, RMSNorm(+residual),"
         " SwiGLU, greedy argmax.",
         "- `vec_cpu.h`: shared AVX-512 helpers (exp).",
