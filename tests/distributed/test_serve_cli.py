@@ -69,20 +69,27 @@ def test_replicas_process_publishes_per_rank_and_drains_on_sigterm(tmp_path):
                 pass
             time.sleep(0.5)
         # Replica i publishes to the endpoint's port + i; between them they stored our prompt.
-        body = {"model": model.name, "prompt": "the a of to and is in it you that he",
-                "max_tokens": 2}  # fmt: skip
+        # NOTE: a replica's PUB may attach after its first events (ZMQ drops what is sent before
+        # the subscription arrives), and a repeated prompt stores no new block: so each try sends
+        # a prompt not seen before, until events arrive (bounded).
+        words = "the a of to and is in it you that he was for on are with as his they be".split()
         stored: list[BlockStored] = []
-        for _ in range(3):
+        deadline = time.monotonic() + 30
+        attempt = 0
+        while not stored and time.monotonic() < deadline:
+            prompt = " ".join(words[attempt % len(words) :] + words[: attempt % len(words)])
+            body = {"model": model.name, "prompt": prompt, "max_tokens": 2}
             r = httpx.post(f"{base}/v1/completions", json=body, timeout=60.0)
             assert r.status_code == 200, r.text
-        deadline = time.monotonic() + 10
-        while not stored and time.monotonic() < deadline:
-            for rank, sub in enumerate(subs):
-                while sub.poll(100):
-                    topic, _, payload = sub.recv_multipart()
-                    batch = decode_batch(payload)
-                    assert topic == b"kv-events" and batch.data_parallel_rank == rank
-                    stored += [e for e in batch.events if isinstance(e, BlockStored)]
+            attempt += 1
+            poll_until = time.monotonic() + 1.0
+            while time.monotonic() < poll_until:
+                for rank, sub in enumerate(subs):
+                    while sub.poll(50):
+                        topic, _, payload = sub.recv_multipart()
+                        batch = decode_batch(payload)
+                        assert topic == b"kv-events" and batch.data_parallel_rank == rank
+                        stored += [e for e in batch.events if isinstance(e, BlockStored)]
         assert stored and stored[0].block_size == 4
         # SIGTERM while a request runs: it completes, then the process exits 0.
         long_body = dict(body, max_tokens=150, ignore_eos=True)
