@@ -19,6 +19,23 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15
                40.0, 50.0, 60.0, 120.0, 240.0, 480.0)  # fmt: skip
 
 
+# (metric name, KVConnectorStats field, help) of the KV store tier's counters.
+KV_STORE_COUNTERS = (
+    ("kv_store_hit_tokens", "num_hit_tokens", "Prompt tokens past the local hit the store held."),
+    ("kv_store_miss_tokens", "num_miss_tokens", "Prompt tokens past the local hit it lacked."),
+    ("kv_store_bytes_read", "bytes_read", "Bytes loaded from the KV store."),
+    ("kv_store_bytes_written", "bytes_written", "Bytes written to the KV store."),
+    ("kv_store_load_seconds", "load_time_s", "Time loading blocks from the KV store."),
+    ("kv_store_save_seconds", "save_copy_time_s", "Step time copying blocks out for the store."),
+    (
+        "kv_store_skipped_saves",
+        "num_skipped_saves",
+        "Blocks not saved: the writer's queue was full.",
+    ),
+    ("kv_store_errors", "num_store_errors", "KV store calls that failed (recomputed instead)."),
+)
+
+
 class ServerMetrics:
     """The Prometheus metrics of one served model, in a registry of their own."""
 
@@ -69,28 +86,9 @@ class ServerMetrics:
             "failed_requests", "Requests that failed inside a step (the engine went on)."
         )
         # The second KV tier (--kv-store); they stay at 0 without a store.
-        self.kv_store_hit_tokens = counter(
-            "kv_store_hit_tokens", "Prompt tokens past the local prefix hit the KV store held."
-        )
-        self.kv_store_miss_tokens = counter(
-            "kv_store_miss_tokens", "Prompt tokens past the local prefix hit the KV store lacked."
-        )
-        self.kv_store_bytes_read = counter("kv_store_bytes_read", "Bytes loaded from the KV store.")
-        self.kv_store_bytes_written = counter(
-            "kv_store_bytes_written", "Bytes written to the KV store."
-        )
-        self.kv_store_load_seconds = counter(
-            "kv_store_load_seconds", "Time loading blocks from the KV store."
-        )
-        self.kv_store_save_seconds = counter(
-            "kv_store_save_seconds", "Step time spent copying blocks out for the KV store."
-        )
-        self.kv_store_skipped_saves = counter(
-            "kv_store_skipped_saves", "Blocks not saved because the writer's queue was full."
-        )
-        self.kv_store_errors = counter(
-            "kv_store_errors", "KV store calls that failed (the engine recomputed instead)."
-        )
+        self.kv_store_counters = {
+            field: counter(name, doc) for name, field, doc in KV_STORE_COUNTERS
+        }
         self._last_totals: dict[str, float] = {}
 
     def record_engine_stats(self, stats) -> None:
@@ -107,17 +105,8 @@ class ServerMetrics:
         self._advance(self.failed_requests, "failed", getattr(stats, "num_failed_requests", 0))
         store = getattr(stats, "kv_store", None)
         if store is not None:
-            for counter, key, total in (
-                (self.kv_store_hit_tokens, "store_hits", store.num_hit_tokens),
-                (self.kv_store_miss_tokens, "store_misses", store.num_miss_tokens),
-                (self.kv_store_bytes_read, "store_read", store.bytes_read),
-                (self.kv_store_bytes_written, "store_written", store.bytes_written),
-                (self.kv_store_load_seconds, "store_load_s", store.load_time_s),
-                (self.kv_store_save_seconds, "store_save_s", store.save_copy_time_s),
-                (self.kv_store_skipped_saves, "store_skipped", store.num_skipped_saves),
-                (self.kv_store_errors, "store_errors", store.num_store_errors),
-            ):
-                self._advance(counter, key, total)
+            for field, counter in self.kv_store_counters.items():
+                self._advance(counter, f"kv_store.{field}", getattr(store, field))
 
     def _advance(self, counter: Counter, key: str, total: float) -> None:
         """Turn an engine-lifetime total into counter increments (counters only go up)."""

@@ -218,12 +218,15 @@ class Scheduler:
             if len(self.running) >= config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
             params = request.sampling_params
             if params is not None and params.prompt_logprobs is not None:
-                # NOTE: a cached prefix has no logits: score the whole prompt (as vLLM does).
+                # NOTE: a cached prefix has no logits: score the whole prompt (as vLLM does), so
+                # neither the prefix cache nor the KV store is looked up.
                 computed_blocks, num_computed = self.kv_cache_manager.empty_kv_cache_blocks, 0
-            num_external = self._num_external_tokens(request, num_computed)
+                num_external = 0
+            else:
+                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+                num_external = self._num_external_tokens(request, num_computed)
             num_new_tokens = request.num_tokens - num_computed - num_external
             if num_new_tokens > token_budget:
                 # NOTE: without chunked prefill a prompt waits for a step with room for all of it;
@@ -311,10 +314,7 @@ class Scheduler:
 
     def _num_external_tokens(self, request: Request, num_computed: int) -> int:
         """Prompt tokens past the local prefix hit that the KV store holds (whole blocks)."""
-        params = request.sampling_params
         if self.kv_connector is None or request.block_size is None:
-            return 0
-        if params is not None and params.prompt_logprobs is not None:
             return 0
         block_size = request.block_size
         # NOTE: as for a local hit, the last token is always computed (its logits are needed).

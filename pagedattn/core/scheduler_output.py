@@ -94,11 +94,12 @@ class RunnerOutput:
 
     def merge(self, other: RunnerOutput) -> None:
         """Append another (partial) output of the same step."""
+        if other.logprobs is not None or self.logprobs is not None:
+            # NOTE: one entry per row on both sides (None for rows that asked for none).
+            mine = self.logprobs or [None] * len(self.req_ids)
+            self.logprobs = mine + (other.logprobs or [None] * len(other.req_ids))
         self.req_ids += other.req_ids
         self.sampled_token_ids += other.sampled_token_ids
-        if other.logprobs is not None or self.logprobs is not None:
-            mine = self.logprobs or [None] * (len(self.req_ids) - len(other.req_ids))
-            self.logprobs = mine + (other.logprobs or [None] * len(other.req_ids))
         self.stopped_req_ids |= other.stopped_req_ids
         self.failed.update(other.failed)
         self.prompt_logprobs.update(other.prompt_logprobs)
