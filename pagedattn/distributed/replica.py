@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -84,6 +85,7 @@ class EngineReplica:
         self.engine.start()
         self.serving = OpenAIServing(self.engine, served_model_name or self.engine.model_name)
         self.replica_id = _replica_id()
+        self.node_id = _node_id()
         host = events_host or _node_ip()
         rank = _replica_rank()
         # The router's feed: bound here on a free port, with replay, whatever the user asked for.
@@ -177,6 +179,8 @@ class EngineReplica:
         cached = self.cached_block_hashes()
         return {
             "replica_id": self.replica_id,
+            "node_id": self.node_id,
+            "pid": os.getpid(),
             "kv_events_endpoint": self.events_endpoint,
             "kv_events_replay_endpoint": self.replay_endpoint,
             "kv_events_topic": EVENTS_TOPIC,
@@ -259,6 +263,15 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:
         return "local"
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None
 
 
 def _node_ip() -> str:

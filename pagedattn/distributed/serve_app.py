@@ -317,7 +317,9 @@ def run_replicas(args, engine_config) -> int:
         sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)
     }
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        # NOTE: one HTTP proxy, on the head node: the endpoint is --host:--port of the head (a
+        # proxy on every node would also collide on the port when two nodes share a machine).
+        serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
         app = build_app(
             engine_config,
             num_replicas,
