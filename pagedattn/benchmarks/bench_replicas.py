@@ -156,6 +156,41 @@ def print_table(rows: list[dict]) -> None:
         print("| " + " | ".join(cells) + " |")
 
 
+def check_replicas(base: str, key: str, num_replicas: int, timeout_s: float = 120.0) -> dict:
+    """After a trace: wait until every replica is idle, then count leaked blocks.
+
+    A replica leaks when, idle, it holds blocks (num_free_blocks < num_usable_blocks). Also
+    reports whether the router's event index equals each replica's cached-block set.
+    """
+    headers = {"Authorization": f"Bearer {key}"}
+    deadline = time.monotonic() + timeout_s
+    stats: dict = {}
+    while time.monotonic() < deadline:
+        stats = httpx.get(f"{base}/debug/replicas", headers=headers, timeout=10.0).json()
+        idle = len(stats) == num_replicas and all(s["num_requests"] == 0 for s in stats.values())
+        if idle and all(s.get("index_digest") == s["cached_digest"] for s in stats.values()):
+            break
+        time.sleep(0.5)
+    router = httpx.get(f"{base}/debug/router", headers=headers, timeout=10.0).json()
+    counters = {}
+    for r in router["routers"]:
+        for name, value in r.items():
+            if isinstance(value, int):
+                counters[name] = counters.get(name, 0) + value
+    return {
+        "num_replicas_seen": len(stats),
+        "num_busy_replicas": sum(s["num_requests"] > 0 for s in stats.values()),
+        "leaked_blocks": {
+            uid[-6:]: s["num_usable_blocks"] - s["num_free_blocks"] for uid, s in stats.items()
+        },
+        "index_equals_cache": all(
+            s.get("index_digest") == s["cached_digest"] for s in stats.values()
+        ),
+        "routed": {uid[-6:]: s.get("num_routed", 0) for uid, s in stats.items()},
+        "router": counters,
+    }
+
+
 def _deploy(args, num_replicas: int, router: str, port: int):
     from ray import serve
 
@@ -234,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     num_cpus = max(os.cpu_count() or 1, args.replicas)
     ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     rows = []
+    all_ok = True
     try:
         port = 8765
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -250,8 +286,26 @@ def main(argv: list[str] | None = None) -> int:
                 run_trace(base, model_id, keys, trace, args.max_tokens, args.timeout)
             )
             row = summarize(name, results, makespan, args.max_tokens)
+            check = check_replicas(base, keys[0], num_replicas)
+            row["check"] = check
             rows.append(row)
             print(json.dumps(row), flush=True)
+            num_leaked = sum(check["leaked_blocks"].values())
+            ok = (
+                row["num_failed"] == 0
+                and num_leaked == 0
+                and check["num_replicas_seen"] == num_replicas
+                and check["num_busy_replicas"] == 0
+                and check["index_equals_cache"]
+            )
+            print(
+                f"{name}: {row['num_failed']} lost requests, {num_leaked} leaked blocks "
+                f"(per replica {check['leaked_blocks']}), router index equals the replicas' "
+                f"caches: {check['index_equals_cache']}, router {check['router']}"
+                + ("" if ok else "  <-- CHECK FAILED"),
+                flush=True,
+            )
+            all_ok = all_ok and ok
             serve.delete(APP_NAME)
     finally:
         serve.shutdown()
@@ -260,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
-    return 0
+    print("every configuration: 0 lost requests, 0 leaked blocks" if all_ok else "CHECK FAILED")
+    return 0 if all_ok else 1
 
 
 if __name__ == "__main__":

@@ -205,6 +205,12 @@ class OpenAIIngress:
                 out[uid] = stats
         return JSONResponse(out)
 
+    @api.get("/debug/router")
+    async def router(self, raw: Request) -> Response:
+        self.auth.authenticate(raw.headers.get("authorization"))
+        await self._ensure_router()
+        return JSONResponse({"routers": [router.policy_counters() for router in _routers()]})
+
     async def _ensure_router(self) -> None:
         # NOTE: a handle builds its request router on its first call.
         if not _routers():

@@ -134,6 +134,15 @@ class PagedRequestRouter(RequestRouter):
             r.replica_id.unique_id: dict(r.routing_stats or {}) for r in self._replicas.values()
         }
 
+    def policy_counters(self) -> dict[str, Any]:
+        """The policy's name and decision counters (prefix: hits, misses, imbalanced)."""
+        policy = self.policy
+        out: dict[str, Any] = {"policy": policy.name, "num_routed": sum(self.num_routed.values())}
+        for name in ("num_hits", "num_misses", "num_imbalanced"):
+            if hasattr(policy, name):
+                out[name] = getattr(policy, name)
+        return out
+
     def index_view(self) -> dict[str, dict[str, Any]]:
         """Per replica: what the router believes it caches (after draining the events)."""
         self.drain_events()
