@@ -9,8 +9,12 @@ from collections.abc import Iterable, Sequence
 from pagedattn.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 # How long a routing decision counts as "this replica will hold these blocks" before its own
-# BlockStored events confirm it (covers queueing and prefill of the first request of a prefix).
-DEFAULT_ROUTED_TTL_S = 30.0
+# BlockStored events confirm it. NOTE: the events come when the request is admitted, so this must
+# outlast the longest queueing delay: with 30 s, an overloaded replica's queued request lost its
+# claim before admission and the prefix's next request was sent to the other replica too
+# (computed twice, cached twice). A claim that is never confirmed (the request failed) only keeps
+# the prefix's next request on the same replica, which then computes it.
+DEFAULT_ROUTED_TTL_S = 300.0
 
 
 def hashes_digest(hashes: Iterable[bytes]) -> str:
@@ -75,6 +79,15 @@ class PrefixIndex:
     def cached_hashes(self, replica_id: str) -> set[bytes]:
         """The confirmed cached hashes of a replica (a copy)."""
         return set(self._cached.get(replica_id, ()))
+
+    def num_shared_blocks(self) -> int:
+        """Confirmed hashes cached by more than one replica (the same prefix computed twice)."""
+        seen: set[bytes] = set()
+        shared: set[bytes] = set()
+        for cached in self._cached.values():
+            shared |= seen & cached
+            seen |= cached
+        return len(shared)
 
     def num_blocks(self, replica_id: str) -> int:
         """Blocks the replica holds or was just sent (a tie-breaker: spread new prefixes)."""

@@ -135,9 +135,17 @@ class PagedRequestRouter(RequestRouter):
         }
 
     def policy_counters(self) -> dict[str, Any]:
-        """The policy's name and decision counters (prefix: hits, misses, imbalanced)."""
+        """The policy's name and decision counters (prefix: hits, misses, imbalanced), and how
+        many cached blocks more than one replica holds now (from the events)."""
+        self.drain_events()
         policy = self.policy
-        out: dict[str, Any] = {"policy": policy.name, "num_routed": sum(self.num_routed.values())}
+        with self.lock:
+            num_shared = self.index.num_shared_blocks()
+        out: dict[str, Any] = {
+            "policy": policy.name,
+            "num_routed": sum(self.num_routed.values()),
+            "num_shared_blocks": num_shared,
+        }
         for name in ("num_hits", "num_misses", "num_imbalanced"):
             if hasattr(policy, name):
                 out[name] = getattr(policy, name)

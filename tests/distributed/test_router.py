@@ -77,6 +77,26 @@ def test_equally_loaded_misses_go_to_the_replica_holding_fewer_blocks():
     assert policy.rank(["a", "b"], {"a": 0, "b": 0}, [b"6" * 16])[0] == "a"
 
 
+def test_shared_blocks_count_prefixes_cached_on_several_replicas():
+    h = hash_request_tokens(B, list(range(16)), "pagedattn")
+    index = index_with(a=h[:3], b=h[1:4], c=h[2:3])
+    assert index.num_shared_blocks() == 2  # h[1] on a and b, h[2] on all three
+    index.apply("b", make_batch([core.AllBlocksCleared()]))
+    assert index.num_shared_blocks() == 1
+
+
+def test_a_queued_requests_claim_outlasts_a_long_queue():
+    # An overloaded replica admits a request (and sends its BlockStored) minutes later; until
+    # then the prefix stays claimed, so its next request is not sent to the other replica too.
+    index = PrefixIndex()
+    index.add_replica("a")
+    index.add_replica("b")
+    h = [b"x" * 16, b"y" * 16]
+    index.note_routed("a", h, now=0.0)
+    assert index.match_length("a", h, now=120.0) == 2
+    assert index.match_length("b", h, now=120.0) == 0
+
+
 def test_routed_entries_expire():
     index = PrefixIndex(routed_ttl_s=10.0)
     index.add_replica("a")
