@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from pagedattn.distributed.router import DEFAULT_IMBALANCE_RATIO, DEFAULT_IMBALANCE_THRESHOLD
+
 
 @dataclass
 class TraceRequest:
@@ -214,6 +216,7 @@ def _deploy(args, num_replicas: int, router: str, port: int):
         api_keys=keys,
         events_host="127.0.0.1",
         imbalance_threshold=args.imbalance_threshold,
+        imbalance_ratio=args.imbalance_ratio,
         replica_num_cpus=0.5,
         routing_stats_period_s=1.0,
         seed=args.seed,
@@ -247,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-blocks", type=int, default=640, help="KV blocks per replica")
     parser.add_argument("--max-num-seqs", type=int, default=16)
-    parser.add_argument("--imbalance-threshold", type=int, default=8)
+    parser.add_argument("--imbalance-threshold", type=int, default=DEFAULT_IMBALANCE_THRESHOLD)
+    parser.add_argument("--imbalance-ratio", type=float, default=DEFAULT_IMBALANCE_RATIO)
     parser.add_argument("--threads", type=int, default=None, help="default: cores / replicas")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--out", default="bench_out/replicas.json")

@@ -40,7 +40,8 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=DEFAULT_IMBALANCE_THRESHOLD,
         metavar="K",
-        help="the prefix router ignores cache affinity while replica queues differ by more",
+        help="the prefix router ignores cache affinity while replica queues differ by more (and "
+        "the longest is also 1.5x the shortest)",
     )
     g.add_argument(
         "--replica-cpus",

@@ -16,8 +16,12 @@ from pagedattn.core.kv_cache_utils import BlockHash, hash_request_tokens
 from pagedattn.distributed.prefix_index import PrefixIndex
 
 ROUTERS = ("prefix", "pow2", "round_robin")
-# Queue-length spread (max - min) past which the prefix router ignores cache affinity.
+# Queue-length spread (max - min) past which the prefix router ignores cache affinity ...
 DEFAULT_IMBALANCE_THRESHOLD = 8
+# ... when the longest queue is also this many times the shortest (SGLang's and the vLLM router's
+# rule: two deep queues a few requests apart are both saturated, and moving a prefix between them
+# only computes it twice).
+DEFAULT_IMBALANCE_RATIO = 1.5
 
 
 class RequestHasher:
@@ -101,7 +105,8 @@ class PowerOfTwoPolicy(RoutingPolicy):
 class PrefixAwarePolicy(RoutingPolicy):
     """The replica holding the longest cached prefix, unless queues are imbalanced.
 
-    - If max(queue) - min(queue) > imbalance_threshold: least loaded first (affinity off).
+    - If max(queue) - min(queue) > imbalance_threshold and max(queue) > imbalance_ratio *
+      min(queue): least loaded first (affinity off).
     - Else the replicas with the longest match (in blocks, >= 1), shortest queue first among them.
     - A miss everywhere goes to the least loaded replica; among equally loaded ones, to the one
       holding the fewest blocks (so new prefixes spread), then at random.
@@ -114,9 +119,13 @@ class PrefixAwarePolicy(RoutingPolicy):
         index: PrefixIndex,
         imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
         seed: int | None = None,
+        imbalance_ratio: float = DEFAULT_IMBALANCE_RATIO,
     ) -> None:
+        if imbalance_ratio < 1.0:
+            raise ValueError(f"imbalance_ratio={imbalance_ratio} is invalid: use >= 1.0")
         self.index = index
         self.imbalance_threshold = imbalance_threshold
+        self.imbalance_ratio = imbalance_ratio
         self._rng = random.Random(seed)
         self.num_hits = 0
         self.num_misses = 0
@@ -130,7 +139,11 @@ class PrefixAwarePolicy(RoutingPolicy):
         if not ids or not block_hashes:
             return by_load
         loads = [queue_lens.get(r, 0) for r in ids]
-        if max(loads) - min(loads) > self.imbalance_threshold:
+        longest, shortest = max(loads), min(loads)
+        if (
+            longest - shortest > self.imbalance_threshold
+            and longest > self.imbalance_ratio * shortest
+        ):
             self.num_imbalanced += 1
             return by_load
         matches = {r: self.index.match_length(r, block_hashes) for r in ids}
@@ -150,10 +163,11 @@ def make_policy(
     index: PrefixIndex | None = None,
     imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
     seed: int | None = None,
+    imbalance_ratio: float = DEFAULT_IMBALANCE_RATIO,
 ) -> RoutingPolicy:
     """A policy by name (`ROUTERS`)."""
     if name == "prefix":
-        return PrefixAwarePolicy(index or PrefixIndex(), imbalance_threshold, seed)
+        return PrefixAwarePolicy(index or PrefixIndex(), imbalance_threshold, seed, imbalance_ratio)
     if name == "pow2":
         return PowerOfTwoPolicy(seed)
     if name == "round_robin":

@@ -24,7 +24,11 @@ from ray.serve.handle import DeploymentHandle
 
 from pagedattn.distributed.metrics_merge import merge_metrics
 from pagedattn.distributed.replica import CHAT, COMPLETION, EngineReplica
-from pagedattn.distributed.router import DEFAULT_IMBALANCE_THRESHOLD, RequestHasher
+from pagedattn.distributed.router import (
+    DEFAULT_IMBALANCE_RATIO,
+    DEFAULT_IMBALANCE_THRESHOLD,
+    RequestHasher,
+)
 from pagedattn.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -234,6 +238,7 @@ def build_app(
     secret: bytes | None = None,
     served_model_name: str | None = None,
     imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
+    imbalance_ratio: float = DEFAULT_IMBALANCE_RATIO,
     events_host: str | None = None,
     replica_num_cpus: float = 1.0,
     max_ongoing_requests: int = 256,
@@ -251,6 +256,7 @@ def build_app(
         request_router_kwargs={
             "policy": router,
             "imbalance_threshold": imbalance_threshold,
+            "imbalance_ratio": imbalance_ratio,
             "seed": seed,
         },
         request_routing_stats_period_s=routing_stats_period_s,

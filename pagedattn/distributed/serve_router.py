@@ -17,7 +17,11 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from pagedattn.distributed.kv_events import ZmqEventSubscriber
 from pagedattn.distributed.prefix_index import DEFAULT_ROUTED_TTL_S, PrefixIndex, hashes_digest
-from pagedattn.distributed.router import DEFAULT_IMBALANCE_THRESHOLD, make_policy
+from pagedattn.distributed.router import (
+    DEFAULT_IMBALANCE_RATIO,
+    DEFAULT_IMBALANCE_THRESHOLD,
+    make_policy,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,9 +38,10 @@ class PagedRequestRouter(RequestRouter):
         imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
         routed_ttl_s: float = DEFAULT_ROUTED_TTL_S,
         seed: int | None = None,
+        imbalance_ratio: float = DEFAULT_IMBALANCE_RATIO,
     ) -> None:
         self.index = PrefixIndex(routed_ttl_s)
-        self.policy = make_policy(policy, self.index, imbalance_threshold, seed)
+        self.policy = make_policy(policy, self.index, imbalance_threshold, seed, imbalance_ratio)
         self._subscribers: dict[ReplicaID, ZmqEventSubscriber] = {}
         self.num_routed: dict[str, int] = {}
         # NOTE: the ingress reads the index from its own thread; ZMQ sockets are not thread-safe.

@@ -52,6 +52,12 @@ def test_prefix_ignores_affinity_when_queues_are_imbalanced():
     assert policy.rank(["a", "b"], {"a": 4, "b": 0}, h)[0] == "a"  # spread 4: not past it
     assert policy.rank(["a", "b"], {"a": 5, "b": 0}, h)[0] == "b"
     assert policy.num_imbalanced == 1
+    # Two deep queues a few requests apart are not imbalanced (30 < 1.5 * 25): affinity holds.
+    assert policy.rank(["a", "b"], {"a": 30, "b": 25}, h)[0] == "a"
+    assert policy.rank(["a", "b"], {"a": 40, "b": 25}, h)[0] == "b"
+    assert policy.num_imbalanced == 2
+    with pytest.raises(ValueError, match="imbalance_ratio=0.5 is invalid"):
+        PrefixAwarePolicy(PrefixIndex(), imbalance_ratio=0.5)
 
 
 def test_misses_go_to_the_least_loaded_and_routed_prefixes_stick():
