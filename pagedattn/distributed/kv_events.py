@@ -224,9 +224,18 @@ class ZmqEventSubscriber:
     subscriber that joins late, or after a quiet spell, would otherwise never see a gap).
     """
 
-    def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        topic: str = "",
+        replay_endpoint: str | None = None,
+        hwm: int = 100_000,
+    ) -> None:
         self._ctx = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
+        # NOTE: the default receive HWM (1,000 messages) dropped the newest batches while the
+        # router did not poll (a replica publishes up to one batch per step); match the PUB's.
+        self._sub.set_hwm(hwm)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
         self._replay_endpoint = replay_endpoint
@@ -251,6 +260,18 @@ class ZmqEventSubscriber:
             out.append(decode_batch(payload))
             self.last_seq = seq
             wait = 0
+        return out
+
+    def catch_up(self, newest_seq: int) -> list[KVEventBatch]:
+        """Batches up to newest_seq (the publisher says it sent it): polled, then replayed.
+
+        A lost batch is seen as a gap only when a later one arrives; this finds the loss of the
+        last ones, after which nothing more may come.
+        """
+        out = self.poll(0)
+        if newest_seq > self.last_seq:
+            out.extend(self._replay(self.last_seq + 1, newest_seq + 1))
+            self.last_seq = newest_seq
         return out
 
     def _replay(self, start: int, stop: int | None) -> list[KVEventBatch]:

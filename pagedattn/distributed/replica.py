@@ -184,6 +184,7 @@ class EngineReplica:
             "kv_events_endpoint": self.events_endpoint,
             "kv_events_replay_endpoint": self.replay_endpoint,
             "kv_events_topic": EVENTS_TOPIC,
+            "kv_events_last_seq": self.publisher.next_seq - 1,
             "kv_events_external_endpoint": (
                 self.external_publisher.endpoint if self.external_publisher else None
             ),

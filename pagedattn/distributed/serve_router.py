@@ -76,7 +76,15 @@ class PagedRequestRouter(RequestRouter):
             self._sync_subscriptions()
             n = 0
             for rid, sub in self._subscribers.items():
-                for batch in sub.poll(0):
+                batches = sub.poll(0)
+                # NOTE: the replica's stats (polled every period) name its last sent batch: a
+                # loss of the last batches shows no gap until the next one, so fetch them now.
+                replica = self._replicas.get(rid)
+                stats = (replica.routing_stats or {}) if replica is not None else {}
+                newest = stats.get("kv_events_last_seq")
+                if newest is not None and newest > sub.last_seq:
+                    batches += sub.catch_up(newest)
+                for batch in batches:
                     self.index.apply(rid.unique_id, batch)
                     n += 1
             return n

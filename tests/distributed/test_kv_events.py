@@ -138,6 +138,31 @@ def test_missed_batches_come_back_from_the_replay_socket():
         pub.shutdown()
 
 
+def test_catch_up_replays_the_last_batches_lost_with_nothing_after_them():
+    pub = ZmqEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK)
+    sub = _connect(pub)
+    try:
+        for i in range(3):
+            pub.publish([core.BlockRemoved((bytes([i]),))])
+        assert len(_drain(sub, 3)) == 3
+        seen = sub.last_seq
+        for i in range(3, 5):
+            pub.publish([core.BlockRemoved((bytes([i]),))])
+        # Lose the last two on the wire (as a full receive queue does): no later batch shows
+        # the gap, so poll alone never returns them.
+        for _ in range(2):
+            assert sub._sub.poll(2000)
+            sub._sub.recv_multipart()
+        assert sub.poll(50) == [] and sub.last_seq == seen
+        got = sub.catch_up(pub.next_seq - 1)
+        assert [b.events[0].block_hashes for b in got] == [[bytes([3])], [bytes([4])]]
+        assert sub.last_seq == seen + 2 and sub.num_missed == 0
+        assert sub.catch_up(seen + 2) == []
+    finally:
+        sub.close()
+        pub.shutdown()
+
+
 def test_a_late_subscriber_gets_the_buffered_history_on_its_first_poll():
     pub = ZmqEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK)
     try:
