@@ -582,6 +582,8 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up);
 torch::Tensor gemma_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_last_dim(torch::Tensor logits);
+// decode_stack_cpu.cpp
+void register_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed", &linear_packed, "y = x @ W^T (+ bias) over 32-column weight panels");
@@ -597,4 +599,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "Paged decode attention over a flash-layout KV cache");
   m.def("set_flush_denormal_all_threads", &set_flush_denormal_all_threads,
         "Flush denormals to zero (FTZ/DAZ) in the calling thread and every intra-op thread");
+  register_decode_stack(m);
 }

@@ -11,6 +11,7 @@ from transformers import PreTrainedConfig
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.model.base import PagedCausalLM, group_layers
+from pagedattn.model.decode_stack import DecodeStack, build_decode_stack
 from pagedattn.model.layers import (
     PagedAttention,
     RMSNorm,
@@ -19,6 +20,7 @@ from pagedattn.model.layers import (
     apply_rotary_,
     silu_and_mul,
 )
+from pagedattn.model.packed_linear import LinearPlan
 
 
 @dataclass(frozen=True)
@@ -207,6 +209,15 @@ class LlamaForCausalLM(PagedCausalLM):
         if not self.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rotary_emb = RotaryEmbedding(config, self.head_size)
+        self.decode_stack: DecodeStack | None = None
+
+    def pack_for_cpu(
+        self, plan: LinearPlan | str | None = None, quantization: str | None = None
+    ) -> LinearPlan:
+        """PagedCausalLM.pack_for_cpu, then the compiled decode stack over the packed layers."""
+        plan = super().pack_for_cpu(plan, quantization)
+        self.decode_stack = build_decode_stack(self)
+        return plan
 
     def forward(
         self,
@@ -218,6 +229,10 @@ class LlamaForCausalLM(PagedCausalLM):
         """input_ids, positions [T] -> final hidden states [T, H]."""
         hidden = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, 1, head_size] each
+        stack = self.decode_stack
+        if stack is not None and stack.usable(hidden.shape[0], kv_caches, attn_metadata):
+            hidden, residual = stack.forward(hidden, cos, sin, kv_caches, attn_metadata)
+            return self.model.norm.add_and_norm(hidden, residual)[0]
         residual = None
         for i, layer in enumerate(self.model.layers):
             metadata = attn_metadata[self.layer_group[i]]

@@ -19,12 +19,17 @@ class PagedDriver:
     """
 
     def __init__(
-        self, model: PagedCausalLM, block_size: int = 4, num_blocks: int = 512, seed: int = 0
+        self,
+        model: PagedCausalLM,
+        block_size: int = 4,
+        num_blocks: int = 512,
+        seed: int = 0,
+        backend: str = "torch",
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.num_groups = len(model.kv_cache_group_windows())
-        backend = get_attn_backend("torch", "cpu")
+        backend = get_attn_backend(backend, "cpu")
         self.kv_caches = [
             backend.allocate_kv_cache(
                 num_blocks, block_size, model.num_kv_heads, model.head_size, model.dtype, "cpu"

@@ -27,7 +27,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "paged_attention_cpu.cpp"
-SOURCES = (SOURCE, SOURCE.with_name("linear_cpu.cpp"), SOURCE.with_name("step_ops_cpu.cpp"))
+SOURCES = (
+    SOURCE,
+    SOURCE.with_name("linear_cpu.cpp"),
+    SOURCE.with_name("step_ops_cpu.cpp"),
+    SOURCE.with_name("decode_stack_cpu.cpp"),
+)
 BUILD_DIR_ENV = "PAGEDATTN_EXT_DIR"
 DISABLE_ENV = "PAGEDATTN_DISABLE_CPU_EXT"
 DISABLE_STEP_OPS_ENV = "PAGEDATTN_DISABLE_STEP_OPS"  # keep attention/GEMM, use PyTorch step ops

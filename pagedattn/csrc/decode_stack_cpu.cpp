@@ -1,0 +1,183 @@
+// A Llama-family decoder stack run for decode steps in one C++ call.
+//
+// At batch 32 a SmolLM2 decode step spent ~10 ms of ~48 ms in the Python between its kernels
+// (module calls, views, checks: ~25 small calls per layer, 30 layers); at batch 1 that is half of
+// the step. DecodeStack runs the same kernels in the same order as LlamaDecoderLayer.forward
+// (rms_norm, the linear kernel the tuner chose, rotary, cache_write, paged_decode, silu_and_mul),
+// so its output is bit-identical to the Python path: only the interpreter between them is gone.
+// The Python model builds it once after the weights are packed and uses it for steps whose rows
+// are all decode rows (one query per sequence) below the linear plan's prefill split.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/extension.h>
+
+#include <utility>
+#include <vector>
+
+// paged_attention_cpu.cpp / step_ops_cpu.cpp / linear_cpu.cpp
+void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                  torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
+                  double scale, int64_t sliding_window, double soft_cap, int64_t partition_size);
+void cache_write(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
+                 torch::Tensor value_cache, torch::Tensor slot_mapping);
+void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                       c10::optional<torch::Tensor> residual);
+torch::Tensor silu_and_mul(torch::Tensor gate_up);
+torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
+                            c10::optional<torch::Tensor> bias);
+
+namespace {
+
+// The kernels of pagedattn.model.packed_linear.KERNELS, numbered as in DecodeLinear's docstring.
+enum class Kernel : int64_t { kTorch = 0, kPanels = 1, kMkl = 2, kOnednn = 3, kInt8 = 4 };
+
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                            const c10::optional<torch::Tensor>& bias) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                            c10::string_view, c10::List<std::optional<at::Scalar>>,
+                            std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(),
+                 c10::string_view(""));
+}
+
+torch::Tensor mkl_linear(const torch::Tensor& x, const torch::Tensor& packed,
+                         const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkl::_mkl_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&, int64_t)>();
+  return op.call(x, packed, weight, bias, x.size(0));
+}
+
+}  // namespace
+
+// One linear layer on the kernel the tuner chose, as PackedLinear calls it for a 2-D, contiguous
+// input in the layer's dtype. kernel: 0 torch (a = weight), 1 panels (a = panels), 2 mkl (a =
+// packed, b = weight), 3 onednn (a = packed), 4 int8 (a = int8 weight, b = scales).
+struct DecodeLinear {
+  int64_t kernel;
+  torch::Tensor a, b;
+  c10::optional<torch::Tensor> bias;
+  int64_t out_features;
+
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    switch (static_cast<Kernel>(kernel)) {
+      case Kernel::kTorch:
+        return at::linear(x, a, bias);
+      case Kernel::kPanels:
+        return linear_packed(x, a, out_features, bias);
+      case Kernel::kMkl:
+        return mkl_linear(x, a, b, bias);
+      case Kernel::kOnednn:
+        return onednn_linear(x, a, bias);
+      case Kernel::kInt8: {
+        auto out = at::_weight_int8pack_mm(x, a, b);
+        if (bias.has_value()) out.add_(*bias);
+        return out;
+      }
+    }
+    TORCH_CHECK(false, "unknown linear kernel ", kernel);
+  }
+};
+
+struct DecodeLayer {
+  torch::Tensor input_norm, post_norm;
+  DecodeLinear qkv, o, gate_up, down;
+  int64_t group;           // KV cache group (index into the per-group step inputs)
+  int64_t sliding_window;  // 0: none
+};
+
+class DecodeStack {
+ public:
+  DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_size, double eps, double scale,
+              int64_t partition_size)
+      : num_heads_(num_heads),
+        num_kv_heads_(num_kv_heads),
+        head_size_(head_size),
+        eps_(eps),
+        scale_(scale),
+        partition_size_(partition_size) {}
+
+  void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, DecodeLinear qkv,
+                 DecodeLinear o, DecodeLinear gate_up, DecodeLinear down, int64_t group,
+                 int64_t sliding_window) {
+    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o),
+                       std::move(gate_up), std::move(down), group, sliding_window});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // hidden [T, H] (the embeddings); cos/sin [T, D]; per layer its (key, value) caches; per KV
+  // cache group its slot mapping [T], block tables [T, max_blocks] int32 and seq lens [T] int32.
+  // Returns (hidden, residual) after the last layer, as the Python layers leave them.
+  std::pair<torch::Tensor, torch::Tensor> forward(
+      torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
+      const std::vector<std::pair<torch::Tensor, torch::Tensor>>& kv_caches,
+      const std::vector<torch::Tensor>& slot_mappings,
+      const std::vector<torch::Tensor>& block_tables, const std::vector<torch::Tensor>& seq_lens) {
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "DecodeStack has ", layers_.size(),
+                " layers but got ", kv_caches.size(), " KV caches");
+    TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [T, H]");
+    const int64_t T = hidden.size(0);
+    const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
+    torch::Tensor residual;
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const DecodeLayer& layer = layers_[i];
+      const auto g = static_cast<size_t>(layer.group);
+      TORCH_CHECK(g < slot_mappings.size() && g < block_tables.size() && g < seq_lens.size(),
+                  "layer ", i, " reads KV cache group ", g, " that has no step inputs");
+      torch::Tensor h;
+      if (!residual.defined()) {
+        residual = hidden;
+        h = rms_norm(hidden, layer.input_norm, eps_, c10::nullopt);
+      } else {
+        h = rms_norm(hidden, layer.input_norm, eps_, residual);
+      }
+      torch::Tensor qkv = layer.qkv(h);  // [T, q_size + 2 * kv_size]
+      rotary_inplace(qkv.narrow(1, 0, q_size + kv_size).view({T, -1, head_size_}), cos, sin);
+      auto q = qkv.narrow(1, 0, q_size).view({T, num_heads_, head_size_});
+      auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads_, head_size_});
+      auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads_, head_size_});
+      const auto& [key_cache, value_cache] = kv_caches[i];
+      cache_write(k, v, key_cache, value_cache, slot_mappings[g]);
+      q = q.contiguous();
+      auto attn = torch::empty_like(q);
+      paged_decode(attn, q, key_cache, value_cache, block_tables[g], seq_lens[g], scale_,
+                   layer.sliding_window, 0.0, partition_size_);
+      h = layer.o(attn.view({T, q_size}));
+      h = rms_norm(h, layer.post_norm, eps_, residual);
+      hidden = layer.down(silu_and_mul(layer.gate_up(h)));
+    }
+    return {hidden, residual};
+  }
+
+ private:
+  int64_t num_heads_, num_kv_heads_, head_size_;
+  double eps_, scale_;
+  int64_t partition_size_;
+  std::vector<DecodeLayer> layers_;
+};
+
+void register_decode_stack(pybind11::module& m) {
+  namespace py = pybind11;
+  py::class_<DecodeLinear>(m, "DecodeLinear")
+      .def(py::init([](int64_t kernel, torch::Tensor a, c10::optional<torch::Tensor> b,
+                       c10::optional<torch::Tensor> bias, int64_t out_features) {
+             return DecodeLinear{kernel, std::move(a), b.value_or(torch::Tensor()),
+                                 std::move(bias), out_features};
+           }),
+           py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("bias"),
+           py::arg("out_features"))
+      .def("__call__", &DecodeLinear::operator());
+  py::class_<DecodeStack>(m, "DecodeStack")
+      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>(), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_size"), py::arg("eps"), py::arg("scale"),
+           py::arg("partition_size"))
+      .def("add_layer", &DecodeStack::add_layer)
+      .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def("forward", &DecodeStack::forward);
+}

@@ -1,0 +1,115 @@
+"""The compiled decode stack gives bit-identical logits to the Python layers, and is used only
+where it can."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedattn.attention.backends import cpu_ext
+from pagedattn.model import decode_stack as decode_stack_module
+from pagedattn.model.loader import load_model
+from tests.model.paged_driver import PagedDriver
+from tests.model.tiny import make_tiny_llama, make_tiny_mistral, make_tiny_qwen2, make_tiny_qwen3
+
+pytestmark = pytest.mark.skipif(
+    cpu_ext.get_extension() is None, reason="the compiled CPU extension cannot be built here"
+)
+
+# (dtype, linear kernel or quantization) pairs the tuner or the user can pick.
+CASES = [
+    ("float32", "onednn"),
+    ("float32", "panels"),
+    ("float32", "mkl"),
+    ("float32", "torch"),
+    ("bfloat16", "onednn"),
+    ("bfloat16", "panels"),
+    ("bfloat16", "torch"),
+    ("bfloat16", "int8"),
+]
+PROMPT_LENS = (9, 17, 3)  # several blocks of 4, and one sequence shorter than a block
+DECODE_STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict:
+    """One tiny checkpoint per architecture for the whole module (saving one takes seconds)."""
+    root = tmp_path_factory.mktemp("decode-stack")
+    makers = (make_tiny_llama, make_tiny_qwen2, make_tiny_mistral, make_tiny_qwen3)
+    return {maker: maker(root) for maker in makers}
+
+
+def _load(path, dtype: str, kernel: str):
+    quantization = kernel if kernel == "int8" else None
+    linear_kernel = None if quantization else kernel
+    return load_model(str(path), dtype, "cpu", "cpu", linear_kernel, quantization).model
+
+
+def _count_stack_steps(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    real = decode_stack_module.DecodeStack.forward
+
+    def counted(self, hidden, *args):
+        calls.append(hidden.shape[0])
+        return real(self, hidden, *args)
+
+    monkeypatch.setattr(decode_stack_module.DecodeStack, "forward", counted)
+    return calls
+
+
+@pytest.mark.parametrize(("dtype", "kernel"), CASES, ids=[f"{d}-{k}" for d, k in CASES])
+@pytest.mark.parametrize("maker", [make_tiny_llama, make_tiny_qwen2, make_tiny_mistral])
+def test_stack_logits_equal_python_layers(checkpoints, monkeypatch, maker, dtype, kernel) -> None:
+    model = _load(checkpoints[maker], dtype, kernel)
+    stack = model.decode_stack
+    assert stack is not None
+    calls = _count_stack_steps(monkeypatch)
+    with_stack, python = (PagedDriver(model, seed=1, backend="cpu") for _ in range(2))
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(5, 128, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    chunks = list(enumerate(prompts))
+    for step in range(DECODE_STEPS + 1):
+        model.decode_stack = stack
+        got = with_stack.step(chunks)
+        model.decode_stack = None
+        want = python.step(chunks)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), f"step {step}: the stack's logits differ"
+        chunks = [(s, [int(g[-1].argmax())]) for s, g in enumerate(got)]
+    # The prompt step mixes prefill rows: Python layers; every decode step: the stack.
+    assert calls == [len(PROMPT_LENS)] * DECODE_STEPS
+
+
+def test_prefill_rows_and_wide_batches_stay_on_python_layers(checkpoints, monkeypatch) -> None:
+    model = _load(checkpoints[make_tiny_llama], "float32", "onednn")
+    calls = _count_stack_steps(monkeypatch)
+    model.decode_stack.max_rows = 3  # as if the plan switched to its prefill kernel at 3 rows
+    driver = PagedDriver(model, backend="cpu")
+    driver.step([(0, [5, 6, 7]), (1, [8])])  # a prefill row: never the stack
+    driver.step([(0, [9]), (1, [10])])  # 2 decode rows: the stack
+    driver.step([(0, [11]), (1, [12]), (2, [13])])  # 3 rows: the prefill kernel's, Python
+    assert calls == [2]
+
+
+def test_no_stack_where_it_could_not_match(checkpoints, monkeypatch) -> None:
+    llama = checkpoints[make_tiny_llama]
+    # q/k norm (Qwen3) is not in the compiled layer.
+    assert _load(checkpoints[make_tiny_qwen3], "float32", "onednn").decode_stack is None
+    monkeypatch.setenv(decode_stack_module.DISABLE_ENV, "1")
+    assert _load(llama, "float32", "onednn").decode_stack is None
+    monkeypatch.delenv(decode_stack_module.DISABLE_ENV)
+    monkeypatch.setenv(cpu_ext.DISABLE_STEP_OPS_ENV, "1")
+    assert _load(llama, "float32", "onednn").decode_stack is None
+    monkeypatch.delenv(cpu_ext.DISABLE_STEP_OPS_ENV)
+    # The torch attention backend (classic layout) is not the extension's decode kernel.
+    assert load_model(str(llama), "float32", "cpu", "torch").model.decode_stack is None
+
+
+def test_kv_cache_in_another_dtype_runs_python_layers(checkpoints, monkeypatch) -> None:
+    model = _load(checkpoints[make_tiny_llama], "float32", "onednn")
+    calls = _count_stack_steps(monkeypatch)
+    driver = PagedDriver(model, backend="cpu")
+    driver.kv_caches = [(k.bfloat16(), v.bfloat16()) for k, v in driver.kv_caches]
+    driver.step([(0, [5, 6, 7])])
+    driver.step([(0, [8])])
+    assert calls == []
