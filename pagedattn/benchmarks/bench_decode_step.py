@@ -25,6 +25,10 @@ KV_DTYPE_ENV = "PAGEDATTN_BENCH_KV_CACHE_DTYPE"
 # name -> (environment overrides, what it switches off)
 CONFIGS: dict[str, tuple[dict[str, str], str]] = {
     "default": ({}, "everything on (linear kernels: the kernel tuner's measured plan)"),
+    "no_decode_stack": (
+        {"PAGEDATTN_DISABLE_DECODE_STACK": "1"},
+        "the compiled decode stack (decode layers run as Python modules)",
+    ),
     "omp_passive": ({"OMP_WAIT_POLICY": "passive"}, "OpenMP threads sleep between ops"),
     "linear_panels": ({"PAGEDATTN_LINEAR": "panels"}, "the panel GEMM for every linear"),
     "linear_onednn": ({"PAGEDATTN_LINEAR": "onednn"}, "oneDNN packed at load (AMX for bf16)"),
