@@ -17,7 +17,11 @@ from pagedattn.distributed.prefix_index import PrefixIndex
 
 ROUTERS = ("prefix", "pow2", "round_robin")
 # Queue-length spread (max - min) past which the prefix router ignores cache affinity ...
-DEFAULT_IMBALANCE_THRESHOLD = 8
+# NOTE: a replica's queue length is its ongoing requests, and up to max_num_seqs of them run in
+# one batch, not waiting; with 8, bursts of a few tenants spilled prefixes (a benchmark run:
+# 32 of 150 requests, the prefix computed on both replicas). SGLang's default is 64, Ray Serve
+# LLM's prefix router never spills.
+DEFAULT_IMBALANCE_THRESHOLD = 32
 # ... when the longest queue is also this many times the shortest (SGLang's and the vLLM router's
 # rule: two deep queues a few requests apart are both saturated, and moving a prefix between them
 # only computes it twice).
