@@ -7,7 +7,9 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+from pagedattn.model.layers import PagedAttention
 from pagedattn.model.packed_linear import (
     QUANTIZATIONS,
     LinearPlan,
@@ -142,7 +144,14 @@ class PagedCausalLM(nn.Module):
                     torch.empty(0, dtype=weight.dtype), requires_grad=False
                 )
         self.linear_plan = plan
+        self._apply_attention_choice(plan.attention == "compiled")
         return plan
+
+    def _apply_attention_choice(self, compiled: bool) -> None:
+        """Point every CPU attention backend at the decode kernel the plan chose."""
+        for module in self.modules():
+            if isinstance(module, PagedAttention) and isinstance(module.backend, CpuBackend):
+                module.backend.use_compiled_decode(compiled)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V] (soft-capped when the model says so)."""

@@ -122,7 +122,7 @@ def build_decode_stack(model: nn.Module) -> DecodeStack | None:
             attn.qk_norm
             or paged.logits_soft_cap is not None
             or not isinstance(backend, CpuBackend)
-            or not backend.uses_extension
+            or not backend.uses_compiled_decode
             or layer.post_attention_layernorm.eps != eps
             or layer.input_layernorm.eps != eps
             or paged.scale != first.attn.scale

@@ -9,7 +9,11 @@ kernel that can run there (``packed_linear.KERNELS``) is timed on the model's pr
 - LM head: ``DECODE_ROWS`` rows through (up to 16k rows of) the head;
 
 and where the decode and prefill winners differ, the row count at which the prefill kernel
-starts winning. Candidates run interleaved, round after round, and each keeps its fastest pass,
+starts winning. Then the decode attention kernels (the extension's paged decode and the PyTorch
+gather + SDPA path) on ``DECODE_ROWS`` sequences of ``ATTENTION_CONTEXT`` tokens with the model's
+heads, and the thread count: the decode and prefill passes again on one thread, which the plan
+keeps only when it wins both (two vCPUs that share one core can run faster on one).
+Candidates run interleaved, round after round, and each keeps its fastest pass,
 so a busy machine slows all of them alike; when the load average says other processes hold every
 core, the kernels are timed on one thread (multi-threaded passes then mostly time waits) and
 the plan is kept only until a start on a quiet machine measures again. The plan is cached in
@@ -47,7 +51,7 @@ from pagedattn.model.packed_linear import (
 
 RETUNE_ENV = "PAGEDATTN_RETUNE"
 CACHE_FILE = "kernel_plans.json"
-PLAN_VERSION = 1  # bump when what is measured changes, so old plans are measured again
+PLAN_VERSION = 2  # bump when what is measured changes, so old plans are measured again
 DECODE_ROWS = 32
 PREFILL_ROWS = 512
 SPLIT_ROWS = (64, 128, 256)  # row counts tried for the decode -> prefill kernel switch
@@ -56,10 +60,20 @@ HEAD_MAX_OUT = 16384  # LM head rows timed (the ranking does not change past thi
 MIN_ROUNDS, MAX_ROUNDS = 3, 9
 ROUND_BUDGET_S = 1.0  # per measurement; the rounds stop after MIN_ROUNDS once it is spent
 HOPELESS = 3.0  # a kernel this many times slower than the best after a round is dropped
+ATTENTION_CONTEXT = 256  # tokens per sequence in the timed decode attention
+ATTENTION_BLOCK_SIZE = 16
 
 Shape = tuple[int, int]  # (out_features, in_features) of one weight
 # (kernels, the weights of one pass, rows) -> seconds of the fastest pass, per kernel.
 Measure = Callable[[Sequence[str], Sequence[Shape], int], dict[str, float]]
+
+
+class AttentionShape(NamedTuple):
+    """The heads of a model's attention layers."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
 
 
 class TuneResult(NamedTuple):
@@ -109,23 +123,58 @@ def measure_kernels(
                 layer(inputs[layer.in_features])
 
         passes[kernel] = one_pass
-    best = dict.fromkeys(kernels, math.inf)
-    live = list(kernels)
+    return fastest_passes(passes)
+
+
+def fastest_passes(passes: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Seconds of the fastest call of each function, called in turn round after round (a
+    function ``HOPELESS`` times slower than the best after two rounds stops being called)."""
+    best = dict.fromkeys(passes, math.inf)
+    live = list(passes)
     with torch.inference_mode():
         for one_pass in passes.values():
             one_pass()  # NOTE: warm-up; oneDNN builds its primitive on the first call
         start = time.perf_counter()
         for r in range(MAX_ROUNDS):
-            for kernel in live[r % len(live) :] + live[: r % len(live)]:
+            for name in live[r % len(live) :] + live[: r % len(live)]:
                 t0 = time.perf_counter()
-                passes[kernel]()
-                best[kernel] = min(best[kernel], time.perf_counter() - t0)
+                passes[name]()
+                best[name] = min(best[name], time.perf_counter() - t0)
             if r >= 1:
                 floor = min(best.values())
                 live = [k for k in live if best[k] <= HOPELESS * floor]
             if r + 1 >= MIN_ROUNDS and time.perf_counter() - start > ROUND_BUDGET_S:
                 break
     return best
+
+
+def measure_attention(shape: AttentionShape, dtype: torch.dtype) -> dict[str, float]:
+    """Seconds of one decode attention call per candidate: ``DECODE_ROWS`` sequences of
+    ``ATTENTION_CONTEXT`` tokens in shuffled blocks of a flash-layout cache."""
+    from pagedattn.attention.backends.cpu import CpuBackend
+    from pagedattn.attention.metadata import AttentionMetadata
+
+    block = ATTENTION_BLOCK_SIZE
+    per_seq = ATTENTION_CONTEXT // block
+    gen = torch.Generator().manual_seed(0)
+    cache_shape = (DECODE_ROWS * per_seq, block, shape.num_kv_heads, shape.head_size)
+    key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    tables = torch.randperm(cache_shape[0], generator=gen).view(DECODE_ROWS, per_seq).tolist()
+    metadata = AttentionMetadata.build(
+        [1] * DECODE_ROWS, [ATTENTION_CONTEXT] * DECODE_ROWS, tables, block
+    )
+    query = torch.randn(DECODE_ROWS, shape.num_heads, shape.head_size, generator=gen).to(dtype)
+    scale = shape.head_size**-0.5
+    backends = {"compiled": CpuBackend(), "torch": CpuBackend(use_extension=False)}
+    if not backends["compiled"].uses_extension:
+        del backends["compiled"]
+    return fastest_passes(
+        {
+            name: lambda b=backend: b.forward(query, key_cache, value_cache, metadata, scale=scale)
+            for name, backend in backends.items()
+        }
+    )
 
 
 def decode_shapes(layer_shapes: Sequence[Shape], dtype: torch.dtype) -> list[Shape]:
@@ -146,8 +195,11 @@ def tune(
     head_shape: Shape,
     dtype: torch.dtype,
     measure: Measure | None = None,
+    attention: AttentionShape | None = None,
 ) -> TuneResult:
-    """Time every candidate kernel on these shapes and pick the fastest per regime."""
+    """Time every candidate kernel on these shapes and pick the fastest per regime; with
+    ``attention``, the decode attention kernels too. On a quiet machine with several threads,
+    the linear passes again on one thread."""
     if measure is None:
 
         def measure(kernels, shapes, rows):
@@ -163,9 +215,41 @@ def tune(
         torch.set_num_threads(1)
     try:
         plan, times = _tune(layer_shapes, head_shape, dtype, kernels, measure)
+        if attention is not None:
+            times["attention"] = measure_attention(attention, dtype)
+            plan = plan._replace(attention=fastest(times["attention"]))
+        if not busy and threads > 1:
+            plan = _tune_threads(plan, layer_shapes, dtype, measure, times, threads)
     finally:
         torch.set_num_threads(threads)
     return TuneResult(plan, times, time.perf_counter() - start, busy)
+
+
+def _tune_threads(
+    plan: LinearPlan,
+    layer_shapes: Sequence[Shape],
+    dtype: torch.dtype,
+    measure: Measure,
+    times: dict[str, dict[str, float]],
+    threads: int,
+) -> LinearPlan:
+    """``plan`` with threads=1 when one thread runs both its decode and prefill passes faster
+    than ``threads`` threads, else with threads=``threads``."""
+    one_layer = list(dict.fromkeys(layer_shapes))
+    regimes = {
+        "decode": (plan.decode, decode_shapes(layer_shapes, dtype), DECODE_ROWS),
+        "prefill": (plan.prefill, one_layer, PREFILL_ROWS),
+    }
+    wins = []
+    for regime, (kernel, shapes, rows) in regimes.items():
+        torch.set_num_threads(1)
+        try:
+            single = measure([kernel], shapes, rows)[kernel]
+        finally:
+            torch.set_num_threads(threads)
+        times[f"threads_{regime}"] = {f"{threads}": times[regime][kernel], "1": single}
+        wins.append(single < times[regime][kernel])
+    return plan._replace(threads=1 if all(wins) else threads)
 
 
 def _tune(
@@ -232,6 +316,7 @@ def plan_for_shapes(
     head_shape: Shape,
     dtype: torch.dtype,
     measure: Measure | None = None,
+    attention: AttentionShape | None = None,
 ) -> LinearPlan:
     """The forced, cached or freshly measured plan for a model with these shapes in ``dtype``."""
     name = str(dtype).removeprefix("torch.")
@@ -249,7 +334,7 @@ def plan_for_shapes(
         if plan is not None:
             announce(key, f"{name}: {plan.describe()} (measured earlier; {RETUNE_ENV}=1 retunes)")
             return plan
-    result = tune(layer_shapes, head_shape, dtype, measure)
+    result = tune(layer_shapes, head_shape, dtype, measure, attention)
     entry = {
         "plan": result.plan._asdict(),
         "times_ms": {
@@ -281,4 +366,15 @@ def plan_for_model(model: nn.Module) -> LinearPlan:
     """The plan for a PagedCausalLM (its projections, its LM head and its dtype)."""
     head = None if model.tie_word_embeddings else model.lm_head
     head_shape = tuple(model.lm_head_weight().shape)
-    return plan_for_shapes(model_shapes(model, head), head_shape, model.dtype)
+    attention = model_attention_shape(model)
+    return plan_for_shapes(model_shapes(model, head), head_shape, model.dtype, None, attention)
+
+
+def model_attention_shape(model: nn.Module) -> AttentionShape | None:
+    """The heads of the model's first PagedAttention layer (None if it has none)."""
+    from pagedattn.model.layers import PagedAttention
+
+    for module in model.modules():
+        if isinstance(module, PagedAttention):
+            return AttentionShape(module.num_heads, module.num_kv_heads, module.head_size)
+    return None

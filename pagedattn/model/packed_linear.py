@@ -46,12 +46,15 @@ DEFAULT_PREFILL_ROWS = 128
 
 
 class LinearPlan(NamedTuple):
-    """Kernel for fewer than ``prefill_rows`` rows, kernel for more, and the LM head's kernel."""
+    """Kernel for fewer than ``prefill_rows`` rows, kernel for more, and the LM head's kernel;
+    the decode attention kernel and the thread count the kernel tuner measured as fastest."""
 
     decode: str
     prefill: str
     head: str
     prefill_rows: int = DEFAULT_PREFILL_ROWS
+    attention: str = "compiled"  # decode attention: the extension's kernel, or "torch"
+    threads: int = 0  # torch threads to run on; 0: as configured (nothing measured)
 
     @classmethod
     def single(cls, kernel: str) -> LinearPlan:
@@ -59,11 +62,17 @@ class LinearPlan(NamedTuple):
 
     def describe(self) -> str:
         if self.decode == self.prefill == self.head:
-            return f"linear {self.decode}"
-        return (
-            f"linear decode {self.decode}, prefill {self.prefill} (>= {self.prefill_rows} rows), "
-            f"LM head {self.head}"
-        )
+            text = f"linear {self.decode}"
+        else:
+            text = (
+                f"linear decode {self.decode}, prefill {self.prefill} (>= {self.prefill_rows} "
+                f"rows), LM head {self.head}"
+            )
+        if self.attention != "compiled":
+            text += f", decode attention {self.attention}"
+        if self.threads:
+            text += f", {self.threads} thread{'s' if self.threads > 1 else ''}"
+        return text
 
 
 def mkl_packing_available() -> bool:
@@ -111,7 +120,7 @@ def usable_plan(plan: LinearPlan, dtype: torch.dtype) -> LinearPlan:
                 f"linear kernel {kernel!r} is invalid: use one of {', '.join((AUTO, *KERNELS))}"
             )
     decode, prefill, head = (k if kernel_available(k, dtype) else "torch" for k in plan[:3])
-    return LinearPlan(decode, prefill, head, plan.prefill_rows)
+    return plan._replace(decode=decode, prefill=prefill, head=head)
 
 
 def forced_kernel() -> str | None:
@@ -283,7 +292,7 @@ def packable(weight: torch.Tensor | None, kernel: str) -> bool:
 def _plan_for(weight: torch.Tensor, plan: LinearPlan) -> LinearPlan:
     """``plan`` with every kernel that cannot run ``weight`` replaced by torch."""
     decode, prefill, head = (k if packable(weight, k) else "torch" for k in plan[:3])
-    return LinearPlan(decode, prefill, head, plan.prefill_rows)
+    return plan._replace(decode=decode, prefill=prefill, head=head)
 
 
 def _dispatch_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

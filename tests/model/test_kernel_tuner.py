@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from pagedattn.attention.backends import cpu_ext
 from pagedattn.model import kernel_tuner
 from pagedattn.model.kernel_tuner import (
     DECODE_ROWS,
@@ -31,11 +32,68 @@ FP32_KERNELS = candidates(torch.float32)
 
 @pytest.fixture(autouse=True)
 def private_cache(monkeypatch, tmp_path):
-    """Each test gets its own plan cache, no forced kernel, and a quiet machine."""
+    """Each test gets its own plan cache, no forced kernel, a quiet machine and one thread (so
+    no thread-count measurement, unless the test asks for more threads)."""
     monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.setattr(kernel_tuner, "machine_busy", lambda: False)
     monkeypatch.delenv("PAGEDATTN_LINEAR", raising=False)
     monkeypatch.delenv("PAGEDATTN_RETUNE", raising=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def threaded_measure(per_thread: dict[int, float]):
+    """A Measure whose every kernel takes per_thread[torch threads] seconds."""
+
+    def measure(kernels, shapes, rows):
+        return dict.fromkeys(kernels, per_thread[torch.get_num_threads()])
+
+    return measure
+
+
+@pytest.mark.parametrize(("one", "two", "chosen"), [(1.0, 2.0, 1), (2.0, 1.0, 2), (1.0, 1.0, 2)])
+def test_thread_count_is_measured_and_one_thread_kept_only_when_it_wins(one, two, chosen):
+    torch.set_num_threads(2)
+    result = tune(LAYER, HEAD, torch.float32, threaded_measure({1: one, 2: two}))
+    assert result.plan.threads == chosen
+    assert result.times["threads_decode"] == {"2": two, "1": one}
+    assert torch.get_num_threads() == 2  # measuring on one thread leaves the setting alone
+
+
+def test_busy_machine_measures_no_thread_count(monkeypatch):
+    monkeypatch.setattr(kernel_tuner, "machine_busy", lambda: True)
+    torch.set_num_threads(2)
+    result = tune(LAYER, HEAD, torch.float32, threaded_measure({1: 1.0, 2: 2.0}))
+    assert result.plan.threads == 0 and "threads_decode" not in result.times
+
+
+def test_attention_kernel_is_measured_and_the_fastest_chosen(monkeypatch):
+    shape = kernel_tuner.AttentionShape(num_heads=4, num_kv_heads=2, head_size=32)
+    table = {r: dict.fromkeys(FP32_KERNELS, 1.0) for r in (DECODE_ROWS, PREFILL_ROWS)}
+    result = tune(LAYER, HEAD, torch.float32, fake_measure(table), attention=shape)
+    times = result.times["attention"]
+    assert "torch" in times and all(t > 0 for t in times.values())
+    assert result.plan.attention == min(times, key=times.get)
+    slow_compiled = {"compiled": 2.0, "torch": 1.0}
+    monkeypatch.setattr(kernel_tuner, "measure_attention", lambda shape, dtype: slow_compiled)
+    result = tune(LAYER, HEAD, torch.float32, fake_measure(table), attention=shape)
+    assert result.plan.attention == "torch"
+    assert "decode attention torch" in result.plan.describe()
+
+
+def test_plan_with_torch_attention_runs_decode_on_pytorch(tmp_path, monkeypatch):
+    monkeypatch.setattr(
+        kernel_tuner,
+        "plan_for_model",
+        lambda model: LinearPlan.single("torch")._replace(attention="torch"),
+    )
+    model = load_model(str(make_tiny_llama(tmp_path)), "float32", "cpu", "cpu").model
+    backend = model.model.layers[0].self_attn.attn.backend
+    assert backend.uses_extension == (cpu_ext.get_extension() is not None)
+    assert not backend.uses_compiled_decode
+    assert model.decode_stack is None
 
 
 def fake_measure(table: dict[int, dict[str, float]], calls: list | None = None):

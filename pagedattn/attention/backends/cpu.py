@@ -100,11 +100,22 @@ class CpuBackend(AttentionBackend):
             self._use_extension = cpu_ext.get_extension() is not None
         else:
             self._use_extension = use_extension and cpu_ext.load_extension() is not None
+        self._compiled_decode = self._use_extension
 
     @property
     def uses_extension(self) -> bool:
-        """Whether decode rows run on the compiled kernel (when their dtypes allow it)."""
+        """Whether the compiled extension is in use (cache writes; decode unless switched off)."""
         return self._use_extension
+
+    @property
+    def uses_compiled_decode(self) -> bool:
+        """Whether decode rows run on the compiled kernel (when their dtypes allow it)."""
+        return self._compiled_decode
+
+    def use_compiled_decode(self, on: bool) -> None:
+        """Run decode rows on the compiled kernel (if the extension is in use) or on PyTorch
+        (the kernel tuner's choice: LinearPlan.attention)."""
+        self._compiled_decode = on and self._use_extension
 
     def reshape_and_cache(
         self,
@@ -214,7 +225,7 @@ class CpuBackend(AttentionBackend):
         logits_soft_cap: float | None,
     ) -> torch.Tensor:
         """One query per sequence: the compiled kernel, else one padded, batched SDPA."""
-        if self._use_extension and cpu_ext.supports(query, key_cache):
+        if self._compiled_decode and cpu_ext.supports(query, key_cache):
             return cpu_ext.paged_decode(
                 query,
                 key_cache,
