@@ -25,6 +25,8 @@ def main() -> int:
         " (panels, MKL, oneDNN, F.linear).",
         "- `step_ops_cpu.cpp`: per-layer step ops: cache write, rotary, RMSNorm(+residual),"
         " SwiGLU, greedy argmax.",
+        "- `decode_stack_cpu.cpp`: DecodeStack, a Llama-family decode step's layers in one call"
+        " (the same kernels, in order, as the Python layers).",
         "- `vec_cpu.h`: shared AVX-512 helpers (exp).",
         "",
     ]
