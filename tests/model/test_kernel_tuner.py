@@ -245,9 +245,10 @@ def test_every_float32_kernel_keeps_hf_greedy_tokens(maker, tmp_path: Path):
         plans.append(LinearPlan(FP32_KERNELS[0], FP32_KERNELS[-2], FP32_KERNELS[-1], 4))
     for plan in plans:
         # NOTE: "torch" leaves every weight as loaded, so the model can be packed with the plan.
-        model = load_model(str(path), "float32", "cpu", "torch", linear_kernel="torch").model
+        # The cpu attention backend: Llama's decode steps then run on the compiled decode stack.
+        model = load_model(str(path), "float32", "cpu", "cpu", linear_kernel="torch").model
         model.pack_for_cpu(plan)
-        tokens, logits = generate_paged(model, prompts, block_size=4)
+        tokens, logits = generate_paged(model, prompts, block_size=4, backend="cpu")
         for prompt, seq, rows in zip(prompts, tokens, logits, strict=True):
             with torch.no_grad():
                 ref = hf(torch.tensor([seq[:-1]])).logits[0].float()  # [len - 1, V]

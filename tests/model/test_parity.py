@@ -52,10 +52,10 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 
 
 def generate_paged(
-    model: PagedCausalLM, prompts: list[list[int]], block_size: int
+    model: PagedCausalLM, prompts: list[list[int]], block_size: int, backend: str = "torch"
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy decode through the paged cache; returns all tokens and the logits of fed tokens."""
-    driver = PagedDriver(model, block_size=block_size)
+    driver = PagedDriver(model, block_size=block_size, backend=backend)
     tokens = [list(p) for p in prompts]
     fed = [0] * len(prompts)
     rows: list[list[torch.Tensor]] = [[] for _ in prompts]
