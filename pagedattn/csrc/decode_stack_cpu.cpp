@@ -179,5 +179,7 @@ void register_decode_stack(pybind11::module& m) {
            py::arg("partition_size"))
       .def("add_layer", &DecodeStack::add_layer)
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
-      .def("forward", &DecodeStack::forward);
+      // NOTE: forward touches only tensors, so other Python threads (a server's event loop) run
+      // while a step computes, as they do between the Python layers' ops.
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
 }
