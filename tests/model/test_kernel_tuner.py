@@ -129,7 +129,10 @@ def test_tuner_picks_the_fastest_kernel_per_regime():
 
 
 def test_same_winner_needs_no_split_measurement():
-    table = {r: {"panels": 3.0, "mkl": 3.0, "onednn": 3.0, "torch": 1.0} for r in (32, 512)}
+    table = {
+        r: {"panels": 3.0, "mkl": 3.0, "onednn": 3.0, "torch": 1.0}
+        for r in (DECODE_ROWS, PREFILL_ROWS)
+    }
     calls: list = []
     result = tune(LAYER, HEAD, torch.float32, fake_measure(table, calls))
     assert result.plan == LinearPlan("torch", "torch", "torch")
@@ -137,7 +140,10 @@ def test_same_winner_needs_no_split_measurement():
 
 
 def test_plan_is_cached_and_retune_measures_again(monkeypatch, capsys):
-    table = {r: {k: (0.5 if k == "torch" else 1.0) for k in FP32_KERNELS} for r in (32, 512)}
+    table = {
+        r: {k: (0.5 if k == "torch" else 1.0) for k in FP32_KERNELS}
+        for r in (DECODE_ROWS, PREFILL_ROWS)
+    }
     calls: list = []
     plan = plan_for_shapes(LAYER, HEAD, torch.float32, fake_measure(table, calls))
     assert plan == LinearPlan.single("torch") and len(calls) == 3
@@ -152,7 +158,10 @@ def test_plan_is_cached_and_retune_measures_again(monkeypatch, capsys):
     assert other == plan and len(calls) == 6
 
     monkeypatch.setenv("PAGEDATTN_RETUNE", "1")
-    slow_torch = {r: {k: (9.0 if k == "torch" else 1.0) for k in FP32_KERNELS} for r in (32, 512)}
+    slow_torch = {
+        r: {k: (9.0 if k == "torch" else 1.0) for k in FP32_KERNELS}
+        for r in (DECODE_ROWS, PREFILL_ROWS)
+    }
     retuned = plan_for_shapes(LAYER, HEAD, torch.float32, fake_measure(slow_torch))
     assert retuned.decode == FP32_KERNELS[0] != "torch"
     monkeypatch.delenv("PAGEDATTN_RETUNE")
@@ -160,7 +169,10 @@ def test_plan_is_cached_and_retune_measures_again(monkeypatch, capsys):
 
 
 def test_busy_machine_measures_on_one_thread_and_again_when_quiet(monkeypatch, capsys):
-    table = {r: {k: (0.5 if k == "torch" else 1.0) for k in FP32_KERNELS} for r in (32, 512)}
+    table = {
+        r: {k: (0.5 if k == "torch" else 1.0) for k in FP32_KERNELS}
+        for r in (DECODE_ROWS, PREFILL_ROWS)
+    }
     seen_threads: list[int] = []
 
     def measure(kernels, shapes, rows):
