@@ -22,7 +22,7 @@ core, the kernels are timed on one thread (multi-threaded passes then mostly tim
 the plan is kept only until a start on a quiet machine measures again. The plan is cached in
 ``~/.cache/pagedattn/kernel_plans.json`` under the CPU signature, dtype, shapes, torch version and
 candidate set, and printed to stderr at start-up. ``PAGEDATTN_LINEAR=<kernel>`` forces one
-kernel; ``PAGEDATTN_RETUNE=1`` measures again. Tuning takes a few seconds (SmolLM2: ~3 s).
+kernel; ``PAGEDATTN_RETUNE=1`` measures again. Tuning takes a few seconds (SmolLM2 in bf16: ~5 s).
 """
 
 from __future__ import annotations
