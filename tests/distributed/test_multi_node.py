@@ -86,7 +86,14 @@ def test_replicas_on_two_ray_nodes(tmp_path):
                 return False
 
         _wait_until(healthy, "the endpoint answers /health", proc, log_path, STARTUP_TIMEOUT_S)
-        _wait_until(lambda: len(_replicas(base)) == 2, "2 replicas", proc, log_path, 30.0)
+
+        # NOTE: a replica is listed before Ray Serve first polls its routing stats (empty until
+        # then), so wait until both have reported theirs.
+        def reported() -> bool:
+            replicas = _replicas(base)
+            return len(replicas) == 2 and all("node_id" in s for s in replicas.values())
+
+        _wait_until(reported, "2 replicas reporting routing stats", proc, log_path, 60.0)
         replicas = _replicas(base)
         # One replica per Ray node: the two replicas report two different nodes of this cluster.
         placed = {stats["node_id"] for stats in replicas.values()}
