@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -29,9 +30,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_model_dir(tmp_dir: Path) -> Path:
-    """The tiny random llama checkpoint, with a chat template so `/v1/chat/completions` works."""
-    path = Path(make_tiny_llama(tmp_dir))
+def make_model_dir(tmp_dir: Path, **overrides: Any) -> Path:
+    """The tiny random llama checkpoint (config ``overrides`` applied), with a chat template so
+    `/v1/chat/completions` works."""
+    path = Path(make_tiny_llama(tmp_dir, **overrides))
     config_file = path / "tokenizer_config.json"
     config = json.loads(config_file.read_text()) if config_file.exists() else {}
     if not config.get("chat_template") and not (path / "chat_template.jinja").exists():

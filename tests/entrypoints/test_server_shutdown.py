@@ -17,8 +17,12 @@ MODEL = "tiny"
 
 @pytest.fixture
 def server(tmp_path):
-    model_dir = make_model_dir(tmp_path / "tiny")
-    args = ["--max-model-len", "256", "--num-blocks", "512", "--served-model-name", MODEL,
+    # NOTE: a larger tiny model and long outputs, so that the requests are still running at the
+    # 0.3 s deadline however fast decode steps get (with the compiled decode stack, the 2-layer
+    # tiny model finished 8 x 240 tokens before it).
+    model_dir = make_model_dir(tmp_path / "tiny", max_position_embeddings=4096, hidden_size=256,
+                               intermediate_size=512, num_hidden_layers=4, head_dim=64)  # fmt: skip
+    args = ["--max-model-len", "2048", "--num-blocks", "2400", "--served-model-name", MODEL,
             "--shutdown-timeout", "0.3", "--log-level", "info"]  # fmt: skip
     proc = ServerProcess(model_dir, tmp_path / "server.log", *args)
     yield proc
@@ -26,7 +30,7 @@ def server(tmp_path):
 
 
 def _body(stream: bool) -> dict:
-    return {"model": MODEL, "prompt": "hello w1 w2", "max_tokens": 240, "n": 8,
+    return {"model": MODEL, "prompt": "hello w1 w2", "max_tokens": 2000, "n": 8,
             "ignore_eos": True, "temperature": 1.0, "stream": stream}  # fmt: skip
 
 
