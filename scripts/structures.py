@@ -27,6 +27,7 @@ def main() -> int:
         " SwiGLU, greedy argmax.",
         "- `decode_stack_cpu.cpp`: DecodeStack, a Llama-family decode step's layers in one call"
         " (the same kernels, in order, as the Python layers).",
+        "- `ops_cpu.h`: the declarations of the extension's entry points shared by its files.",
         "- `vec_cpu.h`: shared AVX-512 helpers (exp).",
         "",
     ]

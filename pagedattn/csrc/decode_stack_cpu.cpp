@@ -11,21 +11,10 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/extension.h>
 
+#include "ops_cpu.h"
+
 #include <utility>
 #include <vector>
-
-// paged_attention_cpu.cpp / step_ops_cpu.cpp / linear_cpu.cpp
-void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                  torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
-                  double scale, int64_t sliding_window, double soft_cap, int64_t partition_size);
-void cache_write(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                 torch::Tensor value_cache, torch::Tensor slot_mapping);
-void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                       c10::optional<torch::Tensor> residual);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
-                            c10::optional<torch::Tensor> bias);
 
 namespace {
 

@@ -17,6 +17,7 @@
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
 
+#include "ops_cpu.h"
 #include "vec_cpu.h"
 
 #include <algorithm>
@@ -567,23 +568,6 @@ int64_t set_flush_denormal_all_threads(bool on) {
   return num_set.load();
 #endif
 }
-
-// linear_cpu.cpp
-torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
-                            c10::optional<torch::Tensor> bias);
-bool linear_packed_vectorized();
-// step_ops_cpu.cpp
-void cache_write(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                 torch::Tensor value_cache, torch::Tensor slot_mapping);
-void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
-                       c10::optional<torch::Tensor> residual);
-torch::Tensor silu_and_mul(torch::Tensor gate_up);
-torch::Tensor gemma_rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
-torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
-torch::Tensor argmax_last_dim(torch::Tensor logits);
-// decode_stack_cpu.cpp
-void register_decode_stack(pybind11::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed", &linear_packed, "y = x @ W^T (+ bias) over 32-column weight panels");
