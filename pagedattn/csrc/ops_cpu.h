@@ -12,6 +12,10 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
                             c10::optional<torch::Tensor> bias);
 bool linear_packed_vectorized();
+// linear_amx_cpu.cpp
+torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
+                         c10::optional<torch::Tensor> bias);
+bool linear_amx_available();
 // step_ops_cpu.cpp
 void cache_write(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
                  torch::Tensor value_cache, torch::Tensor slot_mapping);

@@ -26,7 +26,7 @@ from pagedattn.model.packed_linear import PackedLinear
 
 DISABLE_ENV = "PAGEDATTN_DISABLE_DECODE_STACK"
 # packed_linear kernel name -> the compiled DecodeLinear's kernel number.
-KERNEL_NUMBERS = {"torch": 0, "panels": 1, "mkl": 2, "onednn": 3, "int8": 4}
+KERNEL_NUMBERS = {"torch": 0, "panels": 1, "mkl": 2, "onednn": 3, "int8": 4, "amx": 5}
 
 
 def _decode_linear(ext, module: nn.Linear):

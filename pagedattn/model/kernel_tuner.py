@@ -50,6 +50,7 @@ from pagedattn.model.packed_linear import (
     PackedLinear,
     forced_kernel,
     kernel_available,
+    packable,
 )
 
 RETUNE_ENV = "PAGEDATTN_RETUNE"
@@ -119,7 +120,10 @@ def measure_kernels(
     inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for _, k in shapes}
     passes = {}
     for kernel in kernels:
-        layers = [PackedLinear(kernel, w, None) for w in weights]
+        # NOTE: a weight the kernel cannot take runs F.linear, as it would in the model.
+        layers = [
+            PackedLinear(kernel if packable(w, kernel) else "torch", w, None) for w in weights
+        ]
 
         def one_pass(layers=layers) -> None:
             for layer in layers:

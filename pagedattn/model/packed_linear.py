@@ -6,6 +6,9 @@ Kernels (``KERNELS``):
   k-major panels of 32 output columns in its own dtype (bf16 widened to fp32 in registers), sums
   in fp32; bf16 activations are widened and the result rounded back once. Fastest at decode
   batch sizes without AMX; slow at prefill row counts in bf16.
+- ``amx``: the AMX-BF16 tile GEMM of ``pagedattn/csrc/linear_amx_cpu.cpp`` (bf16 only, CPUs with
+  AMX): weights packed once into the tiles' own layout and streamed once per call. At decode row
+  counts it ran the SmolLM2 matmuls in about half of oneDNN's time on the AMX machine.
 - ``mkl``: MKL's packed sgemm (float32 only).
 - ``onednn``: oneDNN's inner product with the weight reordered once at load
   (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``); on a CPU with AMX a bf16
@@ -33,12 +36,14 @@ from torch import nn
 from pagedattn.attention.backends import cpu_ext
 
 KERNEL_ENV = "PAGEDATTN_LINEAR"
-KERNELS = ("panels", "mkl", "onednn", "torch")
+KERNELS = ("panels", "amx", "mkl", "onednn", "torch")
 # Weight quantizations (not tuned: they change the numbers); see PackedLinear.
 QUANTIZATIONS = ("int8",)
 INT8_MAX = 127
 AUTO = "auto"
 PANEL = 32  # output columns per panel (the C++ kernel's kPanel)
+# The AMX kernel's tile: 16 output columns by 32 k values (16 k pairs, VNNI order).
+AMX_TILE_N, AMX_TILE_K = 16, 32
 # The batch size MKL tunes its packed layout for; any batch size works with it.
 PACK_BATCH_HINT = 32
 # Rows at and above which a layer runs its prefill kernel when the plan names no split.
@@ -86,6 +91,12 @@ def panel_kernel_available() -> bool:
     return ext is not None and ext.linear_packed_vectorized()
 
 
+def amx_kernel_available() -> bool:
+    """True when the extension was built for AMX-BF16 and the OS granted this process the tiles."""
+    ext = cpu_ext.get_extension()
+    return ext is not None and ext.linear_amx_available()
+
+
 def onednn_available(dtype: torch.dtype) -> bool:
     """True when torch's oneDNN packed linear ops run ``dtype`` on this CPU."""
     if not (
@@ -103,6 +114,8 @@ def kernel_available(kernel: str, dtype: torch.dtype) -> bool:
         return True
     if kernel == "panels":
         return dtype in (torch.float32, torch.bfloat16) and panel_kernel_available()
+    if kernel == "amx":
+        return dtype == torch.bfloat16 and amx_kernel_available()
     if kernel == "mkl":
         return dtype == torch.float32 and mkl_packing_available()
     if kernel == "onednn":
@@ -181,6 +194,31 @@ def panel_linear(
     return out.to(x.dtype).reshape(*x.shape[:-1], out_features)
 
 
+def pack_amx(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 weight (N % 16 == 0, K % 32 == 0) -> [N / 16, K / 32, 16, 16, 2] AMX tiles.
+
+    Tile (n, k) row r, column c holds W[16n + c, 32k + 2r] and W[16n + c, 32k + 2r + 1]: the
+    layout TDPBF16PS reads its second operand in; a block's tiles are contiguous along K.
+    """
+    n, k = weight.shape
+    tiles = weight.reshape(n // AMX_TILE_N, AMX_TILE_N, k // AMX_TILE_K, AMX_TILE_K // 2, 2)
+    return tiles.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def amx_linear(
+    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear`` through AMX-packed tiles; x [..., K] -> [..., out_features] in bf16.
+
+    ``bias`` must be float32 (added in fp32 before the one rounding to bf16).
+    """
+    ext = cpu_ext.load_extension()
+    in_features = packed.shape[1] * AMX_TILE_K
+    x2 = x.reshape(-1, in_features).to(torch.bfloat16).contiguous()  # [M, K]
+    out = ext.linear_amx(x2, packed, out_features, bias)  # [M, N]
+    return out.reshape(*x.shape[:-1], out_features)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """Reorder a [out, in] float32 weight into MKL's packed GEMM format."""
     return torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_BATCH_HINT)
@@ -246,6 +284,9 @@ class PackedLinear:
         if kernel == "panels":
             self.packed = pack_panels(weight)
             self.bias = None if bias is None else bias.float().contiguous()
+        elif kernel == "amx":
+            self.packed = pack_amx(weight)
+            self.bias = None if bias is None else bias.float().contiguous()
         elif kernel == "mkl":
             self.packed = pack_weight(weight)
         elif kernel == "onednn":
@@ -262,6 +303,8 @@ class PackedLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel == "panels":
             return panel_linear(x, self.packed, self.out_features, self.bias)
+        if self.kernel == "amx":
+            return amx_linear(x, self.packed, self.out_features, self.bias)
         if self.kernel == "mkl":
             return packed_linear(x, self.packed, self.weight, self.bias)
         if self.kernel == "onednn":
@@ -280,6 +323,9 @@ def packable(weight: torch.Tensor | None, kernel: str) -> bool:
         return False
     if kernel == "panels":
         return weight.dtype in (torch.float32, torch.bfloat16)
+    if kernel == "amx":
+        n, k = weight.shape
+        return weight.dtype == torch.bfloat16 and n % AMX_TILE_N == 0 and k % AMX_TILE_K == 0
     if kernel == "mkl":
         return weight.dtype == torch.float32
     if kernel == "onednn":

@@ -9,6 +9,7 @@ import torch
 from pagedattn.attention.backends import cpu_ext
 from pagedattn.model import decode_stack as decode_stack_module
 from pagedattn.model.loader import load_model
+from pagedattn.model.packed_linear import kernel_available
 from tests.model.paged_driver import PagedDriver
 from tests.model.tiny import make_tiny_llama, make_tiny_mistral, make_tiny_qwen2, make_tiny_qwen3
 
@@ -26,6 +27,7 @@ CASES = [
     ("bfloat16", "panels"),
     ("bfloat16", "torch"),
     ("bfloat16", "int8"),
+    ("bfloat16", "amx"),
 ]
 PROMPT_LENS = (9, 17, 3)  # several blocks of 4, and one sequence shorter than a block
 DECODE_STEPS = 6
@@ -60,7 +62,11 @@ def _count_stack_steps(monkeypatch) -> list[int]:
 @pytest.mark.parametrize(("dtype", "kernel"), CASES, ids=[f"{d}-{k}" for d, k in CASES])
 @pytest.mark.parametrize("maker", [make_tiny_llama, make_tiny_qwen2, make_tiny_mistral])
 def test_stack_logits_equal_python_layers(checkpoints, monkeypatch, maker, dtype, kernel) -> None:
+    if not kernel_available(kernel, getattr(torch, dtype)):
+        pytest.skip(f"{kernel} cannot run {dtype} on this CPU")
     model = _load(checkpoints[maker], dtype, kernel)
+    down = model.model.layers[0].mlp.down_proj
+    assert getattr(down, "linear_decode", None) is None or down.linear_decode.kernel == kernel
     stack = model.decode_stack
     assert stack is not None
     calls = _count_stack_steps(monkeypatch)

@@ -231,10 +231,11 @@ def test_split_plan_runs_each_kernel_on_its_rows(dtype):
     if len(kernels) < 2:
         pytest.skip("one kernel only")
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(40, 72), nn.Linear(72, 24, bias=False)).to(dtype)
+    # NOTE: shapes every kernel takes (the AMX tiles need K % 32 == 0 and N % 16 == 0).
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32, bias=False)).to(dtype)
     plan = LinearPlan(kernels[0], kernels[1], kernels[0], prefill_rows=8)
     with torch.inference_mode():
-        few, many = torch.randn(7, 40, dtype=dtype), torch.randn(3, 8, 40, dtype=dtype)
+        few, many = torch.randn(7, 64, dtype=dtype), torch.randn(3, 8, 64, dtype=dtype)
         expected = (model(few), model(many))
         assert pack_linear_layers(model, plan) == 2
         assert model[0].linear_decode.kernel == kernels[0]

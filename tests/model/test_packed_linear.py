@@ -10,9 +10,12 @@ from torch import nn
 
 from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads, keep_freed_heap_memory
 from pagedattn.model.packed_linear import (
+    amx_kernel_available,
+    amx_linear,
     linear_kernel,
     mkl_packing_available,
     onednn_available,
+    pack_amx,
     pack_linear_layers,
     pack_panels,
     panel_kernel_available,
@@ -22,6 +25,7 @@ from pagedattn.model.packed_linear import (
 
 needs_panels = pytest.mark.skipif(not panel_kernel_available(), reason="no AVX-512 extension")
 needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="torch built without MKL")
+needs_amx = pytest.mark.skipif(not amx_kernel_available(), reason="no AMX-BF16 on this CPU")
 
 
 @needs_mkl
@@ -189,3 +193,41 @@ def test_int8_weights_compute_the_dequantised_product(dtype):
         assert model(torch.randn(2, 3, 96, dtype=dtype)).shape == (2, 3, 48)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), expected.float(), atol=tol, rtol=tol)
+
+
+def test_amx_packing_puts_k_pairs_side_by_side():
+    w = torch.arange(32 * 64, dtype=torch.float32).view(32, 64).to(torch.bfloat16)
+    tiles = pack_amx(w)  # [N / 16, K / 32, 16 k pairs, 16 columns, 2]
+    assert tiles.shape == (2, 2, 16, 16, 2)
+    for n_block, k_block, r, c, p in [(0, 0, 0, 0, 0), (1, 0, 3, 5, 1), (0, 1, 15, 15, 1)]:
+        expected = w[16 * n_block + c, 32 * k_block + 2 * r + p]
+        assert tiles[n_block, k_block, r, c, p] == expected
+
+
+@needs_amx
+@pytest.mark.parametrize("num_tokens", [0, 1, 15, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize("out_features", [48, 64])  # an odd and an even number of 16-column blocks
+def test_amx_linear_is_a_bf16_gemm_with_fp32_accumulation(num_tokens, out_features):
+    torch.manual_seed(0)
+    w = torch.randn(out_features, 96).to(torch.bfloat16)
+    x = torch.randn(num_tokens, 96).to(torch.bfloat16)
+    bias = torch.randn(out_features)
+    got = amx_linear(x, pack_amx(w), out_features, bias)
+    exact = x.double() @ w.double().T + bias.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (num_tokens, out_features)
+    # fp32 sums in another order, then one rounding to bf16 (a relative step of 2^-8).
+    err = (got.double() - exact).abs()
+    assert bool((err <= exact.abs() * 2**-8 + 1e-3).all()), float(err.max())
+
+
+@needs_amx
+def test_amx_layers_fall_back_where_the_tiles_do_not_fit():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 40)).to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = model(x)
+        assert pack_linear_layers(model, "amx") == 1  # 40 outputs: not whole 16-column tiles
+        assert model[0].linear_decode.kernel == "amx"
+        got = model(x)
+    torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)

@@ -30,6 +30,7 @@ SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "paged_attention_cpu.cpp
 SOURCES = (
     SOURCE,
     SOURCE.with_name("linear_cpu.cpp"),
+    SOURCE.with_name("linear_amx_cpu.cpp"),
     SOURCE.with_name("step_ops_cpu.cpp"),
     SOURCE.with_name("decode_stack_cpu.cpp"),
 )

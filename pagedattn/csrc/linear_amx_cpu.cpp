@@ -1,0 +1,219 @@
+// bf16 GEMM on AMX tiles for decode-sized row counts: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+//
+// At 32 rows a decode step's matmuls read each weight once and do 32 multiply-adds with it, so
+// they are bound by streaming the weights, not by the tiles' arithmetic. The general-purpose
+// library GEMMs (oneDNN, F.linear) ran at 300-500 GFLOP/s there on the AMX machine, about half
+// of what streaming the weights allows. This kernel keeps the weights in the tiles' own layout
+// (packed once at load) and streams each of them exactly once per call:
+//
+// - W is packed as [N / 16][K / 32] tiles of 16 k-pairs x 16 columns x 2 (the VNNI layout
+//   TDPBF16PS reads: row r of a tile holds W[n0 + c][k0 + 2r] and W[n0 + c][k0 + 2r + 1] for
+//   c = 0..15), so the tiles of one 16-column block are one contiguous run.
+// - A work item is a pair of 16-column blocks. For every chunk of 32 rows it keeps 2 x 2 fp32
+//   accumulator tiles (rows 0-15 and 16-31, both blocks), and for each 32-wide k step loads two
+//   activation tiles and two weight tiles: four TDPBF16PS per 2 KB of weights.
+// - Threads split the block pairs; activations (a few tens of KB) stay in L1/L2.
+// - The sum over k runs in fp32 on the tiles; bias is added in fp32 and the result rounded to
+//   bf16 once (round to nearest even), as oneDNN does. The order of the k sum differs from other
+//   kernels', so results agree with theirs to bf16 rounding, not bit for bit.
+//
+// Compiled only where the compiler targets AMX (-march=native on an AMX CPU); elsewhere
+// linear_amx_available() is false and pagedattn.model.packed_linear never offers the kernel.
+// Linux hands a process the tiles' state only after it asks (arch_prctl ARCH_REQ_XCOMP_PERM).
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "ops_cpu.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
+    defined(__linux__)
+#define PAGEDATTN_HAS_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace {
+
+constexpr int64_t kTileRows = 16;  // rows of an activation/accumulator tile
+constexpr int64_t kTileCols = 16;  // output columns per block (16 fp32 = 64 bytes)
+constexpr int64_t kTileK = 32;     // bf16 k values per tile row (64 bytes)
+constexpr int64_t kRowChunk = 2 * kTileRows;
+
+#ifdef PAGEDATTN_HAS_AMX
+constexpr int kArchReqXcompPerm = 0x1023;
+constexpr int kXfeatureXtiledata = 18;
+
+// Ask Linux once for the AMX tile state; false if the kernel refuses (old kernel, no AMX).
+bool request_amx() {
+  static const bool granted =
+      syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  return granted;
+}
+
+// The 64-byte tile configuration (palette 1) for a chunk with rows0 and rows1 rows in its two
+// row tiles (rows1 may be 0). Tiles: 0-3 accumulators (row tile i, block j -> 2i + j), 4-5
+// activations, 6-7 weights.
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+void configure_tiles(int64_t rows0, int64_t rows1) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  const int64_t rows[2] = {rows0, rows1};
+  for (int i = 0; i < 2; ++i) {
+    if (rows[i] == 0) continue;
+    for (int j = 0; j < 2; ++j) {
+      cfg.rows[2 * i + j] = static_cast<uint8_t>(rows[i]);
+      cfg.colsb[2 * i + j] = kTileCols * sizeof(float);
+    }
+    cfg.rows[4 + i] = static_cast<uint8_t>(rows[i]);
+    cfg.colsb[4 + i] = kTileK * sizeof(c10::BFloat16);
+  }
+  for (int t = 6; t < 8; ++t) {
+    cfg.rows[t] = kTileK / 2;
+    cfg.colsb[t] = kTileCols * 2 * sizeof(c10::BFloat16);
+  }
+  // NOTE: GCC 12 does not see that ldtilecfg reads cfg and drops the stores above it; the empty
+  // asm with a memory clobber keeps them.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+// fp32 accumulators [rows, 16] (+ bias) -> bf16 output row segments.
+inline void store_rows(const float* acc, int64_t rows, const float* bias, c10::BFloat16* y,
+                       int64_t ldy) {
+  const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + r * kTileCols), b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy),
+                        reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+  }
+}
+
+// One or two 16-column blocks (nb0, nb0 + 1 when two) over all M rows.
+template <bool kTwoBlocks>
+void block_pair(const c10::BFloat16* x, const c10::BFloat16* packed, const float* bias,
+                c10::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t nb0) {
+  const int64_t kb_count = K / kTileK;
+  const int64_t tile_elems = kTileK * kTileCols;  // bf16 values per weight tile
+  const c10::BFloat16* w0 = packed + nb0 * kb_count * tile_elems;
+  const c10::BFloat16* w1 = w0 + kb_count * tile_elems;
+  alignas(64) float acc[kTileRows * kTileCols];
+  const int64_t ldx = K * sizeof(c10::BFloat16);
+  int64_t configured0 = -1, configured1 = -1;
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t rows0 = std::min(kTileRows, M - m0);
+    const int64_t rows1 = std::min(kTileRows, std::max<int64_t>(0, M - m0 - kTileRows));
+    if (rows0 != configured0 || rows1 != configured1) {
+      configure_tiles(rows0, rows1);
+      configured0 = rows0;
+      configured1 = rows1;
+    }
+    const c10::BFloat16* x0 = x + m0 * K;
+    const c10::BFloat16* x1 = x0 + kTileRows * K;
+    _tile_zero(0);
+    if (kTwoBlocks) _tile_zero(1);
+    if (rows1) {
+      _tile_zero(2);
+      if (kTwoBlocks) _tile_zero(3);
+    }
+    for (int64_t kb = 0; kb < kb_count; ++kb) {
+      _tile_loadd(4, x0 + kb * kTileK, ldx);
+      _tile_loadd(6, w0 + kb * tile_elems, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      if (kTwoBlocks) {
+        _tile_loadd(7, w1 + kb * tile_elems, 64);
+        _tile_dpbf16ps(1, 4, 7);
+      }
+      if (rows1) {
+        _tile_loadd(5, x1 + kb * kTileK, ldx);
+        _tile_dpbf16ps(2, 5, 6);
+        if (kTwoBlocks) _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    const int64_t n0 = nb0 * kTileCols;
+    const float* b0 = bias ? bias + n0 : nullptr;
+    const float* b1 = bias ? bias + n0 + kTileCols : nullptr;
+    c10::BFloat16* y0 = y + m0 * N + n0;
+    c10::BFloat16* y1 = y0 + kTileRows * N;
+    _tile_stored(0, acc, kTileCols * sizeof(float));
+    store_rows(acc, rows0, b0, y0, N);
+    if (kTwoBlocks) {
+      _tile_stored(1, acc, kTileCols * sizeof(float));
+      store_rows(acc, rows0, b1, y0 + kTileCols, N);
+    }
+    if (rows1) {
+      _tile_stored(2, acc, kTileCols * sizeof(float));
+      store_rows(acc, rows1, b0, y1, N);
+      if (kTwoBlocks) {
+        _tile_stored(3, acc, kTileCols * sizeof(float));
+        store_rows(acc, rows1, b1, y1 + kTileCols, N);
+      }
+    }
+  }
+}
+#endif  // PAGEDATTN_HAS_AMX
+
+}  // namespace
+
+bool linear_amx_available() {
+#ifdef PAGEDATTN_HAS_AMX
+  return request_amx();
+#else
+  return false;
+#endif
+}
+
+torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
+                         c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(linear_amx_available(), "linear_amx needs a CPU with AMX-BF16 (and a build for it)");
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_amx runs on CPU");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16,
+              "x must be a contiguous bf16 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kTileK == 0 && N % kTileCols == 0, "linear_amx needs K % 32 == 0 and ",
+              "N % 16 == 0, got K=", K, " N=", N);
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
+                  packed.numel() == N * K,
+              "packed must be the contiguous bf16 AMX packing of a [", N, ", ", K, "] weight");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                    bias->numel() == N,
+                "bias must be a contiguous float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+#ifdef PAGEDATTN_HAS_AMX
+  const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr<at::BFloat16>());
+  const auto* wp = reinterpret_cast<const c10::BFloat16*>(packed.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>());
+  const int64_t num_blocks = N / kTileCols;
+  const int64_t num_pairs = (num_blocks + 1) / 2;
+  at::parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t p = begin; p < end; ++p) {
+      const int64_t nb0 = 2 * p;
+      if (nb0 + 1 < num_blocks) {
+        block_pair<true>(xp, wp, bias_ptr, yp, M, N, K, nb0);
+      } else {
+        block_pair<false>(xp, wp, bias_ptr, yp, M, N, K, nb0);
+      }
+    }
+    _tile_release();
+  });
+#endif
+  return y;
+}
