@@ -19,16 +19,28 @@ from pagedattn.attention.metadata import AttentionMetadata
 
 # CPU caches at least this large are mapped lazily (see lazy_zeros); smaller ones use torch.zeros.
 LAZY_ZEROS_MIN_BYTES = 1 << 20
+HUGE_PAGE_MIN_BYTES = 4 << 20  # mappings this large ask for transparent huge pages
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zero CPU tensor on fresh anonymous pages, which the OS maps (and zeroes) on first touch.
 
     ``torch.zeros`` writes every byte up front (seconds for a GiB-sized KV pool, all of it
-    resident); here a block costs memory only once written.
+    resident); here a block costs memory only once written. Where the OS allows, the mapping
+    asks for transparent huge pages: a decode step reads K/V blocks scattered over the pool, and
+    with 4 KiB pages nearly every block misses the TLB (SmolLM2's attention over 30 layers of
+    bf16 K/V took ~8% less time on 2 MiB pages, on the AMX Xeon). Memory is then committed in
+    2 MiB steps as blocks are first written.
     """
     num_bytes = max(1, dtype.itemsize * int(torch.Size(shape).numel()))
-    buffer = mmap.mmap(-1, num_bytes)  # NOTE: the tensor keeps the mapping alive
+    # NOTE: private, not mmap's default shared mapping: shared anonymous memory is shmem, which
+    # this kernel never backs with huge pages. The tensor keeps the mapping alive.
+    buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if num_bytes >= HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # NOTE: a kernel without transparent huge pages: 4 KiB pages
+            pass
     return torch.frombuffer(buffer, dtype=dtype, count=num_bytes // dtype.itemsize).view(shape)
 
 

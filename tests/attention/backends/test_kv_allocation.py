@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from pagedattn.attention.backends.base import get_attn_backend, lazy_zeros
@@ -41,3 +42,35 @@ def test_small_caches_keep_torch_zeros():
     backend = get_attn_backend("torch", "cpu")
     key, value = backend.allocate_kv_cache(4, 4, 2, 16, torch.float32, "cpu")
     assert torch.count_nonzero(key) == 0 and torch.count_nonzero(value) == 0
+
+
+def _thp_mode() -> str:
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return "never"
+    return text.split("[", 1)[1].split("]", 1)[0]
+
+
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages of the mapping of this process that holds ``address``."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and ":" not in first:
+            start, end = (int(x, 16) for x in first.split("-"))
+            inside = start <= address < end
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(_thp_mode() == "never", reason="transparent huge pages are off on this kernel")
+def test_large_cpu_cache_sits_on_huge_pages_once_written():
+    # NOTE: decode attention reads blocks scattered over the pool; 4 KiB pages miss the TLB.
+    x = lazy_zeros((64, 1024, 1024), torch.uint8)  # 64 MiB
+    x.fill_(1)
+    assert _anon_huge_kib(x.data_ptr()) >= 32 * 1024
+    small = lazy_zeros((1024, 1024), torch.uint8)  # 1 MiB: below the threshold, 4 KiB pages
+    small.fill_(1)
+    assert _anon_huge_kib(small.data_ptr()) == 0
