@@ -86,13 +86,14 @@ struct DecodeLayer {
 class DecodeStack {
  public:
   DecodeStack(int64_t num_heads, int64_t num_kv_heads, int64_t head_size, double eps, double scale,
-              int64_t partition_size)
+              int64_t partition_size, bool amx_attention)
       : num_heads_(num_heads),
         num_kv_heads_(num_kv_heads),
         head_size_(head_size),
         eps_(eps),
         scale_(scale),
-        partition_size_(partition_size) {}
+        partition_size_(partition_size),
+        amx_attention_(amx_attention) {}
 
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, DecodeLinear qkv,
                  DecodeLinear o, DecodeLinear gate_up, DecodeLinear down, int64_t group,
@@ -139,7 +140,7 @@ class DecodeStack {
       q = q.contiguous();
       auto attn = torch::empty_like(q);
       paged_decode(attn, q, key_cache, value_cache, block_tables[g], seq_lens[g], scale_,
-                   layer.sliding_window, 0.0, partition_size_);
+                   layer.sliding_window, 0.0, partition_size_, amx_attention_);
       h = layer.o(attn.view({T, q_size}));
       h = rms_norm(h, layer.post_norm, eps_, residual);
       hidden = layer.down(silu_and_mul(layer.gate_up(h)));
@@ -151,6 +152,7 @@ class DecodeStack {
   int64_t num_heads_, num_kv_heads_, head_size_;
   double eps_, scale_;
   int64_t partition_size_;
+  bool amx_attention_;  // paged_decode on AMX tiles (the tuner's attention choice "amx")
   std::vector<DecodeLayer> layers_;
 };
 
@@ -166,9 +168,9 @@ void register_decode_stack(pybind11::module& m) {
            py::arg("out_features"))
       .def("__call__", &DecodeLinear::operator());
   py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t>(), py::arg("num_heads"),
-           py::arg("num_kv_heads"), py::arg("head_size"), py::arg("eps"), py::arg("scale"),
-           py::arg("partition_size"))
+      .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, bool>(),
+           py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"), py::arg("eps"),
+           py::arg("scale"), py::arg("partition_size"), py::arg("amx_attention"))
       .def("add_layer", &DecodeStack::add_layer)
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       // NOTE: forward touches only tensors, so other Python threads (a server's event loop) run

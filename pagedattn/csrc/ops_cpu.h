@@ -7,7 +7,8 @@
 // paged_attention_cpu.cpp
 void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                   torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
-                  double scale, int64_t sliding_window, double soft_cap, int64_t partition_size);
+                  double scale, int64_t sliding_window, double soft_cap, int64_t partition_size,
+                  bool amx);
 // linear_cpu.cpp
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
                             c10::optional<torch::Tensor> bias);

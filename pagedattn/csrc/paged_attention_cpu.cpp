@@ -12,6 +12,15 @@
 //
 // bf16 caches accumulate in fp32 (AVX-512 BF16 dot products when the compiler targets them);
 // a scalar path keeps the file portable to CPUs without AVX-512.
+//
+// On a CPU with AMX, bf16 caches can run on the tiles instead (amx = true; the kernel tuner
+// measures both): per kv head and block of 16 tokens, the scores are one tile product of the
+// block's key rows (read in place: 16 rows, the cache's row stride) with the GQA group's queries,
+// and after the same online-softmax update the probabilities, rounded to bf16, multiply the
+// value rows, which are first interleaved in pairs of tokens (the layout the tiles read). The
+// products sum in fp32; the probabilities' rounding makes results differ from the vector path
+// at bf16 precision. It needs blocks of 16 tokens, D % 32 == 0, at most 16 query heads per kv
+// head and no sliding window; anything else runs the vector path.
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -25,10 +34,15 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define PAGEDATTN_HAS_AMX_ATTENTION 1
+#include <cstring>
 #endif
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
@@ -254,6 +268,7 @@ struct Params {
   int64_t sliding_window;  // 0: none
   float scale, soft_cap;   // soft_cap 0: none
   int64_t partition_size;
+  bool amx = false;  // bf16 on AMX tiles (set only where amx_attention_fits)
 };
 
 struct WorkItem {
@@ -384,6 +399,197 @@ bool attend_partition(const Params& p, const T* key_cache, const T* value_cache,
   return true;
 }
 
+#ifdef PAGEDATTN_HAS_AMX_ATTENTION
+constexpr int64_t kAmxBlock = 16;     // tokens per cache block (the tiles' 16 rows)
+constexpr int64_t kAmxMaxGroup = 16;  // query heads per kv head (tile rows / columns)
+constexpr int64_t kAmxK = 32;         // bf16 values per tile row
+
+// Tiles (palette 1): 0, 3 scores [16 tokens x G] fp32; 1, 7 key rows [16 tokens x 32 dims] bf16;
+// 2 queries [16 dim pairs x G pairs]; 4 probabilities [G x 32 tokens] bf16; 5 values [16 token
+// pairs x 16 dim pairs]; 6 output [G x 16 dims] fp32.
+void configure_attention_tiles(int64_t G) {
+  struct alignas(64) {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  const auto set = [&cfg](int tile, int64_t rows, int64_t colsb) {
+    cfg.rows[tile] = static_cast<uint8_t>(rows);
+    cfg.colsb[tile] = static_cast<uint16_t>(colsb);
+  };
+  set(0, kAmxBlock, 4 * G);
+  set(1, kAmxBlock, 64);
+  set(2, kAmxK / 2, 4 * G);
+  set(4, G, 64);
+  set(5, kAmxK / 2, 64);
+  set(6, G, 64);
+  set(3, kAmxBlock, 4 * G);
+  set(7, kAmxBlock, 64);
+  // NOTE: GCC 12 does not see that ldtilecfg reads cfg; the clobber keeps the stores above.
+  asm volatile("" : : "r"(&cfg) : "memory");
+  _tile_loadconfig(&cfg);
+}
+
+bool amx_attention_fits(const Params& p) {
+  return p.block_size == kAmxBlock && p.head_size % kAmxK == 0 && p.group <= kAmxMaxGroup &&
+         p.sliding_window == 0 && kChunk % kAmxK == 0 && linear_amx_available();
+}
+
+// Per-thread buffers of the AMX path.
+struct AmxScratch {
+  std::vector<bf16> queries;  // [Hkv][D / 32][16 dim pairs][G][2]: each kv head's B tiles
+  std::vector<bf16> probs;    // [G][kChunk] (A tiles: 32 tokens per k step)
+  std::vector<bf16> values;   // [kChunk / 32][D / 16][16 token pairs][16 dims][2]
+  float tile[kAmxBlock * kAmxBlock];
+  explicit AmxScratch(const Params& p)
+      : queries(p.num_heads * p.head_size),
+        probs(p.group * kChunk),
+        values(kChunk * p.head_size) {}
+};
+
+// values[k step][dim block][pair r] = the rows of tokens 2r, 2r + 1 (zero past count) of a chunk,
+// for one kv head, interleaved: (v[2r][d], v[2r + 1][d]) for each d.
+void pair_value_rows(const Params& p, const bf16* const* blocks, int64_t count, int64_t head,
+                     int64_t ksteps, bf16* out) {
+  const int64_t D = p.head_size, row_stride = p.num_kv_heads * D, dim_blocks = D / 16;
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
+                                      8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t ks = 0; ks < ksteps; ++ks) {
+    for (int64_t r = 0; r < kAmxK / 2; ++r) {
+      const int64_t t0 = ks * kAmxK + 2 * r, t1 = t0 + 1;
+      const bf16* v0 = t0 < count ? blocks[t0 / kAmxBlock] + (t0 % kAmxBlock) * row_stride + head * D
+                                  : nullptr;
+      const bf16* v1 = t1 < count ? blocks[t1 / kAmxBlock] + (t1 % kAmxBlock) * row_stride + head * D
+                                  : nullptr;
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i a = v0 ? _mm512_loadu_si512(v0 + d) : _mm512_setzero_si512();
+        const __m512i b = v1 ? _mm512_loadu_si512(v1 + d) : _mm512_setzero_si512();
+        bf16* dst = out + ((ks * dim_blocks + d / 16) * (kAmxK / 2) + r) * 32;
+        _mm512_storeu_si512(dst, _mm512_permutex2var_epi16(a, lo, b));
+        _mm512_storeu_si512(dst + (kAmxK / 2) * 32, _mm512_permutex2var_epi16(a, hi, b));
+      }
+    }
+  }
+}
+
+// attend_partition on the tiles (the caller configured them with configure_attention_tiles).
+bool attend_partition_amx(const Params& p, const bf16* key_cache, const bf16* value_cache,
+                          const int32_t* block_table, int64_t tok_begin, int64_t tok_end,
+                          const bf16* q, Scratch& s, AmxScratch& a) {
+  const int64_t G = p.group, D = p.head_size, Hkv = p.num_kv_heads;
+  const int64_t row_stride = Hkv * D, block_elems = kAmxBlock * row_stride;
+  const int64_t qsteps = D / kAmxK, dim_blocks = D / 16;
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+  std::fill(s.max.begin(), s.max.end(), kNegInf);
+  std::fill(s.sum.begin(), s.sum.end(), 0.0f);
+  for (int64_t h = 0; h < Hkv; ++h) {
+    for (int64_t ks = 0; ks < qsteps; ++ks) {
+      bf16* dst = a.queries.data() + (h * qsteps + ks) * (kAmxK / 2) * G * 2;
+      for (int64_t r = 0; r < kAmxK / 2; ++r) {
+        for (int64_t g = 0; g < G; ++g) {
+          const bf16* src = q + (h * G + g) * D + ks * kAmxK + 2 * r;
+          dst[(r * G + g) * 2] = src[0];
+          dst[(r * G + g) * 2 + 1] = src[1];
+        }
+      }
+    }
+  }
+  const __m512i rows = _mm512_mullo_epi32(  // element offsets of a tile column's 16 rows
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(static_cast<int>(G)));
+  const bf16* kblocks[kChunk / kAmxBlock];
+  const bf16* vblocks[kChunk / kAmxBlock];
+  for (int64_t c0 = tok_begin; c0 < tok_end; c0 += kChunk) {
+    const int64_t count = std::min(kChunk, tok_end - c0);
+    const int64_t nblocks = (count + kAmxBlock - 1) / kAmxBlock;
+    const int64_t ksteps = (count + kAmxK - 1) / kAmxK;
+    for (int64_t j = 0; j < nblocks; ++j) {
+      const int64_t block = block_table[c0 / kAmxBlock + j];
+      if (block < 0 || block >= p.num_blocks) return false;
+      kblocks[j] = key_cache + block * block_elems;
+      vblocks[j] = value_cache + block * block_elems;
+    }
+    // NOTE: the next chunk's blocks are scattered: ask for them while this one computes.
+    if (c0 + kChunk < tok_end) {
+      const int64_t next = std::min(kChunk, tok_end - c0 - kChunk);
+      for (int64_t j = 0; j < (next + kAmxBlock - 1) / kAmxBlock; ++j) {
+        const int64_t block = block_table[(c0 + kChunk) / kAmxBlock + j];
+        if (block < 0 || block >= p.num_blocks) return false;
+        const int64_t rows = std::min(kAmxBlock, next - j * kAmxBlock);
+        prefetch_row(key_cache + block * block_elems, rows * row_stride);
+        prefetch_row(value_cache + block * block_elems, rows * row_stride);
+      }
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      float* scores = s.scores.data() + h * G * kChunk;
+      const bf16* queries = a.queries.data() + h * qsteps * (kAmxK / 2) * G * 2;
+      // NOTE: two blocks per pass (accumulators 0 and 3, key rows 1 and 7) so that one block's
+      // tile products run while the other's wait; the queries' tile is loaded once for both.
+      for (int64_t j = 0; j < nblocks; j += 2) {
+        const bool pair = j + 1 < nblocks;
+        _tile_zero(0);
+        if (pair) _tile_zero(3);
+        for (int64_t ks = 0; ks < qsteps; ++ks) {
+          _tile_loadd(2, queries + ks * (kAmxK / 2) * G * 2, 4 * G);
+          _tile_loadd(1, kblocks[j] + h * D + ks * kAmxK, row_stride * sizeof(bf16));
+          _tile_dpbf16ps(0, 1, 2);
+          if (pair) {
+            _tile_loadd(7, kblocks[j + 1] + h * D + ks * kAmxK, row_stride * sizeof(bf16));
+            _tile_dpbf16ps(3, 7, 2);
+          }
+        }
+        for (int64_t jj = j; jj < j + (pair ? 2 : 1); ++jj) {
+          if (jj == j) {
+            _tile_stored(0, a.tile, 4 * G);  // [16 tokens][G]
+          } else {
+            _tile_stored(3, a.tile, 4 * G);
+          }
+          // Transpose to scores[g][t] (16 tokens of head g are a stride-G gather), scaled.
+          const __mmask16 mask = static_cast<__mmask16>(
+              (1u << std::min(kAmxBlock, count - jj * kAmxBlock)) - 1);
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(g)),
+                                                 a.tile, 4);
+            _mm512_mask_storeu_ps(scores + g * kChunk + jj * kAmxBlock, mask,
+                                  _mm512_mul_ps(v, _mm512_set1_ps(p.scale)));
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* sc = scores + g * kChunk;
+        softmax_update(sc, count, p.soft_cap, s.max[h * G + g], s.sum[h * G + g],
+                       s.acc.data() + (h * G + g) * D, D);
+        bf16* pr = a.probs.data() + g * kChunk;
+        for (int64_t t = 0; t < ksteps * kAmxK; t += 16) {
+          const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, count - t));
+          const __m512 v = _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << n) - 1), sc + t);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + t),
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+        }
+      }
+      pair_value_rows(p, vblocks, count, h, ksteps, a.values.data());
+      for (int64_t db = 0; db < dim_blocks; ++db) {
+        _tile_zero(6);
+        for (int64_t ks = 0; ks < ksteps; ++ks) {
+          _tile_loadd(4, a.probs.data() + ks * kAmxK, kChunk * sizeof(bf16));
+          _tile_loadd(5, a.values.data() + (ks * dim_blocks + db) * (kAmxK / 2) * 32, 64);
+          _tile_dpbf16ps(6, 4, 5);
+        }
+        _tile_stored(6, a.tile, 64);  // [G][16 dims]
+        for (int64_t g = 0; g < G; ++g) {
+          float* acc = s.acc.data() + (h * G + g) * D + db * 16;
+          _mm512_storeu_ps(acc, _mm512_add_ps(_mm512_loadu_ps(acc), _mm512_loadu_ps(a.tile + g * 16)));
+        }
+      }
+    }
+  }
+  return true;
+}
+#endif  // PAGEDATTN_HAS_AMX_ATTENTION
+
 // Partition size: the requested one, halved (down to 2 chunks) until there are enough work items
 // to keep every thread busy.
 int64_t choose_partition_size(const Params& p, const int32_t* seq_lens, int64_t num_threads) {
@@ -435,6 +641,14 @@ void paged_decode_impl(const Params& p, const T* query, const T* key_cache, cons
   std::atomic<bool> bad_block{false};
   at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
     Scratch s(Hq, D);
+#ifdef PAGEDATTN_HAS_AMX_ATTENTION
+    // NOTE: the tile configuration is per thread; p.amx is only set for bf16 and shapes that fit.
+    std::unique_ptr<AmxScratch> amx;
+    if (p.amx) {
+      configure_attention_tiles(p.group);
+      amx = std::make_unique<AmxScratch>(p);
+    }
+#endif
     // NOTE: each thread claims its next item one ahead and prefetches that item's first chunk
     // while it works on the current one; otherwise the first chunk of every row (all of a
     // short row) is read with cold misses, one token row at a time.
@@ -448,9 +662,24 @@ void paged_decode_impl(const Params& p, const T* query, const T* key_cache, cons
       }
       const WorkItem& item = items[w];
       w = w_next;
-      if (!attend_partition<T>(p, key_cache, value_cache,
-                               block_tables + item.row * p.max_blocks_per_seq, item.tok_begin,
-                               item.tok_end, query + item.row * Hq * D, s)) {
+      const int32_t* table = block_tables + item.row * p.max_blocks_per_seq;
+      const T* q = query + item.row * Hq * D;
+      bool ok;
+#ifdef PAGEDATTN_HAS_AMX_ATTENTION
+      if constexpr (std::is_same_v<T, bf16>) {
+        ok = amx ? attend_partition_amx(p, key_cache, value_cache, table, item.tok_begin,
+                                        item.tok_end, q, s, *amx)
+                 : attend_partition<T>(p, key_cache, value_cache, table, item.tok_begin,
+                                       item.tok_end, q, s);
+      } else {
+        ok = attend_partition<T>(p, key_cache, value_cache, table, item.tok_begin, item.tok_end,
+                                 q, s);
+      }
+#else
+      ok = attend_partition<T>(p, key_cache, value_cache, table, item.tok_begin, item.tok_end, q,
+                               s);
+#endif
+      if (!ok) {
         bad_block = true;
         continue;
       }
@@ -467,6 +696,9 @@ void paged_decode_impl(const Params& p, const T* query, const T* key_cache, cons
         std::copy(s.sum.begin(), s.sum.end(), part_sum.begin() + base * Hq);
       }
     }
+#ifdef PAGEDATTN_HAS_AMX_ATTENTION
+    if (amx) _tile_release();
+#endif
   });
   TORCH_CHECK(!bad_block, "a block table entry read by paged_decode is outside [0, ",
               p.num_blocks, "): the block tables do not match the KV cache");
@@ -498,9 +730,11 @@ void paged_decode_impl(const Params& p, const T* query, const T* key_cache, cons
 
 // out/query: [N, Hq, D]; key/value_cache: [num_blocks, B, Hkv, D]; block_tables: [N, max_blocks]
 // int32; seq_lens: [N] int32 (keys visible to row n: its last seq_lens[n] positions' window).
+// amx: run bf16 on AMX tiles where the CPU, the build and the shapes allow it (else ignored).
 void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                   torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
-                  double scale, int64_t sliding_window, double soft_cap, int64_t partition_size) {
+                  double scale, int64_t sliding_window, double soft_cap, int64_t partition_size,
+                  bool amx) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query must be [N, Hq, D] and the caches "
               "[num_blocks, B, Hkv, D] (flash layout)");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
@@ -534,6 +768,9 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
   p.scale = static_cast<float>(scale);
   p.soft_cap = static_cast<float>(soft_cap);
   p.partition_size = partition_size;
+#ifdef PAGEDATTN_HAS_AMX_ATTENTION
+  p.amx = amx && query.scalar_type() == at::kBFloat16 && amx_attention_fits(p);
+#endif
   if (p.num_rows == 0) return;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();

@@ -144,14 +144,14 @@ class PagedCausalLM(nn.Module):
                     torch.empty(0, dtype=weight.dtype), requires_grad=False
                 )
         self.linear_plan = plan
-        self._apply_attention_choice(plan.attention == "compiled")
+        self._apply_attention_choice(plan.attention)
         return plan
 
-    def _apply_attention_choice(self, compiled: bool) -> None:
+    def _apply_attention_choice(self, kernel: str) -> None:
         """Point every CPU attention backend at the decode kernel the plan chose."""
         for module in self.modules():
             if isinstance(module, PagedAttention) and isinstance(module.backend, CpuBackend):
-                module.backend.use_compiled_decode(compiled)
+                module.backend.use_compiled_decode(kernel != "torch", amx=kernel == "amx")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V] (soft-capped when the model says so)."""

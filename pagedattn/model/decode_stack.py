@@ -106,6 +106,7 @@ def build_decode_stack(model: nn.Module) -> DecodeStack | None:
     if first.head_size % cpu_ext.HEAD_SIZE_MULTIPLE != 0:
         return None
     eps = layers[0].input_layernorm.eps
+    compiled_amx = getattr(first.attn.backend, "uses_amx_decode", False)
     compiled = ext.DecodeStack(
         first.num_heads,
         first.num_kv_heads,
@@ -113,6 +114,7 @@ def build_decode_stack(model: nn.Module) -> DecodeStack | None:
         eps,
         first.attn.scale,
         cpu_ext.DEFAULT_PARTITION_SIZE,
+        compiled_amx,
     )
     max_rows = math.inf
     for i, layer in enumerate(layers):
@@ -123,6 +125,7 @@ def build_decode_stack(model: nn.Module) -> DecodeStack | None:
             or paged.logits_soft_cap is not None
             or not isinstance(backend, CpuBackend)
             or not backend.uses_compiled_decode
+            or backend.uses_amx_decode != compiled_amx
             or layer.post_attention_layernorm.eps != eps
             or layer.input_layernorm.eps != eps
             or paged.scale != first.attn.scale

@@ -14,8 +14,9 @@ kernel that can run there (``packed_linear.KERNELS``) is timed on the model's pr
 and where the decode and prefill winners differ, the row count at which the prefill kernel
 starts winning. Then the decode attention kernels (the extension's paged decode and the PyTorch
 gather + SDPA path) on ``DECODE_ROWS`` sequences of ``ATTENTION_CONTEXT`` tokens with the model's
-heads, and the thread count: the decode and prefill passes again on one thread, which the plan
-keeps only when it wins both (two vCPUs that share one core can run faster on one).
+heads (and, for bf16 on a CPU with AMX, that kernel's tile path), and the thread count: the
+decode and prefill passes again on one thread, which the plan keeps only when it wins both (two
+vCPUs that share one core can run faster on one).
 Candidates run interleaved, round after round, and each keeps its fastest pass,
 so a busy machine slows all of them alike; when the load average says other processes hold every
 core, the kernels are timed on one thread (multi-threaded passes then mostly time waits) and
@@ -159,6 +160,7 @@ def measure_attention(shape: AttentionShape, dtype: torch.dtype) -> dict[str, fl
     """Seconds of one decode attention call per candidate: ``DECODE_ROWS`` sequences of
     ``ATTENTION_CONTEXT`` tokens in shuffled blocks of a flash-layout cache."""
     from pagedattn.attention.backends.cpu import CpuBackend
+    from pagedattn.attention.backends.cpu_ext import amx_available
     from pagedattn.attention.metadata import AttentionMetadata
 
     block = ATTENTION_BLOCK_SIZE
@@ -176,6 +178,9 @@ def measure_attention(shape: AttentionShape, dtype: torch.dtype) -> dict[str, fl
     backends = {"compiled": CpuBackend(), "torch": CpuBackend(use_extension=False)}
     if not backends["compiled"].uses_extension:
         del backends["compiled"]
+    elif dtype == torch.bfloat16 and amx_available():
+        backends["amx"] = CpuBackend()
+        backends["amx"].use_compiled_decode(True, amx=True)
     return fastest_passes(
         {
             name: lambda b=backend: b.forward(query, key_cache, value_cache, metadata, scale=scale)
@@ -305,6 +310,8 @@ def _cached(entry: object, dtype: torch.dtype) -> LinearPlan | None:
     except (TypeError, KeyError):
         return None
     ok = all(kernel_available(k, dtype) for k in plan[:3]) and plan.prefill_rows > 0
+    if plan.attention == "amx":
+        ok = ok and kernel_available("amx", dtype)
     return plan if ok else None
 
 

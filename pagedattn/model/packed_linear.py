@@ -58,7 +58,8 @@ class LinearPlan(NamedTuple):
     prefill: str
     head: str
     prefill_rows: int = DEFAULT_PREFILL_ROWS
-    attention: str = "compiled"  # decode attention: the extension's kernel, or "torch"
+    # decode attention: the extension's kernel, its AMX tiles path ("amx"), or "torch"
+    attention: str = "compiled"
     threads: int = 0  # torch threads to run on; 0: as configured (nothing measured)
 
     @classmethod

@@ -101,6 +101,7 @@ class CpuBackend(AttentionBackend):
         else:
             self._use_extension = use_extension and cpu_ext.load_extension() is not None
         self._compiled_decode = self._use_extension
+        self._amx_decode = False
 
     @property
     def uses_extension(self) -> bool:
@@ -112,10 +113,16 @@ class CpuBackend(AttentionBackend):
         """Whether decode rows run on the compiled kernel (when their dtypes allow it)."""
         return self._compiled_decode
 
-    def use_compiled_decode(self, on: bool) -> None:
-        """Run decode rows on the compiled kernel (if the extension is in use) or on PyTorch
-        (the kernel tuner's choice: LinearPlan.attention)."""
+    @property
+    def uses_amx_decode(self) -> bool:
+        """Whether the compiled kernel runs bf16 decode rows on AMX tiles (where shapes fit)."""
+        return self._compiled_decode and self._amx_decode
+
+    def use_compiled_decode(self, on: bool, amx: bool = False) -> None:
+        """Run decode rows on the compiled kernel (if the extension is in use), on its AMX tiles
+        path (``amx``), or on PyTorch (the kernel tuner's choice: LinearPlan.attention)."""
         self._compiled_decode = on and self._use_extension
+        self._amx_decode = amx and self._compiled_decode
 
     def reshape_and_cache(
         self,
@@ -235,6 +242,7 @@ class CpuBackend(AttentionBackend):
                 scale=scale,
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
+                amx=self._amx_decode,
             )
         num_seqs, num_heads, head_size = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape

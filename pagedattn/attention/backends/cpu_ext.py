@@ -173,8 +173,12 @@ def paged_decode(
     logits_soft_cap: float | None = None,
     partition_size: int = DEFAULT_PARTITION_SIZE,
     out: torch.Tensor | None = None,
+    amx: bool = False,
 ) -> torch.Tensor:
     """One query per row over the flash-layout cache -> [N, Hq, D] in the query dtype.
+
+    ``amx``: bf16 on the AMX tiles where the CPU, the build and the shapes allow it (blocks of 16
+    tokens, D % 32 == 0, no sliding window); elsewhere the vector kernel runs.
 
     query [N, Hq, D]; key/value_cache [num_blocks, B, Hkv, D]; block_tables [N, max_blocks];
     seq_lens [N] (row n attends to positions < seq_lens[n], its query sits at seq_lens[n] - 1).
@@ -199,8 +203,15 @@ def paged_decode(
         sliding_window or NO_SLIDING_WINDOW,
         float(logits_soft_cap or NO_SOFT_CAP),
         partition_size,
+        amx,
     )
     return out
+
+
+def amx_available() -> bool:
+    """Whether the extension was built for AMX-BF16 and the OS granted this process the tiles."""
+    ext = get_extension()
+    return ext is not None and ext.linear_amx_available()
 
 
 def flush_denormals_all_threads() -> bool:

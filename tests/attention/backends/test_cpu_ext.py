@@ -189,3 +189,54 @@ def test_disable_env_turns_kernel_off(monkeypatch):
     assert not CpuBackend().uses_extension
     monkeypatch.delenv(cpu_ext.DISABLE_ENV)
     assert CpuBackend().uses_extension
+
+
+needs_amx = pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
+
+
+@needs_amx
+@pytest.mark.parametrize("num_kv_heads,group", [(3, 3), (2, 1), (1, 16)])
+@pytest.mark.parametrize("head_size", [64, 128])
+@pytest.mark.parametrize("partition_size", PARTITION_SIZES)
+def test_amx_decode_matches_dense(num_kv_heads, group, head_size, partition_size):
+    specs = [*decode_specs(16), (700, 1), (64, 1)]
+    case = make_case(
+        specs,
+        block_size=16,
+        num_kv_heads=num_kv_heads,
+        group=group,
+        head_size=head_size,
+        dtype=torch.bfloat16,
+        seed=group,
+    )
+    # Blocks no table references hold NaN: the tiles read whole blocks, never other ones.
+    referenced = set(case.metadata.block_tables.flatten().tolist())
+    for block in range(case.key_cache.shape[0]):
+        if block not in referenced:
+            case.key_cache[block] = float("nan")
+            case.value_cache[block] = float("nan")
+    for options in (dict(), dict(logits_soft_cap=2.0)):
+        out = run_decode(case, partition_size=partition_size, scale=0.125, amx=True, **options)
+        assert_close_to_dense(case, out, scale=0.125, **options)
+        vector = run_decode(case, partition_size=partition_size, scale=0.125, **options)
+        assert not torch.equal(out, vector)  # the tiles' path ran (probabilities in bf16)
+        torch.testing.assert_close(out.float(), vector.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "block_size,head_size,options",
+    [(8, 64, {}), (16, 48, {}), (16, 64, dict(sliding_window=40))],
+    ids=["block-8", "head-48", "sliding-window"],
+)
+def test_amx_decode_falls_back_where_the_tiles_do_not_fit(block_size, head_size, options):
+    case = make_case(
+        decode_specs(block_size),
+        block_size=block_size,
+        num_kv_heads=2,
+        group=3,
+        head_size=head_size,
+        dtype=torch.bfloat16,
+    )
+    amx = run_decode(case, scale=0.125, amx=True, **options)
+    assert torch.equal(amx, run_decode(case, scale=0.125, **options))  # the vector path, exactly
