@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = load_model(args.model, args.dtype, "cpu")
     quant = load_model(args.model, args.dtype, "cpu", quantization=args.quantization)
     tok = ref.tokenizer
-    prompts = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
-    text = tok(TEXT, add_special_tokens=False).input_ids
+    prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+    text = tok.encode(TEXT, add_special_tokens=False)
     rows = {}
     for name, loaded in ((args.dtype, ref), (f"{args.quantization} ({args.dtype})", quant)):
         outputs, nll, step_s = evaluate(loaded.model, prompts, text, args.new_tokens)

@@ -70,7 +70,7 @@ def hf_model_dir(model: str | None, out_dir: Path) -> Path:
     target.mkdir(parents=True, exist_ok=True)
     save_file(weights, str(target / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(target)
-    ckpt.tokenizer().save_pretrained(target)
+    ckpt.hf_tokenizer().save_pretrained(target)
     return target
 
 

@@ -11,9 +11,12 @@ import itertools
 import random
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from pagedattn.core.kv_cache_utils import BlockHash, hash_request_tokens
-from pagedattn.distributed.prefix_index import PrefixIndex
+
+if TYPE_CHECKING:
+    from pagedattn.distributed.prefix_index import PrefixIndex
 
 ROUTERS = ("prefix", "pow2", "round_robin")
 # Queue-length spread (max - min) past which the prefix router ignores cache affinity ...
@@ -171,6 +174,10 @@ def make_policy(
 ) -> RoutingPolicy:
     """A policy by name (`ROUTERS`)."""
     if name == "prefix":
+        # NOTE: imported here: it loads msgspec and zmq, ~60 ms of every CLI start otherwise
+        # (the CLI's parser reads ROUTERS).
+        from pagedattn.distributed.prefix_index import PrefixIndex
+
         return PrefixAwarePolicy(index or PrefixIndex(), imbalance_threshold, seed, imbalance_ratio)
     if name == "pow2":
         return PowerOfTwoPolicy(seed)

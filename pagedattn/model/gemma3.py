@@ -6,7 +6,6 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
-from transformers import PreTrainedConfig
 
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.metadata import AttentionMetadata
@@ -18,6 +17,7 @@ from pagedattn.model.layers import (
     apply_rotary_,
     gelu_tanh_and_mul,
 )
+from pagedattn.model.text_config import TextConfig
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -35,7 +35,7 @@ _VISION_PREFIXES += ("model.multi_modal_projector.",)
 class Gemma3Attention(nn.Module):
     """Fused QKV, per-head q/k norms, rope of the layer's type, paged (sliding) attention."""
 
-    def __init__(self, config: PreTrainedConfig, backend: AttentionBackend, is_sliding: bool):
+    def __init__(self, config: TextConfig, backend: AttentionBackend, is_sliding: bool):
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -79,7 +79,7 @@ class Gemma3Attention(nn.Module):
 class Gemma3MLP(nn.Module):
     """GeGLU (gelu-tanh) MLP with a fused gate/up projection."""
 
-    def __init__(self, config: PreTrainedConfig) -> None:
+    def __init__(self, config: TextConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
@@ -92,7 +92,7 @@ class Gemma3MLP(nn.Module):
 class Gemma3DecoderLayer(nn.Module):
     """Sandwich norms: norm -> attention -> norm -> residual, norm -> MLP -> norm -> residual."""
 
-    def __init__(self, config: PreTrainedConfig, backend: AttentionBackend, is_sliding: bool):
+    def __init__(self, config: TextConfig, backend: AttentionBackend, is_sliding: bool):
         super().__init__()
         eps = config.rms_norm_eps
         self.self_attn = Gemma3Attention(config, backend, is_sliding)
@@ -119,9 +119,7 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     """Embedding, decoder layers and final norm (HF parameter names)."""
 
-    def __init__(
-        self, config: PreTrainedConfig, backend: AttentionBackend, sliding: list[bool]
-    ) -> None:
+    def __init__(self, config: TextConfig, backend: AttentionBackend, sliding: list[bool]) -> None:
         super().__init__()
         # NOTE: an explicit (empty) weight skips nn.Embedding's random init, whose first call on
         # the meta device costs seconds of one-time setup; the checkpoint overwrites it anyway.
@@ -134,9 +132,7 @@ class Gemma3Model(nn.Module):
 class Gemma3ForCausalLM(PagedCausalLM):
     """Gemma 3 text causal LM over a paged KV cache with a sliding and a global cache group."""
 
-    def __init__(
-        self, config: PreTrainedConfig, backend: AttentionBackend, architecture: str
-    ) -> None:
+    def __init__(self, config: TextConfig, backend: AttentionBackend, architecture: str) -> None:
         super().__init__()
         sliding = [t == SLIDING for t in config.layer_types]
         self.num_layers = config.num_hidden_layers

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -64,11 +63,15 @@ class TensorInfo:
 
     name: str
     shape: tuple[int, ...]
-    tensor_type: GGMLQuantizationType
+    tensor_type: int  # a gguf.GGMLQuantizationType value
     offset: int
 
     @property
     def num_bytes(self) -> int:
+        # NOTE: imported here: the gguf package costs ~80 ms to import (it loads yaml), and a
+        # start whose weights are cached reads no tensor.
+        from gguf import GGML_QUANT_SIZES
+
         block_size, type_size = GGML_QUANT_SIZES[self.tensor_type]
         num_elements = int(np.prod(self.shape))
         return num_elements // block_size * type_size
@@ -99,7 +102,7 @@ class GGUFFile:
             (num_dims,) = self._unpack("<I")
             dims = self._unpack(f"<{num_dims}Q")
             tensor_type, offset = self._unpack("<IQ")
-            infos.append((name, tuple(reversed(dims)), GGMLQuantizationType(tensor_type), offset))
+            infos.append((name, tuple(reversed(dims)), tensor_type, offset))
         alignment = int(self.fields.get("general.alignment", DEFAULT_ALIGNMENT))
         data_start = -(-self._pos // alignment) * alignment
         self.tensors = [TensorInfo(n, s, t, data_start + o) for n, s, t, o in infos]

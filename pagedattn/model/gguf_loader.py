@@ -3,26 +3,27 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import transformers
-from gguf.quants import dequantize
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 
-from pagedattn.model.disk_cache import cache_root
+from pagedattn.model.disk_cache import cache_root, read_json, write_atomic
 from pagedattn.model.gemma3 import FULL, SLIDING
 from pagedattn.model.gguf_file import GGUFFile
+from pagedattn.model.text_config import TextConfig
+from pagedattn.tokenizer import LightTokenizer, TokenizerFormatError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 # llama.cpp architecture -> (HF model_type, HF architecture).
 GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -59,6 +60,10 @@ _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 WEIGHT_CACHE_ENV = "PAGEDATTN_WEIGHT_CACHE"
 WEIGHT_CACHE_VERSION = 1  # bump when the conversions in _dequantised change
 WEIGHT_CACHE_MIN_BYTES = 16 << 20  # smaller files convert in well under a second
+# The config and tokenizer that transformers converts once per file (any size): bump when what is
+# saved changes.
+META_CACHE_VERSION = 1
+_CONFIG_FILE = "config.json"
 
 # llama.cpp defaults for Gemma 3 that the file does not state.
 _GEMMA3_LOCAL_ROPE_THETA = 10000.0
@@ -71,7 +76,12 @@ class GGUFFormatError(ValueError):
 
 
 class GGUFCheckpoint:
-    """An open GGUF file: its metadata, a HF config built from it, and its weights."""
+    """An open GGUF file: its metadata, config, tokenizer and weights.
+
+    The config and tokenizer are built by transformers on the first load of a file and cached
+    (``gguf_meta/`` under the cache root, keyed by the file's path, size and mtime and the
+    transformers version); later loads read them back without importing transformers.
+    """
 
     def __init__(self, path: str | Path, name: str | None = None) -> None:
         self.path = Path(path)
@@ -84,6 +94,7 @@ class GGUFCheckpoint:
                 f"{', '.join(sorted(GGUF_ARCHITECTURES))}"
             )
         self.tensor_names = {t.name for t in self.file.tensors}
+        self._config: dict[str, Any] | None = None
 
     def field(self, key: str, default: Any = None) -> Any:
         """A metadata value (scalar, string or small list), or ``default`` when absent."""
@@ -93,8 +104,21 @@ class GGUFCheckpoint:
         """The name given at construction, else the file name without its extension."""
         return self.name or self.path.stem
 
+    def config(self) -> dict[str, Any]:
+        """The config.json dict (``hf_config().to_dict()``), from the cache after the first load."""
+        if self._config is None:
+            path = _meta_cache_dir(self.path) / _CONFIG_FILE
+            config = read_json(path)
+            if not config:
+                config = json.loads(json.dumps(self.hf_config().to_dict(), default=str))
+                write_atomic(path, json.dumps(config, indent=1).encode())
+            self._config = config
+        return self._config
+
     def hf_config(self) -> PreTrainedConfig:
         """A transformers config equal to what the original checkpoint's config.json says."""
+        from transformers import AutoConfig
+
         arch = self.arch
         model_type, architecture = GGUF_ARCHITECTURES[arch]
         if "rope_freqs.weight" in self.tensor_names:
@@ -148,12 +172,12 @@ class GGUFCheckpoint:
         return AutoConfig.for_model(model_type, **kwargs)
 
     def weights(
-        self, config: PreTrainedConfig, dtype: torch.dtype | None = None
+        self, config: TextConfig, dtype: torch.dtype | None = None
     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Dequantised tensors under HF names, with llama.cpp's conversions undone.
 
         Without ``dtype``: float32, computed. With it: in ``dtype``, from a cache of this file's
-        converted tensors (``gguf_weights/`` under the cache root, keyed like the tokenizer's)
+        converted tensors (``gguf_weights/`` under the cache root, keyed by path, size, mtime)
         that the first load writes (files of WEIGHT_CACHE_MIN_BYTES or more);
         PAGEDATTN_WEIGHT_CACHE=0 turns the cache off.
         """
@@ -185,10 +209,13 @@ class GGUFCheckpoint:
         except OSError:  # an unwritable cache only costs load time
             tmp.unlink(missing_ok=True)
 
-    def _dequantised(self, config: PreTrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    def _dequantised(self, config: TextConfig) -> Iterator[tuple[str, torch.Tensor]]:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
         for tensor in self.file.tensors:
             name = self._hf_name(tensor.name)
-            w = dequantize(self.file.tensor_bytes(tensor), tensor.tensor_type)
+            w = dequantize(self.file.tensor_bytes(tensor), GGMLQuantizationType(tensor.tensor_type))
             w = w.reshape(tensor.shape)  # [out, in] (numpy order)
             if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 # NOTE: llama.cpp permutes Q/K rows for its interleaved rope; undo it for HF's.
@@ -217,28 +244,32 @@ class GGUFCheckpoint:
             f"GGUF tensor {gguf_name!r} in {self.path} has no HF counterpart for arch {self.arch!r}"
         )
 
-    def tokenizer(self) -> PreTrainedTokenizerBase:
-        """The tokenizer (and chat template) stored in the file, converted by transformers.
+    def tokenizer(self) -> LightTokenizer:
+        """The tokenizer (and chat template) stored in the file.
 
-        The conversion re-reads the whole file (seconds), so the result is cached as a
-        tokenizer folder keyed by the file's path, size and mtime and the transformers version.
+        The first load converts it with transformers (which re-reads the whole file: seconds)
+        and caches the result as tokenizer.json and its settings; later loads read those.
         """
-        cache = _tokenizer_cache_dir(self.path)
-        if (cache / "tokenizer_config.json").exists():
-            return AutoTokenizer.from_pretrained(cache, local_files_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(
+        cache = _meta_cache_dir(self.path)
+        try:
+            return LightTokenizer.load(cache, name_or_path=str(self.path))
+        except TokenizerFormatError:
+            pass  # not converted yet (or a damaged cache): convert and save again
+        tokenizer = LightTokenizer.from_hf(self.hf_tokenizer())
+        tokenizer.name_or_path = str(self.path)
+        try:
+            tokenizer.save(cache)
+        except OSError:  # an unwritable cache only costs load time
+            pass
+        return tokenizer
+
+    def hf_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The file's tokenizer converted by transformers (seconds; uncached)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(
             str(self.path.parent), gguf_file=self.path.name, local_files_only=True
         )
-        tmp = None
-        try:
-            cache.parent.mkdir(parents=True, exist_ok=True)
-            tmp = tempfile.mkdtemp(dir=cache.parent)
-            tokenizer.save_pretrained(tmp)
-            os.replace(tmp, cache)  # NOTE: atomic; fails if another process got there first
-        except OSError:
-            if tmp is not None:  # an unwritable cache only costs load time
-                shutil.rmtree(tmp, ignore_errors=True)
-        return tokenizer
 
 
 def _file_key(path: Path) -> str:
@@ -246,11 +277,11 @@ def _file_key(path: Path) -> str:
     return f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
 
 
-def _tokenizer_cache_dir(path: Path) -> Path:
-    """Where the converted tokenizer of GGUF file ``path`` is cached."""
-    key = f"{_file_key(path)}|{transformers.__version__}"
+def _meta_cache_dir(path: Path) -> Path:
+    """Where the config and tokenizer converted from GGUF file ``path`` are cached."""
+    key = f"{_file_key(path)}|transformers {version('transformers')}|v{META_CACHE_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
-    return cache_root() / "gguf_tokenizers" / digest
+    return cache_root() / "gguf_meta" / digest
 
 
 def _weights_cache_path(path: Path, dtype: torch.dtype) -> Path:

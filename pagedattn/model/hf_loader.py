@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, PreTrainedConfig, PreTrainedTokenizerBase
 
 from pagedattn.model.registry import UnsupportedArchitectureError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig, PreTrainedTokenizerBase
 
 _INDEX_FILE = "model.safetensors.index.json"
 
@@ -20,13 +23,22 @@ class HFCheckpoint:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._config: dict[str, Any] | None = None
 
     def model_name(self) -> str:
         """The folder name."""
         return self.path.resolve().name
 
+    def config(self) -> dict[str, Any]:
+        """The config.json dict as transformers normalises it (``hf_config().to_dict()``)."""
+        if self._config is None:
+            self._config = json.loads(json.dumps(self.hf_config().to_dict(), default=str))
+        return self._config
+
     def hf_config(self) -> PreTrainedConfig:
         """config.json through transformers (old and new rope formats normalised)."""
+        from transformers import AutoConfig
+
         try:
             return AutoConfig.from_pretrained(self.path, local_files_only=True)
         except (KeyError, ValueError) as exc:
@@ -59,7 +71,9 @@ class HFCheckpoint:
                     yield name, f.get_tensor(name)
 
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        """The folder's tokenizer (with its chat template)."""
+        """The folder's tokenizer (with its chat template), through transformers."""
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(self.path, local_files_only=True)
 
     def generation_eos_token_ids(self) -> list[int]:

@@ -5,15 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from pagedattn.attention.backends import cpu_ext
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.metadata import AttentionMetadata
-
-# Rope types whose frequencies depend on the running sequence length: not supported.
-_DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+from pagedattn.model.rope import rope_frequencies
+from pagedattn.model.text_config import TextConfig
 
 
 def compiled_ops_for(x: torch.Tensor):
@@ -99,26 +96,12 @@ class RotaryEmbedding:
     and so survive building the model on the meta device.
     """
 
-    def __init__(
-        self, config: PreTrainedConfig, head_size: int, layer_type: str | None = None
-    ) -> None:
+    def __init__(self, config: TextConfig, head_size: int, layer_type: str | None = None) -> None:
         params = config.rope_parameters
         params = params[layer_type] if layer_type is not None else params
-        rope_type = params.get("rope_type", "default")
-        if rope_type in _DYNAMIC_ROPE_TYPES:
-            raise NotImplementedError(
-                f"rope_type={rope_type!r} is not supported: use a checkpoint with 'default', "
-                "'linear', 'llama3' or 'yarn' rope"
-            )
-        with torch.device("cpu"):  # NOTE: overrides a surrounding meta-device context
-            if rope_type == "default":
-                exponent = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
-                inv_freq = 1.0 / (params["rope_theta"] ** exponent)  # [head_size // 2]
-                self.attention_scaling = 1.0
-            else:
-                inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](
-                    config, "cpu", layer_type=layer_type
-                )
+        inv_freq, self.attention_scaling = rope_frequencies(
+            params, head_size, config.max_position_embeddings
+        )
         if inv_freq.numel() * 2 != head_size:
             raise NotImplementedError(
                 f"partial rotary embedding ({inv_freq.numel() * 2} of {head_size} dims) is not "

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import PreTrainedConfig
 
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.metadata import AttentionMetadata
@@ -21,6 +20,7 @@ from pagedattn.model.layers import (
     silu_and_mul,
 )
 from pagedattn.model.packed_linear import LinearPlan
+from pagedattn.model.text_config import TextConfig
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class LlamaVariant:
     qk_norm: bool
 
     @staticmethod
-    def from_config(architecture: str, config: PreTrainedConfig) -> LlamaVariant:
+    def from_config(architecture: str, config: TextConfig) -> LlamaVariant:
         """The variant for an HF ``architectures`` entry and its config."""
         attention_bias = bool(getattr(config, "attention_bias", False))
         mlp_bias = bool(getattr(config, "mlp_bias", False))
@@ -45,7 +45,7 @@ class LlamaVariant:
         return LlamaVariant(attention_bias, attention_bias, mlp_bias, qk_norm=False)
 
 
-def layer_windows(config: PreTrainedConfig) -> list[int | None]:
+def layer_windows(config: TextConfig) -> list[int | None]:
     """Sliding window of each layer: from ``layer_types`` when present, else ``sliding_window``."""
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
@@ -59,7 +59,7 @@ class LlamaAttention(nn.Module):
 
     def __init__(
         self,
-        config: PreTrainedConfig,
+        config: TextConfig,
         variant: LlamaVariant,
         backend: AttentionBackend,
         sliding_window: int | None,
@@ -113,7 +113,7 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU MLP with a fused gate/up projection."""
 
-    def __init__(self, config: PreTrainedConfig, bias: bool) -> None:
+    def __init__(self, config: TextConfig, bias: bool) -> None:
         super().__init__()
         inter = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
@@ -129,7 +129,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(
         self,
-        config: PreTrainedConfig,
+        config: TextConfig,
         variant: LlamaVariant,
         backend: AttentionBackend,
         sliding_window: int | None,
@@ -169,7 +169,7 @@ class LlamaModel(nn.Module):
 
     def __init__(
         self,
-        config: PreTrainedConfig,
+        config: TextConfig,
         variant: LlamaVariant,
         backend: AttentionBackend,
         windows: list[int | None],
@@ -186,9 +186,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(PagedCausalLM):
     """Llama-family causal LM over a paged KV cache."""
 
-    def __init__(
-        self, config: PreTrainedConfig, backend: AttentionBackend, architecture: str
-    ) -> None:
+    def __init__(self, config: TextConfig, backend: AttentionBackend, architecture: str) -> None:
         super().__init__()
         if getattr(config, "head_dim", None) is None:
             config.head_dim = config.hidden_size // config.num_attention_heads

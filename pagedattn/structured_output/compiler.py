@@ -29,6 +29,40 @@ def _choice_regex(choices: tuple[str, ...]) -> str:
     return "(" + "|".join(_REGEX_SPECIAL.sub(r"\\\1", c) for c in choices) + ")"
 
 
+def tokenizer_info(tokenizer, vocab_size: int):
+    """xgrammar's TokenizerInfo of a transformers tokenizer or of a LightTokenizer.
+
+    A LightTokenizer takes the steps xgrammar's from_huggingface takes for a fast tokenizer (which
+    it recognises only by class): vocabulary, stop id, and the vocabulary type and prefix space
+    detected from tokenizer.json, overridden by the vocabulary itself where the two disagree.
+    """
+    import xgrammar as xgr
+
+    from pagedattn.tokenizer import LightTokenizer
+
+    if not isinstance(tokenizer, LightTokenizer):
+        return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+    vocab = tokenizer.get_vocab()
+    encoded_vocab = [""] * vocab_size
+    for token, token_id in vocab.items():
+        if token_id < vocab_size:
+            encoded_vocab[token_id] = token
+    eos = tokenizer.eos_token_id
+    info = xgr.TokenizerInfo
+    metadata = info._detect_metadata_from_hf(tokenizer.backend_tokenizer.to_str())
+    vocab_type = info._detect_vocab_type_from_vocab(vocab)
+    if vocab_type is not None and vocab_type != metadata["vocab_type"]:
+        prefix_space = info._detect_add_prefix_space_by_encoding(tokenizer, vocab_type)
+        metadata = {"vocab_type": vocab_type, "add_prefix_space": prefix_space}
+    return xgr.TokenizerInfo(
+        encoded_vocab,
+        vocab_type=metadata["vocab_type"],
+        vocab_size=vocab_size,
+        stop_token_ids=None if eos is None else [eos],
+        add_prefix_space=metadata["add_prefix_space"],
+    )
+
+
 class GrammarCache:
     """One tokenizer's xgrammar compiler, and its compiled grammars keyed by spec."""
 
@@ -36,7 +70,7 @@ class GrammarCache:
         import xgrammar as xgr
 
         self.vocab_size = vocab_size
-        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
+        self.tokenizer_info = tokenizer_info(tokenizer, vocab_size)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1)
         self._grammars: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()

@@ -9,7 +9,7 @@ from gguf import GGUFWriter
 from safetensors.numpy import load_file
 from transformers import AutoConfig
 
-from tests.model.tiny import tiny_vocab
+from tests.model.tiny import CHAT_TEMPLATE, SPECIAL_TOKENS, TINY_VOCAB_SIZE, tiny_vocab
 
 _LAYER_NAMES = {
     "input_layernorm": "attn_norm",
@@ -43,6 +43,28 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+def byte_level_vocab() -> tuple[list[str], list[str]]:
+    """A GPT-2 style byte-level BPE vocabulary of TINY_VOCAB_SIZE tokens, and its merges.
+
+    The special tokens at tiny_vocab()'s ids, printable ASCII, space and newline in GPT-2's byte
+    alphabet ("Ġ", "Ċ"), then merges spelling " the", " a", " of", ... until the vocabulary is
+    full: a tokenizer transformers can convert from GGUF, that encodes plain English text.
+    """
+    tokens = SPECIAL_TOKENS + [chr(c) for c in range(33, 127)] + ["Ġ", "Ċ"]
+    merges: list[str] = []
+    for word in list(tiny_vocab())[len(SPECIAL_TOKENS) :]:
+        current = "Ġ"
+        for char in word:
+            if len(tokens) == TINY_VOCAB_SIZE:
+                return tokens, merges
+            merged = current + char
+            if merged not in tokens:
+                merges.append(f"{current} {char}")
+                tokens.append(merged)
+            current = merged
+    raise AssertionError("the words ran out before the vocabulary was full")
+
+
 def _gguf_name(hf_name: str, arch: str) -> str:
     base, _, kind = hf_name.rpartition(".")
     if base in _GLOBAL_NAMES:
@@ -70,7 +92,10 @@ def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
     writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(list(tiny_vocab()))
+    tokens, merges = byte_level_vocab()
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_chat_template(CHAT_TEMPLATE)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
     for name, w in load_file(str(hf_dir / "model.safetensors")).items():

@@ -27,7 +27,7 @@ def test_gemma3_270m_gguf_matches_transformers() -> None:
     assert model.kv_cache_group_windows() == [512, None]
     assert model.layer_group[5] == 1 and model.layer_group.count(1) == 3
     assert loaded.tokenizer.convert_tokens_to_ids("<end_of_turn>") in loaded.eos_token_ids
-    prompt = loaded.tokenizer("The capital of France is").input_ids
+    prompt = loaded.tokenizer.encode("The capital of France is")
     ours = PagedDriver(model, block_size=16).step([(0, prompt)])[0]
 
     path = packaged_model_path("gemma3-270m")

@@ -42,7 +42,7 @@ def test_hf_folder_metadata(tmp_path: Path) -> None:
         [{"role": "user", "content": "the a"}], tokenize=False, add_generation_prompt=True
     )
     assert text.endswith("<|im_start|> assistant ")
-    assert loaded.tokenizer("the a").input_ids[-2:] == [vocab["the"], vocab["a"]]
+    assert loaded.tokenizer.encode("the a")[-2:] == [vocab["the"], vocab["a"]]
 
 
 def test_unpermute_inverts_llama_cpp_permutation() -> None:
