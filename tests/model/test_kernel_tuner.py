@@ -53,8 +53,11 @@ def threaded_measure(per_thread: dict[int, float]):
     return measure
 
 
-@pytest.mark.parametrize(("one", "two", "chosen"), [(1.0, 2.0, 1), (2.0, 1.0, 2), (1.0, 1.0, 2)])
+@pytest.mark.parametrize(
+    ("one", "two", "chosen"), [(1.0, 2.0, 1), (2.0, 1.0, 2), (1.0, 1.0, 2), (0.95, 1.0, 2)]
+)
 def test_thread_count_is_measured_and_one_thread_kept_only_when_it_wins(one, two, chosen):
+    # 0.95 against 1.0: one thread 5% faster is within a busy moment's noise, so all threads stay.
     torch.set_num_threads(2)
     result = tune(LAYER, HEAD, torch.float32, threaded_measure({1: one, 2: two}))
     assert result.plan.threads == chosen
