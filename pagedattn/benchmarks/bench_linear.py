@@ -1,11 +1,17 @@
-"""A decode step's matmuls alone: F.linear against MKL's and oneDNN's packed GEMMs and the panels.
+"""A decode step's matmuls alone: F.linear against the packed GEMMs, the panels and AMX tiles.
 
     python -m pagedattn.benchmarks.bench_linear [--rows 1,8,32,128] [--layers 30] [--threads 2]
+        [--kernels "F.linear,AMX bf16,int8 weight-only,int8 W8A8 oneDNN"]
 
 SmolLM2-135M's shapes (fused qkv 576->960, o 576->576, gate/up 576->3072, down 1536->576, and
 the 576->49,152 LM head), with ``--layers`` distinct random weight sets so that, as in the real
 model, the weights stream from memory instead of sitting in cache. Each kernel computes the
 same products; the median of ``--reps`` passes is reported, with the speed-up over F.linear.
+
+The int8 rows are how ``--quantization int8``'s kernel was chosen: per-channel int8 weights
+through torch's weight-only ``_weight_int8pack_mm`` (what the engine runs; bf16 activations),
+against oneDNN's int8 GEMM with the activations quantized too (``onednn::qlinear_pointwise``,
+AMX-INT8 where the CPU has it; per-tensor scale computed in the timed call, bf16 output).
 """
 
 from __future__ import annotations
@@ -17,14 +23,18 @@ import torch.nn.functional as F
 
 from pagedattn.benchmarks.pagedattn_runner import median_time
 from pagedattn.model.packed_linear import (
+    INT8_MAX,
     PackedLinear,
+    amx_kernel_available,
     mkl_packing_available,
     onednn_available,
     pack_panels,
     pack_weight,
+    packable,
     packed_linear,
     panel_kernel_available,
     panel_linear,
+    quantize_int8,
 )
 
 # (out_features, in_features) of one SmolLM2 layer's projections, then the LM head.
@@ -57,7 +67,48 @@ def kernels(weights: list[torch.Tensor]) -> dict[str, list]:
             lambda x, p=PackedLinear("onednn", w.bfloat16(), None): p(x.bfloat16()).float()
             for w in weights
         ]
+    if amx_kernel_available():
+        # NOTE: a weight that is not whole tiles runs F.linear, as it would in the engine.
+        amx = [w.bfloat16() for w in weights]
+        amx = [PackedLinear("amx" if packable(w, "amx") else "torch", w, None) for w in amx]
+        out["AMX bf16"] = [lambda x, p=p: p(x.bfloat16()).float() for p in amx]
+    out["int8 weight-only"] = [
+        lambda x, p=PackedLinear("int8", w.bfloat16(), None): p(x.bfloat16()).float()
+        for w in weights
+    ]
+    if hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        out["int8 W8A8 oneDNN"] = [W8A8(w) for w in weights]
     return out
+
+
+class W8A8:
+    """x @ w.T with int8 weights (per channel) and int8 activations (per tensor, quantized per
+    call) through oneDNN's int8 GEMM; bf16 out (a measured alternative, not an engine kernel)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        q, scales = quantize_int8(weight)
+        self.packed = torch.ops.onednn.qlinear_prepack(q, None)
+        self.scales = scales.float()
+        self.zero_points = torch.zeros(q.shape[0], dtype=torch.int64)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x_scale = float(x.abs().amax()) / INT8_MAX or 1.0
+        qx = torch.round(x / x_scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        return torch.ops.onednn.qlinear_pointwise(
+            qx,
+            x_scale,
+            0,
+            self.packed,
+            self.scales,
+            self.zero_points,
+            None,
+            1.0,
+            0,
+            torch.bfloat16,
+            "none",
+            [],
+            "",
+        ).float()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,14 +119,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=HEAD_SHAPE[0], help="LM head rows")
+    p.add_argument("--kernels", default="", help="comma list of kernel names (default: all)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     shapes = LAYER_SHAPES * args.layers + [(args.vocab, HEAD_SHAPE[1])]
     weights = [torch.randn(n, k) * 0.02 for n, k in shapes]
     fns = kernels(weights)
+    wanted = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    unknown = [k for k in wanted if k not in fns]
+    if unknown:
+        p.error(f"unknown or unavailable kernels {unknown}; here: {', '.join(fns)}")
+    if wanted:
+        fns = {k: fns[k] for k in ["F.linear", *wanted] if k in fns}
     rows = [int(r) for r in args.rows.split(",") if r.strip()]
     names = list(fns)
+    from pagedattn.model.cpu_features import describe_cpu
+
+    print(f"machine: {describe_cpu()}")
     print(f"{args.layers} layers + LM head, {args.threads} threads, median of {args.reps}")
     print("\n| rows | " + " | ".join(f"{n} ms" for n in names) + " | fastest / F.linear |")
     print("|---" * (len(names) + 2) + "|")

@@ -9,15 +9,17 @@ from pagedattn.benchmarks import bench_linear
 
 def test_kernels_compute_the_same_products():
     torch.manual_seed(0)
-    weights = [torch.randn(40, 24), torch.randn(7, 40)]
-    x = {24: torch.randn(5, 24), 40: torch.randn(5, 40)}
+    # NOTE: shapes every kernel takes (the AMX tiles need K % 32 == 0 and N % 16 == 0).
+    weights = [torch.randn(32, 64), torch.randn(16, 32)]
+    x = {64: torch.randn(5, 64), 32: torch.randn(5, 32)}
     fns = bench_linear.kernels(weights)
-    assert "F.linear" in fns
+    assert "F.linear" in fns and "int8 weight-only" in fns
     for name, calls in fns.items():
         for w, call in zip(weights, calls, strict=True):
             expected = x[w.shape[1]] @ w.t()
-            # bf16 weights round each weight to 8 bits of mantissa; the rest are fp32.
-            tol = 0.05 if "bf16" in name else 1e-5
+            # bf16 rounds each weight to 8 significant bits, int8 to 1/127 of its row's
+            # largest; the rest are fp32.
+            tol = 0.2 if "int8" in name else 0.05 if "bf16" in name else 1e-5
             torch.testing.assert_close(call(x[w.shape[1]]), expected, atol=tol, rtol=tol)
 
 
@@ -28,3 +30,16 @@ def test_table_rows(capsys):
     out = capsys.readouterr().out
     assert "| rows | F.linear ms |" in out
     assert out.count("\n| 1 | ") == 1 and out.count("\n| 4 | ") == 1
+
+
+def test_kernels_option_picks_columns(capsys):
+    argv = ["--rows", "2", "--layers", "1", "--reps", "1", "--vocab", "64"]
+    assert bench_linear.main([*argv, "--kernels", "int8 weight-only"]) == 0
+    out = capsys.readouterr().out
+    assert "| rows | F.linear ms | int8 weight-only ms |" in out
+    try:
+        bench_linear.main([*argv, "--kernels", "no such kernel"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    else:
+        raise AssertionError("an unknown kernel name must be refused")
