@@ -8,10 +8,12 @@ the 576->49,152 LM head), with ``--layers`` distinct random weight sets so that,
 model, the weights stream from memory instead of sitting in cache. Each kernel computes the
 same products; the median of ``--reps`` passes is reported, with the speed-up over F.linear.
 
-The int8 rows are how ``--quantization int8``'s kernel was chosen: per-channel int8 weights
-through torch's weight-only ``_weight_int8pack_mm`` (what the engine runs; bf16 activations),
-against oneDNN's int8 GEMM with the activations quantized too (``onednn::qlinear_pointwise``,
-AMX-INT8 where the CPU has it; per-tensor scale computed in the timed call, bf16 output).
+The int8 columns compare ``--quantization int8``'s kernels: per-channel int8 weights through
+torch's weight-only ``_weight_int8pack_mm`` ("int8 weight-only") and through the AMX kernel
+("int8 AMX": each tile widened to bf16 in L1), both with bf16 activations (the engine measures
+the two and runs the faster), against oneDNN's int8 GEMM with the activations quantized too
+(``onednn::qlinear_pointwise``, AMX-INT8 where the CPU has it; per-tensor scale computed in the
+timed call, bf16 output), measured here and not an engine kernel.
 """
 
 from __future__ import annotations
@@ -72,6 +74,9 @@ def kernels(weights: list[torch.Tensor]) -> dict[str, list]:
         amx = [w.bfloat16() for w in weights]
         amx = [PackedLinear("amx" if packable(w, "amx") else "torch", w, None) for w in amx]
         out["AMX bf16"] = [lambda x, p=p: p(x.bfloat16()).float() for p in amx]
+        int8 = [w.bfloat16() for w in weights]
+        int8 = [PackedLinear("int8_amx" if packable(w, "amx") else "int8", w, None) for w in int8]
+        out["int8 AMX"] = [lambda x, p=p: p(x.bfloat16()).float() for p in int8]
     out["int8 weight-only"] = [
         lambda x, p=PackedLinear("int8", w.bfloat16(), None): p(x.bfloat16()).float()
         for w in weights

@@ -19,7 +19,9 @@
 namespace {
 
 // The kernels of pagedattn.model.packed_linear.KERNELS, numbered as in DecodeLinear's docstring.
-enum class Kernel : int64_t { kTorch = 0, kPanels = 1, kMkl = 2, kOnednn = 3, kInt8 = 4, kAmx = 5 };
+enum class Kernel : int64_t {
+  kTorch = 0, kPanels = 1, kMkl = 2, kOnednn = 3, kInt8 = 4, kAmx = 5, kInt8Amx = 6
+};
 
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
                             const c10::optional<torch::Tensor>& bias) {
@@ -47,7 +49,7 @@ torch::Tensor mkl_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // One linear layer on the kernel the tuner chose, as PackedLinear calls it for a 2-D, contiguous
 // input in the layer's dtype. kernel: 0 torch (a = weight), 1 panels (a = panels), 2 mkl (a =
 // packed, b = weight), 3 onednn (a = packed), 4 int8 (a = int8 weight, b = scales), 5 amx
-// (a = AMX tiles; bias float32).
+// (a = AMX tiles; bias float32), 6 int8_amx (a = int8 AMX tiles, b = float32 scales).
 struct DecodeLinear {
   int64_t kernel;
   torch::Tensor a, b;
@@ -65,7 +67,9 @@ struct DecodeLinear {
       case Kernel::kOnednn:
         return onednn_linear(x, a, bias);
       case Kernel::kAmx:
-        return linear_amx(x, a, out_features, bias);
+        return linear_amx(x, a, out_features, bias, c10::nullopt);
+      case Kernel::kInt8Amx:
+        return linear_amx(x, a, out_features, bias, b);
       case Kernel::kInt8: {
         auto out = at::_weight_int8pack_mm(x, a, b);
         if (bias.has_value()) out.add_(*bias);

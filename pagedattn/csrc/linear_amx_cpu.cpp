@@ -1,4 +1,6 @@
 // bf16 GEMM on AMX tiles for decode-sized row counts: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+// W is bf16, or int8 with a per-column scale (--quantization int8): each int8 tile is widened
+// to bf16 in L1 just before its tile product (exact), and the scale applied to the fp32 sums.
 //
 // At 32 rows a decode step's matmuls read each weight once and do 32 multiply-adds with it, so
 // they are bound by streaming the weights, not by the tiles' arithmetic. The general-purpose
@@ -95,26 +97,50 @@ void configure_tiles(int64_t rows0, int64_t rows1) {
   _tile_loadconfig(&cfg);
 }
 
-// fp32 accumulators [rows, 16] (+ bias) -> bf16 output row segments.
-inline void store_rows(const float* acc, int64_t rows, const float* bias, c10::BFloat16* y,
-                       int64_t ldy) {
+// fp32 accumulators [rows, 16] (* scale, + bias) -> bf16 output row segments.
+inline void store_rows(const float* acc, int64_t rows, const float* scale, const float* bias,
+                       c10::BFloat16* y, int64_t ldy) {
   const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+  const __m512 s = scale ? _mm512_loadu_ps(scale) : _mm512_set1_ps(1.0f);
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + r * kTileCols), b);
+    const __m512 v = _mm512_fmadd_ps(_mm512_loadu_ps(acc + r * kTileCols), s, b);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy),
                         reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
   }
 }
 
-// One or two 16-column blocks (nb0, nb0 + 1 when two) over all M rows.
-template <bool kTwoBlocks>
-void block_pair(const c10::BFloat16* x, const c10::BFloat16* packed, const float* bias,
+// One int8 weight tile (512 values) -> the same tile in bf16 (exact: |q| <= 127 < 2^8).
+inline const c10::BFloat16* widen_tile(const int8_t* q, c10::BFloat16* out) {
+  for (int i = 0; i < kTileK * kTileCols; i += 32) {
+    const __m512 lo = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i))));
+    const __m512 hi = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + i + 16))));
+    _mm512_storeu_si512(out + i, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+  // NOTE: GCC does not see that tileloadd reads this buffer (as with ldtilecfg): without the
+  // clobber it dropped the stores above as dead.
+  asm volatile("" : : "r"(out) : "memory");
+  return out;
+}
+
+// The tile to multiply with: a bf16 weight's own, or an int8 weight's widened into scratch.
+inline const c10::BFloat16* weight_tile(const c10::BFloat16* w, c10::BFloat16*) { return w; }
+inline const c10::BFloat16* weight_tile(const int8_t* w, c10::BFloat16* scratch) {
+  return widen_tile(w, scratch);
+}
+
+// One or two 16-column blocks (nb0, nb0 + 1 when two) over all M rows. W is bf16, or int8 with
+// a per-column scale applied to the fp32 sums (scale null for bf16).
+template <bool kTwoBlocks, typename W>
+void block_pair(const c10::BFloat16* x, const W* packed, const float* scale, const float* bias,
                 c10::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t nb0) {
   const int64_t kb_count = K / kTileK;
-  const int64_t tile_elems = kTileK * kTileCols;  // bf16 values per weight tile
-  const c10::BFloat16* w0 = packed + nb0 * kb_count * tile_elems;
-  const c10::BFloat16* w1 = w0 + kb_count * tile_elems;
+  const int64_t tile_elems = kTileK * kTileCols;  // weight values per tile
+  const W* w0 = packed + nb0 * kb_count * tile_elems;
+  const W* w1 = w0 + kb_count * tile_elems;
   alignas(64) float acc[kTileRows * kTileCols];
+  alignas(64) c10::BFloat16 widened[2][kTileK * kTileCols];  // int8 weights only
   const int64_t ldx = K * sizeof(c10::BFloat16);
   int64_t configured0 = -1, configured1 = -1;
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
@@ -139,16 +165,16 @@ void block_pair(const c10::BFloat16* x, const c10::BFloat16* packed, const float
         // memory (and harmless past the end of the weight: prefetches never fault).
         const char* p0 = reinterpret_cast<const char*>(w0 + (kb + kPrefetchTiles) * tile_elems);
         const char* p1 = reinterpret_cast<const char*>(w1 + (kb + kPrefetchTiles) * tile_elems);
-        for (int l = 0; l < 1024; l += 64) {
+        for (int l = 0; l < static_cast<int>(tile_elems * sizeof(W)); l += 64) {
           _mm_prefetch(p0 + l, _MM_HINT_T0);
           if (kTwoBlocks) _mm_prefetch(p1 + l, _MM_HINT_T0);
         }
       }
       _tile_loadd(4, x0 + kb * kTileK, ldx);
-      _tile_loadd(6, w0 + kb * tile_elems, 64);
+      _tile_loadd(6, weight_tile(w0 + kb * tile_elems, widened[0]), 64);
       _tile_dpbf16ps(0, 4, 6);
       if (kTwoBlocks) {
-        _tile_loadd(7, w1 + kb * tile_elems, 64);
+        _tile_loadd(7, weight_tile(w1 + kb * tile_elems, widened[1]), 64);
         _tile_dpbf16ps(1, 4, 7);
       }
       if (rows1) {
@@ -160,20 +186,22 @@ void block_pair(const c10::BFloat16* x, const c10::BFloat16* packed, const float
     const int64_t n0 = nb0 * kTileCols;
     const float* b0 = bias ? bias + n0 : nullptr;
     const float* b1 = bias ? bias + n0 + kTileCols : nullptr;
+    const float* s0 = scale ? scale + n0 : nullptr;
+    const float* s1 = scale ? scale + n0 + kTileCols : nullptr;
     c10::BFloat16* y0 = y + m0 * N + n0;
     c10::BFloat16* y1 = y0 + kTileRows * N;
     _tile_stored(0, acc, kTileCols * sizeof(float));
-    store_rows(acc, rows0, b0, y0, N);
+    store_rows(acc, rows0, s0, b0, y0, N);
     if (kTwoBlocks) {
       _tile_stored(1, acc, kTileCols * sizeof(float));
-      store_rows(acc, rows0, b1, y0 + kTileCols, N);
+      store_rows(acc, rows0, s1, b1, y0 + kTileCols, N);
     }
     if (rows1) {
       _tile_stored(2, acc, kTileCols * sizeof(float));
-      store_rows(acc, rows1, b0, y1, N);
+      store_rows(acc, rows1, s0, b0, y1, N);
       if (kTwoBlocks) {
         _tile_stored(3, acc, kTileCols * sizeof(float));
-        store_rows(acc, rows1, b1, y1 + kTileCols, N);
+        store_rows(acc, rows1, s1, b1, y1 + kTileCols, N);
       }
     }
   }
@@ -190,8 +218,9 @@ bool linear_amx_available() {
 #endif
 }
 
+// packed: bf16 tiles, or int8 tiles with scale = the per-column float32 scales.
 torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
-                         c10::optional<torch::Tensor> bias) {
+                         c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> scale) {
   TORCH_CHECK(linear_amx_available(), "linear_amx needs a CPU with AMX-BF16 (and a build for it)");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_amx runs on CPU");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16,
@@ -199,9 +228,19 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(K % kTileK == 0 && N % kTileCols == 0, "linear_amx needs K % 32 == 0 and ",
               "N % 16 == 0, got K=", K, " N=", N);
-  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.is_contiguous() &&
+  const bool int8 = packed.scalar_type() == torch::kInt8;
+  TORCH_CHECK((packed.scalar_type() == torch::kBFloat16 || int8) && packed.is_contiguous() &&
                   packed.numel() == N * K,
-              "packed must be the contiguous bf16 AMX packing of a [", N, ", ", K, "] weight");
+              "packed must be the contiguous bf16 or int8 AMX packing of a [", N, ", ", K,
+              "] weight");
+  TORCH_CHECK(int8 == scale.has_value(), "int8 tiles need their per-column scales (only they)");
+  const float* scale_ptr = nullptr;
+  if (int8) {
+    TORCH_CHECK(scale->scalar_type() == torch::kFloat32 && scale->is_contiguous() &&
+                    scale->numel() == N,
+                "scale must be a contiguous float32 [N]");
+    scale_ptr = scale->data_ptr<float>();
+  }
   const float* bias_ptr = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
@@ -213,21 +252,27 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
   if (M == 0) return y;
 #ifdef PAGEDATTN_HAS_AMX
   const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const c10::BFloat16*>(packed.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>());
   const int64_t num_blocks = N / kTileCols;
   const int64_t num_pairs = (num_blocks + 1) / 2;
-  at::parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t p = begin; p < end; ++p) {
-      const int64_t nb0 = 2 * p;
-      if (nb0 + 1 < num_blocks) {
-        block_pair<true>(xp, wp, bias_ptr, yp, M, N, K, nb0);
-      } else {
-        block_pair<false>(xp, wp, bias_ptr, yp, M, N, K, nb0);
+  auto run = [&](const auto* wp) {
+    at::parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t nb0 = 2 * p;
+        if (nb0 + 1 < num_blocks) {
+          block_pair<true>(xp, wp, scale_ptr, bias_ptr, yp, M, N, K, nb0);
+        } else {
+          block_pair<false>(xp, wp, scale_ptr, bias_ptr, yp, M, N, K, nb0);
+        }
       }
-    }
-    _tile_release();
-  });
+      _tile_release();
+    });
+  };
+  if (int8) {
+    run(packed.data_ptr<int8_t>());
+  } else {
+    run(reinterpret_cast<const c10::BFloat16*>(packed.data_ptr<at::BFloat16>()));
+  }
 #endif
   return y;
 }

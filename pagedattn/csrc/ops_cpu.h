@@ -15,7 +15,7 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
 bool linear_packed_vectorized();
 // linear_amx_cpu.cpp
 torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
-                         c10::optional<torch::Tensor> bias);
+                         c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> scale);
 bool linear_amx_available();
 // step_ops_cpu.cpp
 void cache_write(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,

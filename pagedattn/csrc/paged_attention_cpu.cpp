@@ -810,7 +810,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed", &linear_packed, "y = x @ W^T (+ bias) over 32-column weight panels");
   m.def("linear_packed_vectorized", &linear_packed_vectorized,
         "Whether linear_packed runs the AVX-512 micro-kernel");
-  m.def("linear_amx", &linear_amx, "y = x @ W^T (+ bias) in bf16 on AMX tiles (decode rows)");
+  m.def("linear_amx", &linear_amx, "y = x @ W^T (+ bias) in bf16 on AMX tiles (decode rows)",
+        py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias"),
+        py::arg("scale") = py::none());
   m.def("linear_amx_available", &linear_amx_available,
         "Whether this build and CPU run linear_amx (AMX-BF16, tile state granted by the OS)");
   m.def("cache_write", &cache_write, "Write K/V rows into a flash-layout paged cache by slot");

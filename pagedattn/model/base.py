@@ -11,6 +11,7 @@ from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
 from pagedattn.model.layers import PagedAttention
 from pagedattn.model.packed_linear import (
+    INT8_KERNELS,
     QUANTIZATIONS,
     LinearPlan,
     PackedLinear,
@@ -111,7 +112,8 @@ class PagedCausalLM(nn.Module):
 
         ``plan`` is a LinearPlan, one kernel name, or None for the kernel tuner's choice
         (measured once per CPU, model shapes and dtype, then cached). ``quantization="int8"``
-        runs every projection and the LM head on int8 weights instead. Returns the plan used.
+        runs every projection and the LM head on int8 weights instead, on the int8 kernel
+        ``plan`` names or else the faster one measured (INT8_KERNELS). Returns the plan used.
         """
         if quantization is not None:
             if quantization not in QUANTIZATIONS:
@@ -119,7 +121,15 @@ class PagedCausalLM(nn.Module):
                     f"quantization={quantization!r} is invalid: use None or one of "
                     f"{', '.join(QUANTIZATIONS)}"
                 )
-            plan = LinearPlan.single(quantization)
+            if isinstance(plan, str) and plan in INT8_KERNELS:
+                plan = LinearPlan.single(plan)  # an int8 kernel named by the caller
+            elif self.lm_head_weight().device.type != "cpu":
+                plan = LinearPlan.single(quantization)
+            else:
+                # NOTE: the int8 kernels compute the same numbers; which one runs is measured.
+                from pagedattn.model.kernel_tuner import plan_for_model
+
+                plan = plan_for_model(self, INT8_KERNELS)
         self._lm_head: PackedLinear | None = None
         self.linear_plan = LinearPlan.single("torch")
         if isinstance(plan, str):

@@ -26,7 +26,15 @@ from pagedattn.model.packed_linear import PackedLinear
 
 DISABLE_ENV = "PAGEDATTN_DISABLE_DECODE_STACK"
 # packed_linear kernel name -> the compiled DecodeLinear's kernel number.
-KERNEL_NUMBERS = {"torch": 0, "panels": 1, "mkl": 2, "onednn": 3, "int8": 4, "amx": 5}
+KERNEL_NUMBERS = {
+    "torch": 0,
+    "panels": 1,
+    "mkl": 2,
+    "onednn": 3,
+    "int8": 4,
+    "amx": 5,
+    "int8_amx": 6,
+}
 
 
 def _decode_linear(ext, module: nn.Linear):
@@ -36,7 +44,7 @@ def _decode_linear(ext, module: nn.Linear):
         return ext.DecodeLinear(0, module.weight, None, module.bias, module.out_features), math.inf
     if packed.kernel == "mkl":
         a, b = packed.packed, packed.weight
-    elif packed.kernel == "int8":
+    elif packed.kernel in ("int8", "int8_amx"):
         a, b = packed.packed, packed.scales
     elif packed.kernel == "torch":
         a, b = packed.weight, None

@@ -103,9 +103,9 @@ def machine_busy() -> bool:
     return load >= (os.cpu_count() or 1) + 0.5
 
 
-def candidates(dtype: torch.dtype) -> list[str]:
-    """The kernels that can run a linear layer in ``dtype`` here, in KERNELS order."""
-    return [k for k in KERNELS if kernel_available(k, dtype)]
+def candidates(dtype: torch.dtype, kernels: Sequence[str] = KERNELS) -> list[str]:
+    """The ``kernels`` that can run a linear layer in ``dtype`` here, in their order."""
+    return [k for k in kernels if kernel_available(k, dtype)]
 
 
 def fastest(times: dict[str, float]) -> str:
@@ -212,8 +212,9 @@ def tune(
     dtype: torch.dtype,
     measure: Measure | None = None,
     attention: AttentionShape | None = None,
+    kernels: Sequence[str] = KERNELS,
 ) -> TuneResult:
-    """Time every candidate kernel on these shapes and pick the fastest per regime; with
+    """Time every candidate of ``kernels`` on these shapes and pick the fastest per regime; with
     ``attention``, the decode attention kernels too. On a quiet machine with several threads,
     the linear passes again on one thread."""
     if measure is None:
@@ -222,7 +223,7 @@ def tune(
             return measure_kernels(kernels, shapes, rows, dtype)
 
     start = time.perf_counter()
-    kernels = candidates(dtype)
+    kernels = candidates(dtype, kernels)
     busy = machine_busy()
     threads = torch.get_num_threads()
     if busy:
@@ -293,11 +294,16 @@ def _tune(
     return LinearPlan(decode, prefill, fastest(times["head"]), split), times
 
 
-def plan_key(layer_shapes: Sequence[Shape], head_shape: Shape, dtype: torch.dtype) -> str:
+def plan_key(
+    layer_shapes: Sequence[Shape],
+    head_shape: Shape,
+    dtype: torch.dtype,
+    kernels: Sequence[str] = KERNELS,
+) -> str:
     """Cache key: CPU signature, dtype, shapes, torch version and the candidate kernels."""
     shapes = json.dumps([list(s) for s in (*layer_shapes, head_shape)])
     digest = hashlib.sha256(shapes.encode()).hexdigest()[:16]
-    kernels = ",".join(candidates(dtype))
+    kernels = ",".join(candidates(dtype, kernels))
     return (
         f"v{PLAN_VERSION}|{cpu_signature()}|{str(dtype).removeprefix('torch.')}|{digest}|"
         f"torch {torch.__version__}|{kernels}"
@@ -335,14 +341,16 @@ def plan_for_shapes(
     dtype: torch.dtype,
     measure: Measure | None = None,
     attention: AttentionShape | None = None,
+    kernels: Sequence[str] = KERNELS,
 ) -> LinearPlan:
-    """The forced, cached or freshly measured plan for a model with these shapes in ``dtype``."""
+    """The forced, cached or freshly measured plan for a model with these shapes in ``dtype``
+    (``kernels``: the candidates, e.g. INT8_KERNELS for int8 weights, which nothing forces)."""
     name = str(dtype).removeprefix("torch.")
-    forced = forced_kernel()
+    forced = forced_kernel() if tuple(kernels) == KERNELS else None
     if forced is not None:
         announce(f"forced {forced}", f"{name}: linear {forced} (forced by {KERNEL_ENV})")
         return LinearPlan.single(forced)
-    key = plan_key(layer_shapes, head_shape, dtype)
+    key = plan_key(layer_shapes, head_shape, dtype, kernels)
     path = cache_path()
     if os.environ.get(RETUNE_ENV, "") in ("", "0"):
         entry = disk_cache.read_json(path).get(key)
@@ -352,7 +360,7 @@ def plan_for_shapes(
         if plan is not None:
             announce(key, f"{name}: {plan.describe()} (measured earlier; {RETUNE_ENV}=1 retunes)")
             return plan
-    result = tune(layer_shapes, head_shape, dtype, measure, attention)
+    result = tune(layer_shapes, head_shape, dtype, measure, attention, kernels)
     entry = {
         "plan": result.plan._asdict(),
         "times_ms": {
@@ -380,12 +388,18 @@ def model_shapes(model: nn.Module, head: nn.Module | None = None) -> list[Shape]
     ]
 
 
-def plan_for_model(model: nn.Module) -> LinearPlan:
-    """The plan for a PagedCausalLM (its projections, its LM head and its dtype)."""
+def plan_for_model(model: nn.Module, kernels: Sequence[str] = KERNELS) -> LinearPlan:
+    """The plan for a PagedCausalLM (its projections, its LM head and its dtype), among
+    ``kernels``; one candidate alone is used without measuring."""
+    usable = candidates(model.dtype, kernels)
+    if len(usable) == 1:
+        return LinearPlan.single(usable[0])
     head = None if model.tie_word_embeddings else model.lm_head
     head_shape = tuple(model.lm_head_weight().shape)
     attention = model_attention_shape(model)
-    return plan_for_shapes(model_shapes(model, head), head_shape, model.dtype, None, attention)
+    return plan_for_shapes(
+        model_shapes(model, head), head_shape, model.dtype, None, attention, kernels
+    )
 
 
 def model_attention_shape(model: nn.Module) -> AttentionShape | None:

@@ -14,9 +14,12 @@ Kernels (``KERNELS``):
   (``torch.ops.mkldnn._reorder_linear_weight`` + ``_linear_pointwise``); on a CPU with AMX a bf16
   GEMM runs on the tiles (``brg_matmul:avx10_1_512_amx`` in ONEDNN_VERBOSE).
 - ``torch``: plain ``F.linear``.
-- ``int8`` (``--quantization int8``, never picked by the tuner): per-output-channel symmetric int8
-  weights (scale = max |w| / 127) through torch's weight-only ``_weight_int8pack_mm``;
-  activations stay in the model's dtype. Half the weight bytes of bf16.
+- ``int8`` (``--quantization int8``, never picked by the tuner for unquantized models):
+  per-output-channel symmetric int8 weights (scale = max |w| / 127) through torch's weight-only
+  ``_weight_int8pack_mm``; activations stay in the model's dtype. Half the weight bytes of bf16.
+- ``int8_amx``: the same int8 weights in the AMX kernel's tile layout, each tile widened to bf16
+  in L1 just before its tile product and the scale applied to the fp32 sums (bf16 models on a
+  CPU with AMX). The tuner measures it against ``int8`` for ``--quantization int8``.
 
 A ``LinearPlan`` names one kernel for few rows (decode) and one for many (prefill), split at
 ``prefill_rows``, and one for the LM head; ``pagedattn.model.kernel_tuner`` picks it by measuring
@@ -39,6 +42,9 @@ KERNEL_ENV = "PAGEDATTN_LINEAR"
 KERNELS = ("panels", "amx", "mkl", "onednn", "torch")
 # Weight quantizations (not tuned: they change the numbers); see PackedLinear.
 QUANTIZATIONS = ("int8",)
+# The kernels that run int8 weights (the same numbers, up to the order of the sums); the kernel
+# tuner measures them for a model loaded with quantization="int8".
+INT8_KERNELS = ("int8", "int8_amx")
 INT8_MAX = 127
 AUTO = "auto"
 PANEL = 32  # output columns per panel (the C++ kernel's kPanel)
@@ -123,13 +129,15 @@ def kernel_available(kernel: str, dtype: torch.dtype) -> bool:
         return onednn_available(dtype)
     if kernel == "int8":
         return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+    if kernel == "int8_amx":
+        return dtype == torch.bfloat16 and amx_kernel_available()
     return False
 
 
 def usable_plan(plan: LinearPlan, dtype: torch.dtype) -> LinearPlan:
     """``plan`` with each kernel that cannot run ``dtype`` here replaced by torch."""
     for kernel in plan[:3]:
-        if kernel not in (*KERNELS, *QUANTIZATIONS):
+        if kernel not in (*KERNELS, *INT8_KERNELS):
             raise ValueError(
                 f"linear kernel {kernel!r} is invalid: use one of {', '.join((AUTO, *KERNELS))}"
             )
@@ -207,16 +215,21 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor:
 
 
 def amx_linear(
-    x: torch.Tensor, packed: torch.Tensor, out_features: int, bias: torch.Tensor | None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    out_features: int,
+    bias: torch.Tensor | None,
+    scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``F.linear`` through AMX-packed tiles; x [..., K] -> [..., out_features] in bf16.
 
-    ``bias`` must be float32 (added in fp32 before the one rounding to bf16).
+    ``packed``: bf16 tiles, or int8 tiles with their float32 per-column ``scales``. ``bias``
+    must be float32 (added in fp32 before the one rounding to bf16).
     """
     ext = cpu_ext.load_extension()
     in_features = packed.shape[1] * AMX_TILE_K
     x2 = x.reshape(-1, in_features).to(torch.bfloat16).contiguous()  # [M, K]
-    out = ext.linear_amx(x2, packed, out_features, bias)  # [M, N]
+    out = ext.linear_amx(x2, packed, out_features, bias, scales)  # [M, N]
     return out.reshape(*x.shape[:-1], out_features)
 
 
@@ -296,6 +309,10 @@ class PackedLinear:
         elif kernel == "int8":
             self.packed, self.scales = quantize_int8(weight)
             self.bias = None if bias is None else bias.to(weight.dtype).contiguous()
+        elif kernel == "int8_amx":
+            q, scales = quantize_int8(weight)
+            self.packed, self.scales = pack_amx(q), scales.float().contiguous()
+            self.bias = None if bias is None else bias.float().contiguous()
         elif kernel != "torch":
             raise ValueError(
                 f"linear kernel {kernel!r} is invalid: use one of {', '.join(KERNELS)}"
@@ -312,6 +329,8 @@ class PackedLinear:
             return onednn_linear(x, self.packed, self.out_features, self.bias)
         if self.kernel == "int8":
             return int8_linear(x, self.packed, self.scales, self.bias)
+        if self.kernel == "int8_amx":
+            return amx_linear(x, self.packed, self.out_features, self.bias, self.scales)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -324,7 +343,7 @@ def packable(weight: torch.Tensor | None, kernel: str) -> bool:
         return False
     if kernel == "panels":
         return weight.dtype in (torch.float32, torch.bfloat16)
-    if kernel == "amx":
+    if kernel in ("amx", "int8_amx"):
         n, k = weight.shape
         return weight.dtype == torch.bfloat16 and n % AMX_TILE_N == 0 and k % AMX_TILE_K == 0
     if kernel == "mkl":

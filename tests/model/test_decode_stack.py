@@ -28,6 +28,7 @@ CASES = [
     ("bfloat16", "torch"),
     ("bfloat16", "int8"),
     ("bfloat16", "amx"),
+    ("bfloat16", "int8_amx"),
 ]
 PROMPT_LENS = (9, 17, 3)  # several blocks of 4, and one sequence shorter than a block
 DECODE_STEPS = 6
@@ -42,9 +43,8 @@ def checkpoints(tmp_path_factory) -> dict:
 
 
 def _load(path, dtype: str, kernel: str):
-    quantization = kernel if kernel == "int8" else None
-    linear_kernel = None if quantization else kernel
-    return load_model(str(path), dtype, "cpu", "cpu", linear_kernel, quantization).model
+    quantization = "int8" if kernel.startswith("int8") else None
+    return load_model(str(path), dtype, "cpu", "cpu", kernel, quantization).model
 
 
 def _count_stack_steps(monkeypatch) -> list[int]:

@@ -10,6 +10,7 @@ from torch import nn
 
 from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads, keep_freed_heap_memory
 from pagedattn.model.packed_linear import (
+    PackedLinear,
     amx_kernel_available,
     amx_linear,
     linear_kernel,
@@ -231,3 +232,25 @@ def test_amx_layers_fall_back_where_the_tiles_do_not_fit():
         assert model[0].linear_decode.kernel == "amx"
         got = model(x)
     torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+@needs_amx
+@pytest.mark.parametrize("num_tokens", [1, 17, 40])
+def test_int8_weights_on_amx_compute_what_the_int8_kernel_computes(num_tokens):
+    torch.manual_seed(0)
+    w = torch.randn(48, 96).to(torch.bfloat16)
+    bias = torch.randn(48).to(torch.bfloat16)
+    x = torch.randn(num_tokens, 96).to(torch.bfloat16)
+    amx = PackedLinear("int8_amx", w, bias)
+    assert amx.packed.dtype == torch.int8 and amx.packed.shape == (3, 3, 16, 16, 2)
+    reference = PackedLinear("int8", w, bias)  # torch's weight-only int8 kernel
+    assert torch.equal(amx.scales, reference.scales.float())  # the very same int8 weights
+    # The dequantised weights times x, summed exactly, then one bf16 rounding (ours) against
+    # torch's kernel: both within bf16 steps of the exact product of the same int8 weights.
+    q, scales = quantize_int8(w)
+    exact = x.double() @ (q.double() * scales.double()[:, None]).T + bias.double()
+    got = amx(x)
+    assert got.dtype == torch.bfloat16
+    err = (got.double() - exact).abs()
+    assert bool((err <= exact.abs() * 2**-7 + 1e-2).all()), float(err.max())
+    torch.testing.assert_close(got.float(), reference(x).float(), atol=5e-2, rtol=2e-2)
