@@ -225,11 +225,12 @@ class ModelConfig:
         "the CPU linear kernel; auto: each one timed on the model's shapes at the first start on "
         "a machine (cached per CPU, dtype and shapes), the fastest per batch size. "
         "PAGEDATTN_LINEAR forces one too, PAGEDATTN_RETUNE=1 measures again",
-        choices=("auto", "panels", "mkl", "onednn", "torch"),
+        choices=("auto", "panels", "amx", "mkl", "onednn", "torch"),
     )
     quantization: str | None = option(
         None,
-        "int8: per-channel int8 weights (half the bytes of bf16; output no longer HF's)",
+        "int8: per-channel int8 weights (half the bytes of bf16; output no longer HF's), on the "
+        "faster of torch's weight-only kernel and the AMX one, measured",
         choices=(None, "int8"),
         default_text="none",
     )

@@ -19,10 +19,12 @@ def main() -> int:
     lines += [
         "",
         "Native code, one extension built on first use (`pagedattn/csrc`):",
-        "- `paged_attention_cpu.cpp`: CPU paged decode attention through the block tables, and the"
-        " module's bindings.",
+        "- `paged_attention_cpu.cpp`: CPU paged decode attention through the block tables (AVX-512,"
+        " or AMX tiles for bf16), and the module's bindings.",
         "- `linear_cpu.cpp`: the panel GEMM, one of the linear kernels the tuner measures"
-        " (panels, MKL, oneDNN, F.linear).",
+        " (panels, AMX, MKL, oneDNN, F.linear).",
+        "- `linear_amx_cpu.cpp`: the AMX-BF16 tile GEMM for decode row counts (weights packed once"
+        " in the tiles' layout).",
         "- `step_ops_cpu.cpp`: per-layer step ops: cache write, rotary, RMSNorm(+residual),"
         " SwiGLU, greedy argmax.",
         "- `decode_stack_cpu.cpp`: DecodeStack, a Llama-family decode step's layers in one call"
