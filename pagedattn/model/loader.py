@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from torch import nn
 
 from pagedattn.attention.backends.base import AttentionBackend, get_attn_backend
 from pagedattn.model.base import PagedCausalLM
@@ -147,21 +146,6 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-@contextlib.contextmanager
-def _linear_init_skipped() -> Iterator[None]:
-    """nn.Linear's constructor without its random init (the checkpoint overwrites the weights).
-
-    NOTE: even on the meta device the init runs PyTorch's Python decomposition of uniform_:
-    ~90 ms for SmolLM2's 120 projections.
-    """
-    reset = nn.Linear.reset_parameters
-    nn.Linear.reset_parameters = lambda self: None
-    try:
-        yield
-    finally:
-        nn.Linear.reset_parameters = reset
-
-
 def build_model(
     checkpoint: HFCheckpoint | GGUFCheckpoint,
     dtype: str | torch.dtype = "float32",
@@ -183,7 +167,7 @@ def build_model(
     )
     architecture, model_cls, raw = _architecture_and_config(checkpoint)
     config = TextConfig.from_dict(raw)
-    with torch.device("meta"), _linear_init_skipped():
+    with torch.device("meta"):
         net = model_cls(config, backend, architecture)
     # NOTE: built on meta and then materialised, so no time is spent on random init. Not
     # to_empty(): its empty_like on meta tensors imports sympy (~0.35 s); torch.empty does not.
