@@ -121,6 +121,14 @@ def test_tiny_word_level_tokenizer(tmp_path: Path) -> None:
     assert_same(_round_trip(hf, tmp_path / "light"), hf)
 
 
+def test_bos_and_eos_added_by_the_post_processor(tmp_path: Path) -> None:
+    save_tiny_tokenizer(tmp_path / "hf")
+    hf = AutoTokenizer.from_pretrained(tmp_path / "hf", add_bos_token=True, add_eos_token=True)
+    ids = hf.encode("the a")
+    assert ids[0] == hf.bos_token_id and ids[-1] == hf.eos_token_id
+    assert_same(_round_trip(hf, tmp_path / "light"), hf)
+
+
 def test_clean_up_tokenization_spaces(tmp_path: Path) -> None:
     words = ["<unk>", "<s>", "</s>", "hello", ",", ".", "?", "'s", "n't", "do", "it"]
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 from pathlib import Path
@@ -186,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    finally:
+        if argv is None:  # the process is this command, and it ends now
+            # NOTE: the interpreter's exit collects every object still alive (0.3-0.4 s once
+            # torch is loaded); it skips frozen ones, and the OS frees their memory anyway.
+            gc.freeze()
 
 
 if __name__ == "__main__":

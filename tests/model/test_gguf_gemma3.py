@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedattn.model import load_model
+from pagedattn.model.gguf_loader import GGUFCheckpoint
 from pagedattn.model.loader import packaged_model_path
 from tests.model.paged_driver import PagedDriver
 
@@ -37,3 +38,14 @@ def test_gemma3_270m_gguf_matches_transformers() -> None:
     with torch.no_grad():
         ref = hf(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-3)
+
+    # The tokenizer (byte-fallback BPE, BOS added) read from the conversion cache answers as a
+    # fresh transformers conversion does.
+    fresh = GGUFCheckpoint(path).hf_tokenizer()
+    for text in ("The capital of France is", " spaces  and\nnew lines", "café 日本語 🤖 <eos>"):
+        for add in (True, False):
+            ids = fresh.encode(text, add_special_tokens=add)
+            assert loaded.tokenizer.encode(text, add_special_tokens=add) == ids
+            for skip in (True, False):
+                want = fresh.decode(ids, skip_special_tokens=skip)
+                assert loaded.tokenizer.decode(ids, skip_special_tokens=skip) == want
