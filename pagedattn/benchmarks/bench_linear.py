@@ -13,7 +13,8 @@ torch's weight-only ``_weight_int8pack_mm`` ("int8 weight-only") and through the
 ("int8 AMX": each tile widened to bf16 in L1), both with bf16 activations (the engine measures
 the two and runs the faster), against oneDNN's int8 GEMM with the activations quantized too
 (``onednn::qlinear_pointwise``, AMX-INT8 where the CPU has it; per-tensor scale computed in the
-timed call, bf16 output), measured here and not an engine kernel.
+timed call, bf16 output), measured here and not an engine kernel; so is torch's int4
+weight-only kernel (asymmetric, groups of 32 along K), to see whether int4 would pay.
 """
 
 from __future__ import annotations
@@ -83,7 +84,37 @@ def kernels(weights: list[torch.Tensor]) -> dict[str, list]:
     ]
     if hasattr(torch.ops.onednn, "qlinear_pointwise"):
         out["int8 W8A8 oneDNN"] = [W8A8(w) for w in weights]
+    if hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and all(
+        w.shape[0] % INT4_GROUP == 0 and w.shape[1] % (2 * INT4_GROUP) == 0 for w in weights
+    ):
+        out["int4 weight-only (torch)"] = [Int4(w) for w in weights]
     return out
+
+
+INT4_GROUP = 32  # weights per scale/zero pair along K (torch's int4 kernel's group size)
+
+
+class Int4:
+    """x @ w.T with asymmetric int4 weights (a scale and zero per group of 32 along K) through
+    torch's ``_weight_int4pack_mm_for_cpu``, bf16 activations (measured: does int4 pay?)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
+        groups = weight.float().view(n, k // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        q = torch.round((groups - low[..., None]) / scale[..., None]).clamp_(0, 15)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            q.to(torch.int32).view(n, k), 2
+        )
+        # NOTE: the kernel dequantises (q - 8) * scale + zero.
+        zero = low + 8 * scale
+        self.scales_zeros = torch.stack([scale.T, zero.T], dim=-1).to(torch.bfloat16).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.bfloat16(), self.packed, INT4_GROUP, self.scales_zeros
+        ).float()
 
 
 class W8A8:

@@ -9,18 +9,21 @@ from pagedattn.benchmarks import bench_linear
 
 def test_kernels_compute_the_same_products():
     torch.manual_seed(0)
-    # NOTE: shapes every kernel takes (the AMX tiles need K % 32 == 0 and N % 16 == 0).
-    weights = [torch.randn(32, 64), torch.randn(16, 32)]
-    x = {64: torch.randn(5, 64), 32: torch.randn(5, 32)}
+    # NOTE: shapes every kernel takes (the AMX tiles need K % 32 == 0 and N % 16 == 0; int4
+    # groups of 32 along K, packed two k tiles at a time).
+    weights = [torch.randn(32, 64), torch.randn(64, 128)]
+    x = {64: torch.randn(5, 64), 128: torch.randn(5, 128)}
     fns = bench_linear.kernels(weights)
-    assert "F.linear" in fns and "int8 weight-only" in fns
+    assert "F.linear" in fns and "int8 weight-only" in fns and "int4 weight-only (torch)" in fns
     for name, calls in fns.items():
         for w, call in zip(weights, calls, strict=True):
             expected = x[w.shape[1]] @ w.t()
             # bf16 rounds each weight to 8 significant bits, int8 to 1/127 of its row's
             # largest; the rest are fp32.
+            # int4 to 1/15 of its group's range (sums of 128 such errors: a few units).
             tol = 0.2 if "int8" in name else 0.05 if "bf16" in name else 1e-5
-            torch.testing.assert_close(call(x[w.shape[1]]), expected, atol=tol, rtol=tol)
+            atol = 4.0 if "int4" in name else tol
+            torch.testing.assert_close(call(x[w.shape[1]]), expected, atol=atol, rtol=tol)
 
 
 def test_table_rows(capsys):
