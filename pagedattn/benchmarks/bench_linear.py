@@ -24,16 +24,16 @@ import argparse
 import torch
 import torch.nn.functional as F
 
+from pagedattn.attention.backends import cpu_ext
 from pagedattn.benchmarks.pagedattn_runner import median_time
 from pagedattn.model.packed_linear import (
     INT8_MAX,
     PackedLinear,
-    amx_kernel_available,
+    fitted_kernel,
     mkl_packing_available,
     onednn_available,
     pack_panels,
     pack_weight,
-    packable,
     packed_linear,
     panel_kernel_available,
     panel_linear,
@@ -70,14 +70,12 @@ def kernels(weights: list[torch.Tensor]) -> dict[str, list]:
             lambda x, p=PackedLinear("onednn", w.bfloat16(), None): p(x.bfloat16()).float()
             for w in weights
         ]
-    if amx_kernel_available():
-        # NOTE: a weight that is not whole tiles runs F.linear, as it would in the engine.
-        amx = [w.bfloat16() for w in weights]
-        amx = [PackedLinear("amx" if packable(w, "amx") else "torch", w, None) for w in amx]
-        out["AMX bf16"] = [lambda x, p=p: p(x.bfloat16()).float() for p in amx]
-        int8 = [w.bfloat16() for w in weights]
-        int8 = [PackedLinear("int8_amx" if packable(w, "amx") else "int8", w, None) for w in int8]
-        out["int8 AMX"] = [lambda x, p=p: p(x.bfloat16()).float() for p in int8]
+    if cpu_ext.amx_available():
+        # NOTE: a weight that is not whole tiles runs what the engine would run in its place.
+        for name, kernel in (("AMX bf16", "amx"), ("int8 AMX", "int8_amx")):
+            packed = [w.bfloat16() for w in weights]
+            packed = [PackedLinear(fitted_kernel(w, kernel), w, None) for w in packed]
+            out[name] = [lambda x, p=p: p(x.bfloat16()).float() for p in packed]
     out["int8 weight-only"] = [
         lambda x, p=PackedLinear("int8", w.bfloat16(), None): p(x.bfloat16()).float()
         for w in weights

@@ -15,6 +15,7 @@ from pagedattn.model.packed_linear import (
     QUANTIZATIONS,
     LinearPlan,
     PackedLinear,
+    fitted_kernel,
     pack_linear_layers,
     usable_plan,
 )
@@ -145,10 +146,11 @@ class PagedCausalLM(nn.Module):
         pack_linear_layers(self, plan, exclude=(untied,) if untied is not None else ())
         weight = self.lm_head_weight().detach()
         bias = None if untied is None or untied.bias is None else untied.bias.detach()
-        if plan.head != "torch" and weight.dtype in (torch.float32, torch.bfloat16, torch.float16):
+        head = fitted_kernel(weight, plan.head)  # e.g. a vocabulary that is not whole AMX tiles
+        if head != "torch" and weight.dtype in (torch.float32, torch.bfloat16, torch.float16):
             # NOTE: a tied head is the embedding, which lookups still need, so the LM head gets
             # its own packed copy; an untied head's nn.Linear weight is released.
-            self._lm_head = PackedLinear(plan.head, weight, bias)
+            self._lm_head = PackedLinear(head, weight, bias)
             if untied is not None:
                 untied.weight = nn.Parameter(
                     torch.empty(0, dtype=weight.dtype), requires_grad=False

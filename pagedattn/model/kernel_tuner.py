@@ -49,9 +49,9 @@ from pagedattn.model.packed_linear import (
     KERNELS,
     LinearPlan,
     PackedLinear,
+    fitted_kernel,
     forced_kernel,
     kernel_available,
-    packable,
 )
 
 RETUNE_ENV = "PAGEDATTN_RETUNE"
@@ -125,10 +125,8 @@ def measure_kernels(
     inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for _, k in shapes}
     passes = {}
     for kernel in kernels:
-        # NOTE: a weight the kernel cannot take runs F.linear, as it would in the model.
-        layers = [
-            PackedLinear(kernel if packable(w, kernel) else "torch", w, None) for w in weights
-        ]
+        # NOTE: a weight the kernel cannot take runs what the model would run in its place.
+        layers = [PackedLinear(fitted_kernel(w, kernel), w, None) for w in weights]
 
         def one_pass(layers=layers) -> None:
             for layer in layers:
@@ -164,7 +162,6 @@ def measure_attention(shape: AttentionShape, dtype: torch.dtype) -> dict[str, fl
     """Seconds of one decode attention call per candidate: ``DECODE_ROWS`` sequences of
     ``ATTENTION_CONTEXT`` tokens in shuffled blocks of a flash-layout cache."""
     from pagedattn.attention.backends.cpu import CpuBackend
-    from pagedattn.attention.backends.cpu_ext import amx_available
     from pagedattn.attention.metadata import AttentionMetadata
 
     block = ATTENTION_BLOCK_SIZE
@@ -182,7 +179,7 @@ def measure_attention(shape: AttentionShape, dtype: torch.dtype) -> dict[str, fl
     backends = {"compiled": CpuBackend(), "torch": CpuBackend(use_extension=False)}
     if not backends["compiled"].uses_extension:
         del backends["compiled"]
-    elif dtype == torch.bfloat16 and amx_available():
+    elif kernel_available("amx", dtype):
         backends["amx"] = CpuBackend()
         backends["amx"].use_compiled_decode(True, amx=True)
     return fastest_passes(

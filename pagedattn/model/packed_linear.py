@@ -98,12 +98,6 @@ def panel_kernel_available() -> bool:
     return ext is not None and ext.linear_packed_vectorized()
 
 
-def amx_kernel_available() -> bool:
-    """True when the extension was built for AMX-BF16 and the OS granted this process the tiles."""
-    ext = cpu_ext.get_extension()
-    return ext is not None and ext.linear_amx_available()
-
-
 def onednn_available(dtype: torch.dtype) -> bool:
     """True when torch's oneDNN packed linear ops run ``dtype`` on this CPU."""
     if not (
@@ -121,16 +115,14 @@ def kernel_available(kernel: str, dtype: torch.dtype) -> bool:
         return True
     if kernel == "panels":
         return dtype in (torch.float32, torch.bfloat16) and panel_kernel_available()
-    if kernel == "amx":
-        return dtype == torch.bfloat16 and amx_kernel_available()
+    if kernel in ("amx", "int8_amx"):
+        return dtype == torch.bfloat16 and cpu_ext.amx_available()
     if kernel == "mkl":
         return dtype == torch.float32 and mkl_packing_available()
     if kernel == "onednn":
         return onednn_available(dtype)
     if kernel == "int8":
         return hasattr(torch.ops.aten, "_weight_int8pack_mm")
-    if kernel == "int8_amx":
-        return dtype == torch.bfloat16 and amx_kernel_available()
     return False
 
 
@@ -355,9 +347,19 @@ def packable(weight: torch.Tensor | None, kernel: str) -> bool:
     return kernel == "torch"
 
 
+def fitted_kernel(weight: torch.Tensor, kernel: str) -> str:
+    """``kernel`` if it can run ``weight``, else what runs it in its place: int8 weights that are
+    not whole AMX tiles stay int8 (torch's kernel), anything else falls back to F.linear."""
+    if packable(weight, kernel):
+        return kernel
+    if kernel == "int8_amx" and packable(weight, "int8"):
+        return "int8"
+    return "torch"
+
+
 def _plan_for(weight: torch.Tensor, plan: LinearPlan) -> LinearPlan:
-    """``plan`` with every kernel that cannot run ``weight`` replaced by torch."""
-    decode, prefill, head = (k if packable(weight, k) else "torch" for k in plan[:3])
+    """``plan`` with every kernel that cannot run ``weight`` replaced (fitted_kernel)."""
+    decode, prefill, head = (fitted_kernel(weight, k) for k in plan[:3])
     return plan._replace(decode=decode, prefill=prefill, head=head)
 
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch import nn
 
+from pagedattn.attention.backends import cpu_ext
 from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads, keep_freed_heap_memory
+from pagedattn.model.loader import load_model
 from pagedattn.model.packed_linear import (
     PackedLinear,
-    amx_kernel_available,
     amx_linear,
     linear_kernel,
     mkl_packing_available,
@@ -23,10 +24,11 @@ from pagedattn.model.packed_linear import (
     panel_linear,
     quantize_int8,
 )
+from tests.model.tiny import make_tiny_llama
 
 needs_panels = pytest.mark.skipif(not panel_kernel_available(), reason="no AVX-512 extension")
 needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="torch built without MKL")
-needs_amx = pytest.mark.skipif(not amx_kernel_available(), reason="no AMX-BF16 on this CPU")
+needs_amx = pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
 
 
 @needs_mkl
@@ -232,6 +234,27 @@ def test_amx_layers_fall_back_where_the_tiles_do_not_fit():
         assert model[0].linear_decode.kernel == "amx"
         got = model(x)
     torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
+
+
+@needs_amx
+def test_int8_layers_stay_int8_where_the_tiles_do_not_fit():
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 40)).to(torch.bfloat16)
+    assert pack_linear_layers(model, "int8_amx") == 2
+    assert [m.linear_decode.kernel for m in model] == ["int8_amx", "int8"]
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    ("kernel", "quantization", "head"), [("amx", None, None), ("int8_amx", "int8", "int8")]
+)
+def test_lm_head_that_is_not_whole_tiles_falls_back(tmp_path, kernel, quantization, head):
+    # A 120-token vocabulary: the LM head is not whole 16-column tiles (it used to fail to pack).
+    path = make_tiny_llama(tmp_path, vocab_size=120)
+    model = load_model(str(path), "bfloat16", "cpu", "cpu", kernel, quantization).model
+    assert model.model.layers[0].mlp.down_proj.linear_decode.kernel == kernel
+    assert (model._lm_head and model._lm_head.kernel) == head
+    hidden = torch.randn(3, model.model.embed_tokens.weight.shape[1], dtype=torch.bfloat16)
+    assert model.compute_logits(hidden).shape == (3, 120)
 
 
 @needs_amx
