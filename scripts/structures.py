@@ -30,6 +30,7 @@ def main() -> int:
         "- `decode_stack_cpu.cpp`: DecodeStack, a Llama-family decode step's layers in one call"
         " (the same kernels, in order, as the Python layers).",
         "- `ops_cpu.h`: the declarations of the extension's entry points shared by its files.",
+        "- `amx_cpu.h`: AMX helpers shared by the tile kernels (the tile configuration).",
         "- `vec_cpu.h`: shared AVX-512 helpers (exp).",
         "",
     ]

@@ -28,14 +28,11 @@
 #include <torch/extension.h>
 
 #include <cstdint>
-#include <cstring>
 
+#include "amx_cpu.h"
 #include "ops_cpu.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
-    defined(__linux__)
-#define PAGEDATTN_HAS_AMX 1
-#include <immintrin.h>
+#ifdef PAGEDATTN_HAS_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -62,39 +59,18 @@ bool request_amx() {
   return granted;
 }
 
-// The 64-byte tile configuration (palette 1) for a chunk with rows0 and rows1 rows in its two
-// row tiles (rows1 may be 0). Tiles: 0-3 accumulators (row tile i, block j -> 2i + j), 4-5
-// activations, 6-7 weights.
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
+// The tile configuration for a chunk with rows0 and rows1 rows in its two row tiles (rows1 may
+// be 0). Tiles: 0-3 accumulators (row tile i, block j -> 2i + j), 4-5 activations, 6-7 weights.
 void configure_tiles(int64_t rows0, int64_t rows1) {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
+  pagedattn_amx::TileConfig cfg;
   const int64_t rows[2] = {rows0, rows1};
   for (int i = 0; i < 2; ++i) {
     if (rows[i] == 0) continue;
-    for (int j = 0; j < 2; ++j) {
-      cfg.rows[2 * i + j] = static_cast<uint8_t>(rows[i]);
-      cfg.colsb[2 * i + j] = kTileCols * sizeof(float);
-    }
-    cfg.rows[4 + i] = static_cast<uint8_t>(rows[i]);
-    cfg.colsb[4 + i] = kTileK * sizeof(c10::BFloat16);
+    for (int j = 0; j < 2; ++j) cfg.set(2 * i + j, rows[i], kTileCols * sizeof(float));
+    cfg.set(4 + i, rows[i], kTileK * sizeof(c10::BFloat16));
   }
-  for (int t = 6; t < 8; ++t) {
-    cfg.rows[t] = kTileK / 2;
-    cfg.colsb[t] = kTileCols * 2 * sizeof(c10::BFloat16);
-  }
-  // NOTE: GCC 12 does not see that ldtilecfg reads cfg and drops the stores above it; the empty
-  // asm with a memory clobber keeps them.
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  for (int t = 6; t < 8; ++t) cfg.set(t, kTileK / 2, kTileCols * 2 * sizeof(c10::BFloat16));
+  cfg.load();
 }
 
 // fp32 accumulators [rows, 16] (* scale, + bias) -> bf16 output row segments.

@@ -40,10 +40,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define PAGEDATTN_HAS_AMX_ATTENTION 1
-#include <cstring>
-#endif
+#include "amx_cpu.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
 #define PAGEDATTN_HAS_MXCSR 1
@@ -399,7 +396,7 @@ bool attend_partition(const Params& p, const T* key_cache, const T* value_cache,
   return true;
 }
 
-#ifdef PAGEDATTN_HAS_AMX_ATTENTION
+#ifdef PAGEDATTN_HAS_AMX
 constexpr int64_t kAmxBlock = 16;     // tokens per cache block (the tiles' 16 rows)
 constexpr int64_t kAmxMaxGroup = 16;  // query heads per kv head (tile rows / columns)
 constexpr int64_t kAmxK = 32;         // bf16 values per tile row
@@ -408,28 +405,16 @@ constexpr int64_t kAmxK = 32;         // bf16 values per tile row
 // 2 queries [16 dim pairs x G pairs]; 4 probabilities [G x 32 tokens] bf16; 5 values [16 token
 // pairs x 16 dim pairs]; 6 output [G x 16 dims] fp32.
 void configure_attention_tiles(int64_t G) {
-  struct alignas(64) {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  } cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  const auto set = [&cfg](int tile, int64_t rows, int64_t colsb) {
-    cfg.rows[tile] = static_cast<uint8_t>(rows);
-    cfg.colsb[tile] = static_cast<uint16_t>(colsb);
-  };
-  set(0, kAmxBlock, 4 * G);
-  set(1, kAmxBlock, 64);
-  set(2, kAmxK / 2, 4 * G);
-  set(4, G, 64);
-  set(5, kAmxK / 2, 64);
-  set(6, G, 64);
-  set(3, kAmxBlock, 4 * G);
-  set(7, kAmxBlock, 64);
-  // NOTE: GCC 12 does not see that ldtilecfg reads cfg; the clobber keeps the stores above.
-  asm volatile("" : : "r"(&cfg) : "memory");
-  _tile_loadconfig(&cfg);
+  pagedattn_amx::TileConfig cfg;
+  cfg.set(0, kAmxBlock, 4 * G);
+  cfg.set(1, kAmxBlock, 64);
+  cfg.set(2, kAmxK / 2, 4 * G);
+  cfg.set(3, kAmxBlock, 4 * G);
+  cfg.set(4, G, 64);
+  cfg.set(5, kAmxK / 2, 64);
+  cfg.set(6, G, 64);
+  cfg.set(7, kAmxBlock, 64);
+  cfg.load();
 }
 
 bool amx_attention_fits(const Params& p) {
@@ -588,7 +573,7 @@ bool attend_partition_amx(const Params& p, const bf16* key_cache, const bf16* va
   }
   return true;
 }
-#endif  // PAGEDATTN_HAS_AMX_ATTENTION
+#endif  // PAGEDATTN_HAS_AMX
 
 // Partition size: the requested one, halved (down to 2 chunks) until there are enough work items
 // to keep every thread busy.
@@ -641,7 +626,7 @@ void paged_decode_impl(const Params& p, const T* query, const T* key_cache, cons
   std::atomic<bool> bad_block{false};
   at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
     Scratch s(Hq, D);
-#ifdef PAGEDATTN_HAS_AMX_ATTENTION
+#ifdef PAGEDATTN_HAS_AMX
     // NOTE: the tile configuration is per thread; p.amx is only set for bf16 and shapes that fit.
     std::unique_ptr<AmxScratch> amx;
     if (p.amx) {
@@ -665,7 +650,7 @@ void paged_decode_impl(const Params& p, const T* query, const T* key_cache, cons
       const int32_t* table = block_tables + item.row * p.max_blocks_per_seq;
       const T* q = query + item.row * Hq * D;
       bool ok;
-#ifdef PAGEDATTN_HAS_AMX_ATTENTION
+#ifdef PAGEDATTN_HAS_AMX
       if constexpr (std::is_same_v<T, bf16>) {
         ok = amx ? attend_partition_amx(p, key_cache, value_cache, table, item.tok_begin,
                                         item.tok_end, q, s, *amx)
@@ -696,7 +681,7 @@ void paged_decode_impl(const Params& p, const T* query, const T* key_cache, cons
         std::copy(s.sum.begin(), s.sum.end(), part_sum.begin() + base * Hq);
       }
     }
-#ifdef PAGEDATTN_HAS_AMX_ATTENTION
+#ifdef PAGEDATTN_HAS_AMX
     if (amx) _tile_release();
 #endif
   });
@@ -768,7 +753,7 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
   p.scale = static_cast<float>(scale);
   p.soft_cap = static_cast<float>(soft_cap);
   p.partition_size = partition_size;
-#ifdef PAGEDATTN_HAS_AMX_ATTENTION
+#ifdef PAGEDATTN_HAS_AMX
   p.amx = amx && query.scalar_type() == at::kBFloat16 && amx_attention_fits(p);
 #endif
   if (p.num_rows == 0) return;
