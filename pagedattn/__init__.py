@@ -5,9 +5,18 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from pagedattn.config import ConfigError, EngineConfig
-from pagedattn.engine.errors import EngineFaultError, InvalidRequestError
-from pagedattn.sampling_params import BeamSearchParams, InvalidSamplingParamsError, SamplingParams
+from pagedattn import envs
+
+# NOTE: before anything runs a torch kernel, so PAGEDATTN_CPU_ISA caps PyTorch's own kernels too.
+envs.apply_cpu_isa_cap()
+
+from pagedattn.config import ConfigError, EngineConfig  # noqa: E402
+from pagedattn.engine.errors import EngineFaultError, InvalidRequestError  # noqa: E402
+from pagedattn.sampling_params import (  # noqa: E402
+    BeamSearchParams,
+    InvalidSamplingParamsError,
+    SamplingParams,
+)
 
 if TYPE_CHECKING:
     from pagedattn.engine.llm import LLM

@@ -26,6 +26,6 @@ if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v
         || { echo "setup: redis-server could not be installed"; exit 1; }
 fi
 # Build the CPU paged-attention kernel now (about a minute, once; cached in ~/.cache/pagedattn).
-.venv/bin/python -c "from pagedattn.attention.backends.cpu_ext import load_extension; load_extension()" \
+.venv/bin/python -c "from pagedattn.cpu.extension import load_extension; load_extension()" \
     || echo "setup: the C++ attention kernel did not build; the PyTorch CPU path will be used"
 .venv/bin/python -c "import torch, pagedattn; print('setup ok: torch', torch.__version__)"

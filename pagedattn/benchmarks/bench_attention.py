@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedattn.attention.backends import cpu_ext
+from pagedattn.cpu import extension as cpu_ext
 from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.ops import reshape_and_cache

@@ -24,7 +24,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from pagedattn.attention.backends import cpu_ext
+from pagedattn.cpu import extension as cpu_ext
 from pagedattn.benchmarks.pagedattn_runner import median_time
 from pagedattn.model.packed_linear import (
     INT8_MAX,
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         fns = {k: fns[k] for k in ["F.linear", *wanted] if k in fns}
     rows = [int(r) for r in args.rows.split(",") if r.strip()]
     names = list(fns)
-    from pagedattn.model.cpu_features import describe_cpu
+    from pagedattn.cpu.features import describe_cpu
 
     print(f"machine: {describe_cpu()}")
     print(f"{args.layers} layers + LM head, {args.threads} threads, median of {args.reps}")

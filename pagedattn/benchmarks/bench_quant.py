@@ -20,7 +20,7 @@ import torch
 
 from pagedattn.attention import AttentionMetadata, get_attn_backend
 from pagedattn.model.base import PagedCausalLM
-from pagedattn.model.cpu_features import describe_cpu
+from pagedattn.cpu.features import describe_cpu
 from pagedattn.model.loader import load_model
 
 PROMPTS = (

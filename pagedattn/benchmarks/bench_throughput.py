@@ -38,7 +38,7 @@ from pagedattn.benchmarks.workloads import (
     workload_from_dict,
     workload_to_dict,
 )
-from pagedattn.model.cpu_features import describe_cpu
+from pagedattn.cpu.features import describe_cpu
 
 PEERS = ("hf_static", "hf_batch", "llama_cpp")
 ENGINES = ("pagedattn", *PEERS)

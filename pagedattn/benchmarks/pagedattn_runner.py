@@ -174,7 +174,7 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
     import torch.nn.functional as F
     from torch import nn
 
-    from pagedattn.attention.backends.cpu_ext import (
+    from pagedattn.cpu.extension import (
         flush_denormals_all_threads,
         keep_freed_heap_memory,
     )

@@ -16,13 +16,13 @@ from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.request import Request, RequestStatus
 from pagedattn.core.scheduler import RequestRejectedError, Scheduler
 from pagedattn.core.scheduler_output import RunnerOutput, SchedulerOutput
+from pagedattn.cpu.features import resolve_dtype
 from pagedattn.engine.errors import EngineFaultError, InvalidRequestError
 from pagedattn.engine.input_processor import InputProcessor
 from pagedattn.engine.output_processor import OutputProcessor
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.engine.request_state import EngineRequest
 from pagedattn.engine.stats import EngineStats, StepTimes
-from pagedattn.model.cpu_features import resolve_dtype
 from pagedattn.model.loader import load_model
 from pagedattn.sampling_params import InvalidSamplingParamsError, SamplingParams
 from pagedattn.worker.kv_cache_sizing import plan_kv_cache

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from pagedattn.attention.backends import cpu_ext
 from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.attention.metadata import AttentionMetadata
+from pagedattn.cpu import extension as cpu_ext
 from pagedattn.model.packed_linear import PackedLinear
 
 DISABLE_ENV = "PAGEDATTN_DISABLE_DECODE_STACK"

@@ -16,7 +16,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pagedattn.model.disk_cache import cache_root, read_json, write_atomic
+from pagedattn import envs
+from pagedattn.disk_cache import cache_root, read_json, write_atomic
 from pagedattn.model.gemma3 import FULL, SLIDING
 from pagedattn.model.gguf_file import GGUFFile
 from pagedattn.model.text_config import TextConfig
@@ -57,7 +58,6 @@ _GLOBAL_TENSORS = {
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
-WEIGHT_CACHE_ENV = "PAGEDATTN_WEIGHT_CACHE"
 WEIGHT_CACHE_VERSION = 1  # bump when the conversions in _dequantised change
 WEIGHT_CACHE_MIN_BYTES = 16 << 20  # smaller files convert in well under a second
 # The config and tokenizer that transformers converts once per file (any size): bump when what is
@@ -182,7 +182,7 @@ class GGUFCheckpoint:
         PAGEDATTN_WEIGHT_CACHE=0 turns the cache off.
         """
         uncached = self.path.stat().st_size < WEIGHT_CACHE_MIN_BYTES
-        if dtype is None or uncached or os.environ.get(WEIGHT_CACHE_ENV, "") == "0":
+        if dtype is None or uncached or not envs.PAGEDATTN_WEIGHT_CACHE:
             for name, w in self._dequantised(config):
                 yield name, w if dtype is None else w.to(dtype)
             return

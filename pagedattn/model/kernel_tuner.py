@@ -41,8 +41,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from pagedattn.model import disk_cache
-from pagedattn.model.cpu_features import cpu_signature, describe_cpu
+from pagedattn import disk_cache
+from pagedattn.cpu.features import cpu_signature, describe_cpu
 from pagedattn.model.packed_linear import (
     DEFAULT_PREFILL_ROWS,
     KERNEL_ENV,

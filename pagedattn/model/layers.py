@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedattn.attention.backends import cpu_ext
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.metadata import AttentionMetadata
+from pagedattn.cpu import extension as cpu_ext
 from pagedattn.model.rope import rope_frequencies
 from pagedattn.model.text_config import TextConfig
 

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedattn.attention.backends import cpu_ext
+from pagedattn.cpu import extension as cpu_ext
 
 KERNEL_ENV = "PAGEDATTN_LINEAR"
 KERNELS = ("panels", "amx", "mkl", "onednn", "torch")

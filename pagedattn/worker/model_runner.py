@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 from pagedattn.attention.backends.base import AttentionBackend
-from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads, keep_freed_heap_memory
 from pagedattn.attention.ops import copy_blocks
 from pagedattn.core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedattn.cpu.extension import flush_denormals_all_threads, keep_freed_heap_memory
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.worker.input_batch import InputBatch, build_input_batch
 from pagedattn.worker.logprobs import compute_logprobs, gather_logprobs

@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedattn.attention.backends import cpu_ext
+from pagedattn.cpu import extension as cpu_ext
 from pagedattn.sampling_params import SAMPLING_EPS
 from pagedattn.worker.logprobs import TokenLogprobs, compute_logprobs, gather_logprobs
 from pagedattn.worker.sampling_metadata import SamplingMetadata

@@ -11,7 +11,7 @@ from pagedattn.benchmarks import bench_throughput
 from pagedattn.benchmarks.peers import parse_batched_bench
 from pagedattn.benchmarks.throughput_report import percentile, step_analysis
 from pagedattn.benchmarks.workloads import SIZE_PRESETS, load_trace, make_workloads, save_trace
-from pagedattn.model.cpu_features import describe_cpu
+from pagedattn.cpu.features import describe_cpu
 from tests.model.tiny import TINY_VOCAB_SIZE, make_tiny_llama
 
 SPECIAL = {0, 1, 2, 3, 4}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedattn.attention.backends import cpu_ext
+from pagedattn.cpu import extension as cpu_ext
 from pagedattn.model import decode_stack as decode_stack_module
 from pagedattn.model.loader import load_model
 from pagedattn.model.packed_linear import kernel_available

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from pagedattn.attention.backends import cpu_ext
+from pagedattn.cpu import extension as cpu_ext
 from pagedattn.model import kernel_tuner
 from pagedattn.model.kernel_tuner import (
     DECODE_ROWS,

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from pagedattn.attention.backends import cpu_ext
-from pagedattn.attention.backends.cpu_ext import flush_denormals_all_threads, keep_freed_heap_memory
+from pagedattn.cpu import extension as cpu_ext
+from pagedattn.cpu.extension import flush_denormals_all_threads, keep_freed_heap_memory
 from pagedattn.model.loader import load_model
 from pagedattn.model.packed_linear import (
     PackedLinear,

@@ -22,10 +22,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from pagedattn.attention.backends import cpu_ext
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.layout import KVCacheLayout, layout_of
 from pagedattn.attention.metadata import AttentionMetadata
+from pagedattn.cpu import extension as cpu_ext
 
 
 class GatherBuffers:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedattn.attention.backends import cpu_ext
 from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.attention.layout import PAD_SLOT_ID
 from pagedattn.attention.ops import reshape_and_cache
+from pagedattn.cpu import extension as cpu_ext
 from pagedattn.model.layers import (
     GemmaRMSNorm,
     RMSNorm,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedattn.model import cpu_features
+from pagedattn.cpu import features as cpu_features
 
 CPUINFO = """processor\t: 0
 vendor_id\t: GenuineIntel

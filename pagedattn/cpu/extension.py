@@ -1,15 +1,16 @@
-"""The compiled CPU extension (pagedattn/csrc): build, load, and call its paged-decode kernel.
+"""The compiled CPU extension (pagedattn/csrc): build and load it for this CPU's ISA level.
 
-Besides paged decode attention (paged_attention_cpu.cpp), the same module holds the panel GEMM
-(linear_cpu.cpp, used by pagedattn.model.packed_linear) and the per-layer step ops
-(step_ops_cpu.cpp: cache write, rotary, RMSNorm, SwiGLU, argmax). The C++ sources are compiled
-on first use with ``torch.utils.cpp_extension.load`` (``-O3 -march=native -fopenmp``; about a
-minute) and cached under ``~/.cache/pagedattn/ext`` (override with ``PAGEDATTN_EXT_DIR``); later
-processes load the cached library in well under a second. The build is keyed by the CPU's
-feature flags, so a shared home directory never hands an AVX-512 build to an older CPU.
-``PAGEDATTN_DISABLE_CPU_EXT=1`` turns all compiled code off, ``PAGEDATTN_DISABLE_STEP_OPS=1``
-only the step ops. If the build fails, ``get_extension`` logs why once and returns None, and
-callers keep the PyTorch path.
+One library holds every compiled kernel: paged decode attention (paged_attention_cpu.cpp), the
+panel and AMX GEMMs (linear_cpu.cpp, linear_amx_cpu.cpp), the per-layer step ops
+(step_ops_cpu.cpp: cache write, rotary, RMSNorm, SwiGLU/GeGLU, argmax) and the decode stack. The
+sources are written over ATen's ``at::vec::Vectorized`` and compiled for one ISA level
+(``BUILD_FLAGS``): ``avx2`` (x86-64-v3), ``avx512`` (x86-64-v4), ``native`` (-march=native, AMX
+where the CPU has it) or ``scalar``; the level is ``features.isa_level()``, i.e. the CPU's own
+unless ``PAGEDATTN_CPU_ISA`` caps it. The first use builds it with
+``torch.utils.cpp_extension.load`` (about a minute) under ``PAGEDATTN_EXT_DIR``, one folder per
+level, CPU and source hash; later processes load the cached library in well under a second.
+``PAGEDATTN_DISABLE_CPU_EXT=1`` turns all compiled code off. If the build fails,
+``get_extension`` logs why once and returns None, and callers keep the PyTorch path.
 """
 
 from __future__ import annotations
@@ -18,27 +19,37 @@ import hashlib
 import importlib.util
 import logging
 import os
+import platform
 import shutil
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from pagedattn import envs
+from pagedattn.cpu import features
+
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "paged_attention_cpu.cpp"
+CSRC = Path(__file__).resolve().parents[1] / "csrc"
+SOURCE = CSRC / "paged_attention_cpu.cpp"
 SOURCES = (
     SOURCE,
-    SOURCE.with_name("linear_cpu.cpp"),
-    SOURCE.with_name("linear_amx_cpu.cpp"),
-    SOURCE.with_name("step_ops_cpu.cpp"),
-    SOURCE.with_name("decode_stack_cpu.cpp"),
+    CSRC / "linear_cpu.cpp",
+    CSRC / "linear_amx_cpu.cpp",
+    CSRC / "step_ops_cpu.cpp",
+    CSRC / "decode_stack_cpu.cpp",
 )
-BUILD_DIR_ENV = "PAGEDATTN_EXT_DIR"
-DISABLE_ENV = "PAGEDATTN_DISABLE_CPU_EXT"
-DISABLE_STEP_OPS_ENV = "PAGEDATTN_DISABLE_STEP_OPS"  # keep attention/GEMM, use PyTorch step ops
-DEFAULT_BUILD_DIR = Path.home() / ".cache" / "pagedattn" / "ext"
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+COMMON_FLAGS = ["-O3", "-fopenmp"]
+# ISA level -> compiler flags. CPU_CAPABILITY_* selects at::vec::Vectorized's implementation,
+# as PyTorch's own per-ISA builds of its CPU kernels do.
+BUILD_FLAGS = {
+    "native": ["-march=native"],
+    "avx512": ["-march=x86-64-v4", "-mtune=native", "-DCPU_CAPABILITY_AVX512"],
+    "avx2": ["-march=x86-64-v3", "-mtune=native", "-DCPU_CAPABILITY_AVX2"],
+    "scalar": ["-march=x86-64-v2", "-mtune=native"],
+}
+AARCH64_FLAGS = ["-march=armv8.2-a+fp16+bf16"]
 EXTENSION_NAME = "pagedattn_cpu_ext"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # Tokens per work item of long contexts; shorter rows are one item (merged by log-sum-exp).
@@ -49,33 +60,51 @@ NO_SOFT_CAP = 0.0
 HEAD_SIZE_MULTIPLE = 16
 
 
+def build_flags(isa: str) -> list[str]:
+    """The compiler flags of one ISA level (``native`` adds the at::vec capability the CPU's
+    flags allow, so -march=native code and ATen's vectors agree)."""
+    if platform.machine() in ("aarch64", "arm64"):
+        return [*COMMON_FLAGS, *AARCH64_FLAGS]
+    if isa not in BUILD_FLAGS:
+        raise ValueError(f"ISA level {isa!r} is invalid: use one of {', '.join(BUILD_FLAGS)}")
+    flags = [*COMMON_FLAGS, *BUILD_FLAGS[isa]]
+    if isa == "native":
+        levels = features.isa_levels()
+        if "avx512" in levels:
+            flags.append("-DCPU_CAPABILITY_AVX512")
+        elif "avx2" in levels:
+            flags.append("-DCPU_CAPABILITY_AVX2")
+    return flags
+
+
 class ExtensionBuildError(RuntimeError):
     """The C++ paged-attention extension could not be compiled or loaded."""
 
 
+# The library loaded in this process and its level (one per process: the bindings register
+# their C++ types once), or why it could not be had.
 _module: ModuleType | None = None
+_module_isa: str | None = None
 _error: str | None = None
 
 
 def _cpu_tag() -> str:
-    """A short hash of the CPU feature flags (the build uses -march=native)."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = line
-                break
-    except OSError:
-        flags = torch.backends.cpu.get_cpu_capability()
+    """A short hash of the CPU's own flags (a native build runs only on CPUs like this one)."""
+    flags = " ".join(sorted(features.hardware_flags())) or platform.machine()
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
-def _build_key() -> str:
+def _build_key(isa: str) -> str:
     """A short hash of what the build depends on: sources, headers, flags, torch version."""
-    digest = hashlib.sha1(f"{CFLAGS}|{torch.__version__}".encode())
-    for path in sorted(SOURCE.parent.glob("*.[ch]*")):
+    digest = hashlib.sha1(f"{build_flags(isa)}|{torch.__version__}".encode())
+    for path in sorted(CSRC.glob("*.[ch]*")):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:10]
+
+
+def build_dir(isa: str) -> Path:
+    """Where the build of ``isa`` for this CPU and these sources lives."""
+    return envs.PAGEDATTN_EXT_DIR / f"{isa}-{_cpu_tag()}-{_build_key(isa)}"
 
 
 def _import_library(path: Path) -> ModuleType:
@@ -85,10 +114,17 @@ def _import_library(path: Path) -> ModuleType:
     return module
 
 
-def load_extension(verbose: bool = False) -> ModuleType:
-    """Compile (or load the cached build of) the extension; raise ExtensionBuildError on failure."""
-    global _module, _error
+def load_extension(verbose: bool = False, isa: str | None = None) -> ModuleType:
+    """Compile (or load the cached build of) the extension for ``isa`` (default: this process's
+    level, ``features.isa_level()``); raise ExtensionBuildError on failure."""
+    global _module, _module_isa, _error
+    isa = features.isa_level() if isa is None else isa
     if _module is not None:
+        if isa != _module_isa:
+            raise ExtensionBuildError(
+                f"this process loaded the {_module_isa} build; the {isa} build needs a process "
+                f"of its own (PAGEDATTN_CPU_ISA={isa})"
+            )
         return _module
     missing = [s for s in SOURCES if not s.is_file()]
     if missing:
@@ -96,34 +132,35 @@ def load_extension(verbose: bool = False) -> ModuleType:
             f"{missing[0]} is missing: the compiled CPU kernel needs a source checkout "
             "(pip install -e .)"
         )
-    root = Path(os.environ.get(BUILD_DIR_ENV, DEFAULT_BUILD_DIR)) / f"{_cpu_tag()}-{_build_key()}"
+    root = build_dir(isa)
     published = root / f"{EXTENSION_NAME}.so"
-    build_dir = root / "build"
+    work_dir = root / "build"
     try:
         if published.is_file():
-            _module = _import_library(published)
+            _module, _module_isa = _import_library(published), isa
             return _module
         # NOTE: imported only to build: it pulls in setuptools (40-110 ms of a start).
         from torch.utils.cpp_extension import load
 
-        build_dir.mkdir(parents=True, exist_ok=True)
+        work_dir.mkdir(parents=True, exist_ok=True)
         _module = load(
             name=EXTENSION_NAME,
             sources=[str(s) for s in SOURCES],
-            extra_cflags=CFLAGS,
+            extra_cflags=build_flags(isa),
             extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
+            build_directory=str(work_dir),
             verbose=verbose,
         )
+        _module_isa = isa
         # NOTE: copy then rename, so that another process never imports a half-written file.
         tmp = root / f".{EXTENSION_NAME}.{os.getpid()}.so"
-        shutil.copyfile(build_dir / f"{EXTENSION_NAME}.so", tmp)
+        shutil.copyfile(work_dir / f"{EXTENSION_NAME}.so", tmp)
         os.replace(tmp, published)
     except Exception as exc:  # NOTE: any compiler or loader failure means "no extension".
         _error = f"{type(exc).__name__}: {exc}"
         raise ExtensionBuildError(
-            f"building {SOURCE.name} in {build_dir} failed ({_error}); it needs a C++17 compiler "
-            "(g++) and ninja"
+            f"building {SOURCE.name} for {isa} in {work_dir} failed ({_error}); it needs a C++17 "
+            "compiler (g++) and ninja"
         ) from exc
     return _module
 
@@ -131,7 +168,7 @@ def load_extension(verbose: bool = False) -> ModuleType:
 def get_extension() -> ModuleType | None:
     """The loaded extension, or None when disabled or unbuildable (the reason is logged once)."""
     global _error
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+    if envs.PAGEDATTN_DISABLE_CPU_EXT:
         return None
     if _module is not None or _error is not None:
         return _module
@@ -143,12 +180,10 @@ def get_extension() -> ModuleType | None:
         return None
 
 
-def step_ops() -> ModuleType | None:
+def step_ops(enabled: bool = True) -> ModuleType | None:
     """The extension for the per-layer step ops (cache write, rotary, RMSNorm, SwiGLU, argmax),
-    or None when it is unavailable or PAGEDATTN_DISABLE_STEP_OPS is set (for measuring)."""
-    if os.environ.get(DISABLE_STEP_OPS_ENV, "") not in ("", "0"):
-        return None
-    return get_extension()
+    or None when it is unavailable or not ``enabled`` (KernelPlan.step_ops)."""
+    return get_extension() if enabled else None
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:

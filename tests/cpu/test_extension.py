@@ -11,8 +11,9 @@ import logging
 import pytest
 import torch
 
-from pagedattn.attention.backends import cpu_ext, get_attn_backend
+from pagedattn.attention.backends import get_attn_backend
 from pagedattn.attention.backends.cpu import CpuBackend
+from pagedattn.cpu import extension as cpu_ext
 
 from ..paged_case import assert_matches_dense, dense_reference, make_case, mixed_specs
 

@@ -1,5 +1,9 @@
 """What the CPU this process runs on can do: model name, feature flags, and the dtype to run in.
 
+``cpu_flags()`` are the CPU's flags as capped by ``PAGEDATTN_CPU_ISA`` (pagedattn.envs): with
+``avx2`` the AVX-512 and AMX flags are hidden, so every choice made from them (the dtype, the
+kernel candidates, the extension's build) is the one an AVX2 machine makes. ``isa_levels()``
+lists the levels this CPU can execute, for building and testing each one.
 ``cpu_signature()`` names the CPU for caches of measured choices (the kernel tuner's); two machines
 with the same model name and flags share one. ``resolve_dtype("auto", device)`` is bfloat16 where
 the CPU has bf16 hardware (AVX512-BF16 or AMX-BF16) and float32 elsewhere; on CUDA it is bfloat16
@@ -14,6 +18,8 @@ import platform
 from pathlib import Path
 
 import torch
+
+from pagedattn import envs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
@@ -51,9 +57,75 @@ def _cpuinfo_fields() -> dict[str, str]:
     return fields
 
 
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags (``flags`` in /proc/cpuinfo; empty where there is no such file)."""
+# The flags each x86-64 level needs (x86-64-v3: AVX2 and FMA; x86-64-v4: AVX-512 F/BW/CD/DQ/VL).
+ISA_REQUIRED_FLAGS = {
+    "avx2": frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}),
+}
+# The flags a cap hides: everything past the level (AMX and the bf16/fp16 AVX-512 extensions
+# are not part of x86-64-v4).
+_PAST_AVX512 = ("amx", "avx512_bf16", "avx512_fp16")
+_PAST_AVX2 = ("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne_convert")
+_PAST_SCALAR = ("avx", "fma", "f16c", "amx")
+
+
+def hardware_flags() -> frozenset[str]:
+    """The CPU's own feature flags (``flags`` in /proc/cpuinfo; empty where there is none)."""
     return frozenset(_cpuinfo_fields().get("flags", "").split())
+
+
+def _hidden(flag: str, cap: str) -> bool:
+    past = {"avx512": _PAST_AVX512, "avx2": _PAST_AVX2, "scalar": _PAST_SCALAR}.get(cap, ())
+    return flag.startswith(past)
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as this process may use them (PAGEDATTN_CPU_ISA hides those past
+    its level)."""
+    cap = envs.PAGEDATTN_CPU_ISA
+    flags = hardware_flags()
+    if cap == "native":
+        return flags
+    return frozenset(f for f in flags if not _hidden(f, cap))
+
+
+def isa_levels() -> list[str]:
+    """The levels this CPU can execute, lowest first: ``scalar``, then ``avx2``, ``avx512``
+    where it has their flags, and ``native`` (what the compiler's -march=native targets)."""
+    flags = hardware_flags()
+    levels = ["scalar"]
+    if ISA_REQUIRED_FLAGS["avx2"] <= flags:
+        levels.append("avx2")
+        if ISA_REQUIRED_FLAGS["avx512"] <= flags:
+            levels.append("avx512")
+    return [*levels, "native"]
+
+
+def isa_level() -> str:
+    """The level this process runs at: PAGEDATTN_CPU_ISA, lowered to what the CPU can execute
+    (``native`` means the CPU's own flags, AMX included)."""
+    cap = envs.PAGEDATTN_CPU_ISA
+    if cap not in isa_levels():
+        raise ValueError(
+            f"PAGEDATTN_CPU_ISA={cap} asks for instructions this CPU lacks: it runs "
+            f"{', '.join(isa_levels())}"
+        )
+    return cap
+
+
+def vector_isa() -> str:
+    """The widest vector instructions this process uses, for reports: amx, avx512, avx2,
+    neon or scalar."""
+    flags = cpu_flags()
+    if platform.machine() in ("aarch64", "arm64"):
+        return "neon"
+    if {"amx_tile", "amx_bf16"} <= flags:
+        return "amx"
+    if ISA_REQUIRED_FLAGS["avx512"] <= flags:
+        return "avx512"
+    if ISA_REQUIRED_FLAGS["avx2"] <= flags:
+        return "avx2"
+    return "scalar"
 
 
 def cpu_model_name() -> str:
@@ -74,10 +146,13 @@ def cpu_signature() -> str:
 
 
 def describe_cpu(threads: int | None = None) -> str:
-    """One line for reports: model name, threads (default: torch's) and the notable flags."""
+    """One line for reports: model name, threads (default: torch's) and the notable flags (and
+    the ISA cap, where PAGEDATTN_CPU_ISA sets one)."""
     flags = " ".join(notable_flags()) or "no AVX2/AVX-512"
     threads = torch.get_num_threads() if threads is None else threads
-    return f"{cpu_model_name()}; {threads} threads; {flags}"
+    cap = envs.PAGEDATTN_CPU_ISA
+    capped = "" if cap == "native" else f" (capped to {cap} by PAGEDATTN_CPU_ISA)"
+    return f"{cpu_model_name()}; {threads} threads; {flags}{capped}"
 
 
 def has_bf16_hardware() -> bool:

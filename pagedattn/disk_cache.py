@@ -7,15 +7,12 @@ import os
 import tempfile
 from pathlib import Path
 
-CACHE_DIR_ENV = "PAGEDATTN_CACHE_DIR"
+from pagedattn import envs
 
 
 def cache_root() -> Path:
     """$PAGEDATTN_CACHE_DIR, else $XDG_CACHE_HOME/pagedattn, else ~/.cache/pagedattn."""
-    root = os.environ.get(CACHE_DIR_ENV)
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "pagedattn")
+    return envs.PAGEDATTN_CACHE_DIR
 
 
 def read_json(path: Path) -> dict:
