@@ -223,9 +223,26 @@ class ModelConfig:
     linear_kernel: str = option(
         "auto",
         "the CPU linear kernel; auto: each one timed on the model's shapes at the first start on "
-        "a machine (cached per CPU, dtype and shapes), the fastest per batch size. "
-        "PAGEDATTN_LINEAR forces one too, PAGEDATTN_RETUNE=1 measures again",
-        choices=("auto", "panels", "amx", "mkl", "onednn", "torch"),
+        "a machine (cached per CPU, dtype and shapes), the fastest per batch size "
+        "(PAGEDATTN_RETUNE=1 measures again); a kernel this CPU cannot run is an error",
+        choices=("auto", "panels", "amx", "mkl", "onednn", "torch", "int8", "int8_amx"),
+    )
+    attention_kernel: str = option(
+        "auto",
+        "the CPU decode attention kernel: compiled (the extension's, reading K/V through the "
+        "block tables), amx (its AMX tile path, bf16), torch (gather + SDPA); auto: timed with "
+        "the linear kernels",
+        choices=("auto", "compiled", "amx", "torch"),
+    )
+    decode_stack: bool = option(
+        True,
+        "run decode-only steps of Llama-family models as one compiled call per step (where "
+        "the kernels allow it); --no-decode-stack runs the Python layers",
+    )
+    step_ops: bool = option(
+        True,
+        "run norms, rotary, activations and cache writes on the compiled CPU kernels; "
+        "--no-step-ops runs them on PyTorch",
     )
     quantization: str | None = option(
         None,

@@ -20,10 +20,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from pagedattn.cpu import extension as cpu_ext
 from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.ops import reshape_and_cache
+from pagedattn.cpu import extension as cpu_ext
 
 # (num_heads, num_kv_heads, head_size): SmolLM2-135M-like and Llama-3-8B-like.
 HEAD_CONFIGS = {"9/3x64": (9, 3, 64), "32/8x128": (32, 8, 128)}

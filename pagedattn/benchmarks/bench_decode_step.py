@@ -2,11 +2,12 @@
 
     pagedattn bench decode_step [--batch 32] [--prompt-len 128] [--max-tokens 128]
 
-Each configuration runs in a fresh process (environment variables decide the kernels at load
-time): the uniform workload's requests all join at once, and the median wall time of the last
-``--measure`` decode steps is one sample. ``--rounds`` passes run every configuration in turn,
-so slow spells of a shared machine hit all of them; the table gives each one's fastest round
-(the least disturbed) and the slowest, next to the default configuration's.
+Each configuration runs in a fresh process (its engine options, e.g. ``linear_kernel`` or
+``decode_stack=False``, decide the kernels at load): the uniform workload's requests all join
+at once, and the median wall time of the last ``--measure`` decode steps is one sample.
+``--rounds`` passes run every configuration in turn, so slow spells of a shared machine hit all
+of them; the table gives each one's fastest round (the least disturbed) and the slowest, next
+to the default configuration's.
 """
 
 from __future__ import annotations
@@ -19,27 +20,28 @@ import subprocess
 import sys
 import time
 
-# The child's kv_cache_dtype (so that a configuration can change it like any other switch).
-KV_DTYPE_ENV = "PAGEDATTN_BENCH_KV_CACHE_DTYPE"
-
-# name -> (environment overrides, what it switches off)
-CONFIGS: dict[str, tuple[dict[str, str], str]] = {
-    "default": ({}, "everything on (linear kernels: the kernel tuner's measured plan)"),
+# name -> (engine options, environment overrides, what it switches off)
+CONFIGS: dict[str, tuple[dict[str, object], dict[str, str], str]] = {
+    "default": ({}, {}, "everything on (linear kernels: the kernel tuner's measured plan)"),
     "no_decode_stack": (
-        {"PAGEDATTN_DISABLE_DECODE_STACK": "1"},
+        {"decode_stack": False},
+        {},
         "the compiled decode stack (decode layers run as Python modules)",
     ),
-    "omp_passive": ({"OMP_WAIT_POLICY": "passive"}, "OpenMP threads sleep between ops"),
-    "linear_panels": ({"PAGEDATTN_LINEAR": "panels"}, "the panel GEMM for every linear"),
-    "linear_onednn": ({"PAGEDATTN_LINEAR": "onednn"}, "oneDNN packed at load (AMX for bf16)"),
-    "linear_mkl": ({"PAGEDATTN_LINEAR": "mkl"}, "MKL packed GEMM (float32 only)"),
-    "linear_torch": ({"PAGEDATTN_LINEAR": "torch"}, "plain F.linear"),
-    "no_step_ops": ({"PAGEDATTN_DISABLE_STEP_OPS": "1"}, "PyTorch norm/rope/SwiGLU/argmax/cache"),
+    "omp_passive": ({}, {"OMP_WAIT_POLICY": "passive"}, "OpenMP threads sleep between ops"),
+    "linear_panels": ({"linear_kernel": "panels"}, {}, "the panel GEMM for every linear"),
+    "linear_onednn": ({"linear_kernel": "onednn"}, {}, "oneDNN packed at load (AMX for bf16)"),
+    "linear_mkl": ({"linear_kernel": "mkl"}, {}, "MKL packed GEMM (float32 only)"),
+    "linear_torch": ({"linear_kernel": "torch"}, {}, "plain F.linear"),
+    "attention_torch": ({"attention_kernel": "torch"}, {}, "decode attention on gather + SDPA"),
+    "no_step_ops": ({"step_ops": False}, {}, "PyTorch norm/rope/SwiGLU/cache writes"),
     "kv_cache_bf16": (
-        {KV_DTYPE_ENV: "bfloat16"},
+        {"kv_cache_dtype": "bfloat16"},
+        {},
         "(on, not off) a bf16 KV cache beside the model's dtype",
     ),
     "no_extension": (
+        {},
         {"PAGEDATTN_DISABLE_CPU_EXT": "1"},
         "no compiled code: library GEMM, PyTorch attention and step ops",
     ),
@@ -49,12 +51,8 @@ CONFIGS: dict[str, tuple[dict[str, str], str]] = {
 def child(args: argparse.Namespace) -> None:
     from pagedattn import LLM, SamplingParams
 
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        num_threads=args.threads,
-        kv_cache_dtype=os.environ.get(KV_DTYPE_ENV, "auto"),
-    )
+    options = CONFIGS[args.config][0]
+    llm = LLM(args.model, dtype=args.dtype, num_threads=args.threads, **options)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     vocab = engine.vocab_size
@@ -86,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--_child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--config", default="default", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.measure >= args.max_tokens:
         p.error("--measure must be below --max-tokens (the first steps are prefill)")
@@ -100,13 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     samples: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(args.rounds):
         for name in names:
-            env = {**os.environ, **CONFIGS[name][0]}
+            env = {**os.environ, **CONFIGS[name][1]}
             cmd = [
                 sys.executable,
                 "-m",
                 "pagedattn.benchmarks.bench_decode_step",
                 *forwarded,
                 "--_child",
+                "--config",
+                name,
             ]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
             if proc.returncode != 0:
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{step / base:.2f}x" if base else "-"
         spread = f"{step * 1e3:.1f} / {max(samples[name]) * 1e3:.1f}"
         tok_s = args.batch / step
-        print(f"| {name} | {CONFIGS[name][1]} | {spread} | {ratio} | {tok_s:.0f} |")
+        print(f"| {name} | {CONFIGS[name][2]} | {spread} | {ratio} | {tok_s:.0f} |")
     return 0 if results else 1
 
 

@@ -24,21 +24,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from pagedattn.cpu import extension as cpu_ext
 from pagedattn.benchmarks.pagedattn_runner import median_time
-from pagedattn.model.packed_linear import (
-    INT8_MAX,
-    PackedLinear,
-    fitted_kernel,
-    mkl_packing_available,
-    onednn_available,
-    pack_panels,
-    pack_weight,
-    packed_linear,
-    panel_kernel_available,
-    panel_linear,
-    quantize_int8,
-)
+from pagedattn.cpu.linear import INT8_MAX, kernel_available, pack_weight, quantize_int8
 
 # (out_features, in_features) of one SmolLM2 layer's projections, then the LM head.
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
@@ -48,37 +35,29 @@ HEAD_SHAPE = (49152, 576)
 def kernels(weights: list[torch.Tensor]) -> dict[str, list]:
     """Kernel name -> one callable per weight (x -> x @ w.T), each over its own packed copy."""
     out: dict[str, list] = {"F.linear": [lambda x, w=w: F.linear(x, w) for w in weights]}
-    if mkl_packing_available():
-        out["MKL packed"] = [
-            lambda x, w=w, p=pack_weight(w): packed_linear(x, p, w, None) for w in weights
+    if kernel_available("mkl", torch.float32):
+        out["MKL packed"] = [pack_weight("mkl", w) for w in weights]
+    if kernel_available("panels", torch.float32):
+        out["panels fp32"] = [pack_weight("panels", w) for w in weights]
+        out["panels bf16 weights"] = [
+            lambda x, p=pack_weight("panels", w.bfloat16()): p(x) for w in weights
         ]
-    if panel_kernel_available():
-        for name, dtype in (
-            ("panels fp32", torch.float32),
-            ("panels bf16 weights", torch.bfloat16),
-        ):
-            out[name] = [
-                lambda x, n=w.shape[0], p=pack_panels(w.to(dtype)): panel_linear(x, p, n, None)
-                for w in weights
-            ]
-    if onednn_available(torch.float32):
-        out["oneDNN fp32"] = [PackedLinear("onednn", w, None) for w in weights]
-    if onednn_available(torch.bfloat16):
+    if kernel_available("onednn", torch.float32):
+        out["oneDNN fp32"] = [pack_weight("onednn", w) for w in weights]
+    if kernel_available("onednn", torch.bfloat16):
         # NOTE: bf16 activations and weights (AMX tiles where the CPU has them); the casts of
         # x and of the result are part of the time.
         out["oneDNN bf16"] = [
-            lambda x, p=PackedLinear("onednn", w.bfloat16(), None): p(x.bfloat16()).float()
+            lambda x, p=pack_weight("onednn", w.bfloat16()): p(x.bfloat16()).float()
             for w in weights
         ]
-    if cpu_ext.amx_available():
+    if kernel_available("amx", torch.bfloat16):
         # NOTE: a weight that is not whole tiles runs what the engine would run in its place.
         for name, kernel in (("AMX bf16", "amx"), ("int8 AMX", "int8_amx")):
-            packed = [w.bfloat16() for w in weights]
-            packed = [PackedLinear(fitted_kernel(w, kernel), w, None) for w in packed]
+            packed = [pack_weight(kernel, w.bfloat16()) for w in weights]
             out[name] = [lambda x, p=p: p(x.bfloat16()).float() for p in packed]
     out["int8 weight-only"] = [
-        lambda x, p=PackedLinear("int8", w.bfloat16(), None): p(x.bfloat16()).float()
-        for w in weights
+        lambda x, p=pack_weight("int8", w.bfloat16()): p(x.bfloat16()).float() for w in weights
     ]
     if hasattr(torch.ops.onednn, "qlinear_pointwise"):
         out["int8 W8A8 oneDNN"] = [W8A8(w) for w in weights]

@@ -19,8 +19,9 @@ import time
 import torch
 
 from pagedattn.attention import AttentionMetadata, get_attn_backend
-from pagedattn.model.base import PagedCausalLM
 from pagedattn.cpu.features import describe_cpu
+from pagedattn.model.base import PagedCausalLM
+from pagedattn.model.layers import Linear
 from pagedattn.model.loader import load_model
 
 PROMPTS = (
@@ -97,15 +98,14 @@ class SequenceRunner:
 def weight_bytes(model: PagedCausalLM) -> int:
     """Bytes of the packed linear weights a decode step reads (int8 codes and scales included)."""
     total = 0
-    packed = [getattr(m, "linear_decode", None) for m in model.modules()]
-    for p in [*packed, getattr(model, "_lm_head", None)]:
+    packed = [m.decode for m in model.modules() if isinstance(m, Linear)]
+    for p in [*packed, model.tied_head]:
         if p is None:
             continue
-        for t in (p.packed if p.kernel != "onednn" else None, p.weight, getattr(p, "scales", None)):
-            if t is not None:
-                total += t.numel() * t.element_size()
-        if p.kernel == "onednn":
-            total += p.out_features * p.in_features * p.packed.element_size()
+        tensors = (p.a if p.name != "onednn" else None, p.b)
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        if p.name == "onednn":
+            total += p.out_features * p.in_features * p.a.element_size()
     return total
 
 

@@ -172,14 +172,12 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
     """Decode-step matmuls alone (the model's own linear layers and LM head, through the same
     kernels the engine runs) and copy bandwidth."""
     import torch.nn.functional as F
-    from torch import nn
 
-    from pagedattn.cpu.extension import (
-        flush_denormals_all_threads,
-        keep_freed_heap_memory,
-    )
     from pagedattn.attention.layout import bytes_per_block
-    from pagedattn.model.kernel_tuner import candidates, measure_kernels
+    from pagedattn.cpu.extension import flush_denormals_all_threads, keep_freed_heap_memory
+    from pagedattn.cpu.linear import candidates
+    from pagedattn.cpu.tuner import measure_kernels
+    from pagedattn.model.layers import Linear
     from pagedattn.model.loader import load_model
 
     # NOTE: the process settings the engine's runner makes, so that the matmuls run as in a step.
@@ -188,13 +186,13 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
     loaded = load_model(opts.model, opts.dtype, "cpu", None)
     model = loaded.model
     untied_head = getattr(model, "lm_head", None)
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not untied_head]
+    linears = [m for m in model.modules() if isinstance(m, Linear) and m is not untied_head]
     dtype = model.dtype
     vocab_size, hidden_size = model.model.embed_tokens.weight.shape
     head_bytes = vocab_size * hidden_size * dtype.itemsize
     result = {
         "matmul_s": {},
-        "linear_kernel": model.linear_plan.describe().removeprefix("linear "),
+        "linear_kernel": loaded.plan.describe().removeprefix("linear "),
         "weight_bytes": sum(_linear_bytes(m, dtype) for m in linears) + head_bytes,
         "kv_bytes_per_token": bytes_per_block(
             model.num_layers, 1, model.num_kv_heads, model.head_size, dtype

@@ -10,24 +10,19 @@ from collections.abc import Iterable
 
 import torch
 
-from pagedattn.attention.backends.base import get_attn_backend
 from pagedattn.config import EngineConfig
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.request import Request, RequestStatus
 from pagedattn.core.scheduler import RequestRejectedError, Scheduler
 from pagedattn.core.scheduler_output import RunnerOutput, SchedulerOutput
-from pagedattn.cpu.features import resolve_dtype
 from pagedattn.engine.errors import EngineFaultError, InvalidRequestError
 from pagedattn.engine.input_processor import InputProcessor
 from pagedattn.engine.output_processor import OutputProcessor
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.engine.request_state import EngineRequest
 from pagedattn.engine.stats import EngineStats, StepTimes
-from pagedattn.model.loader import load_model
 from pagedattn.sampling_params import InvalidSamplingParamsError, SamplingParams
-from pagedattn.worker.kv_cache_sizing import plan_kv_cache
 from pagedattn.worker.model_runner import BlockCopyError, ModelRunner
-from pagedattn.worker.sampling_metadata import make_generator
 
 logger = logging.getLogger(__name__)
 
@@ -46,42 +41,18 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, *, verbose: bool = False) -> None:
         self.config = config
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        device = torch.device(config.model.device)
-        dtype = resolve_dtype(config.model.dtype, device)
-        backend = get_attn_backend(config.attn_backend, device)
-        model_config = config.model
-        loaded = load_model(
-            model_config.model,
-            dtype,
-            device,
-            backend,
-            linear_kernel=None
-            if model_config.linear_kernel == "auto"
-            else model_config.linear_kernel,
-            quantization=model_config.quantization,
-        )
-        self.model = loaded.model
-        plan = getattr(self.model, "linear_plan", None)
-        if config.num_threads is None and plan is not None and plan.threads == 1:
-            torch.set_num_threads(1)  # NOTE: the kernel tuner measured one thread faster here
-        self.tokenizer = loaded.tokenizer
-        self.model_name = loaded.model_name
-        self.eos_token_ids = tuple(loaded.eos_token_ids)
-        self.vocab_size = int(loaded.hf_config["vocab_size"])
-        self.max_model_len = min(
-            config.scheduler.max_model_len or loaded.max_model_len, loaded.max_model_len
-        )
         cache = config.cache
-        groups = self.model.kv_cache_groups(cache.block_size)
-        plan = plan_kv_cache(
-            cache, config.scheduler, self.model, dtype, backend.name, device, self.max_model_len
-        )
-        self.kv_cache_dtype = plan.dtype
+        self.runner = runner = ModelRunner(config)
+        self.model = runner.model
+        self.tokenizer = runner.tokenizer
+        self.model_name = runner.model_name
+        self.eos_token_ids = runner.eos_token_ids
+        self.vocab_size = runner.vocab_size
+        self.max_model_len = runner.max_model_len
+        self.kv_cache_dtype = runner.kv_cache_dtype
         self.kv_cache_manager = KVCacheManager(
-            groups,
-            plan.num_blocks,
+            runner.kv_cache_groups,
+            runner.num_blocks,
             enable_caching=cache.enable_prefix_caching,
             hash_seed=cache.hash_seed,
             enable_kv_cache_events=cache.kv_events_endpoint is not None,
@@ -91,31 +62,10 @@ class LLMEngine:
             from pagedattn.distributed.kv_events import ZmqEventPublisher
 
             self.kv_event_publisher = ZmqEventPublisher(cache.kv_events_endpoint, topic="kv-events")
-        self.runner = ModelRunner(
-            self.model,
-            backend,
-            plan.num_blocks,
-            cache.block_size,
-            len(groups),
-            device,
-            plan.dtype,
-            vocab_size=self.vocab_size,
-            eos_token_ids=self.eos_token_ids,
-            tokenizer=self.tokenizer,
-        )
-        self.kv_connector = None
-        if cache.kv_store is not None:
-            from pagedattn.kv_transfer import connector_for_engine
-
-            self.kv_connector = connector_for_engine(
-                cache.kv_store, self.model_name, len(groups), self.runner.kv_caches, plan.dtype
-            )
-        self.runner.kv_connector = self.kv_connector
+        self.kv_connector = runner.kv_connector
         self.scheduler = Scheduler(
             config.scheduler, cache, self.kv_cache_manager, self.max_model_len, self.kv_connector
         )
-        # NOTE: requests without a seed of their own draw from one generator seeded here.
-        self.runner.sampler.generator = make_generator(config.model.seed, device)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._core_ids = itertools.count()
@@ -125,12 +75,13 @@ class LLMEngine:
         self.num_generation_tokens = 0
         self.num_recomputed_tokens = 0
         self.num_failed_requests = 0
+        kv, dtype = runner.kv_cache_plan, runner.dtype
         self.kv_summary = (
-            f"KV cache: {plan.num_blocks} blocks x {cache.block_size} tokens = "
-            f"{plan.num_blocks * cache.block_size} token slots per layer group, "
-            f"{plan.num_bytes / 2**20:.1f} MiB ({len(groups)} KV cache group(s), backend "
-            f"{backend.name}, {_dtype_name(dtype)}"
-            + ("" if plan.dtype == dtype else f", KV cache {_dtype_name(plan.dtype)}")
+            f"KV cache: {kv.num_blocks} blocks x {cache.block_size} tokens = "
+            f"{kv.num_blocks * cache.block_size} token slots per layer group, "
+            f"{kv.num_bytes / 2**20:.1f} MiB ({runner.num_groups} KV cache group(s), backend "
+            f"{runner.attn_backend.name}, {_dtype_name(dtype)}"
+            + ("" if kv.dtype == dtype else f", KV cache {_dtype_name(kv.dtype)}")
             + ")"
         )
         if verbose:

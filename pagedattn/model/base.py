@@ -7,18 +7,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
-from pagedattn.model.layers import PagedAttention
-from pagedattn.model.packed_linear import (
-    INT8_KERNELS,
-    QUANTIZATIONS,
-    LinearPlan,
-    PackedLinear,
-    fitted_kernel,
-    pack_linear_layers,
-    usable_plan,
-)
+from pagedattn.cpu.linear import PackedLinear, pack_weight
+from pagedattn.cpu.plan import KernelPlan
+from pagedattn.model.layers import Linear, LinearKernels
 
 # HF projection name -> (our fused parameter name, shard index inside it).
 STACKED_PARAMS: dict[str, tuple[str, int]] = {
@@ -46,6 +38,16 @@ def _adoptable(tensor: torch.Tensor, target: torch.Tensor) -> bool:
 
 class WeightLoadError(RuntimeError):
     """A checkpoint does not match the model: missing, unknown or misshaped tensors."""
+
+
+def linear_kernels(plan: KernelPlan) -> LinearKernels:
+    """The kernels of a model's projections under ``plan``."""
+    return LinearKernels(plan.linear_decode, plan.linear_prefill, plan.prefill_rows)
+
+
+def head_kernels(plan: KernelPlan) -> LinearKernels:
+    """The kernel of an (untied) LM head under ``plan``: the same for every row count."""
+    return LinearKernels(plan.linear_head, plan.linear_head)
 
 
 def group_layers(layer_windows: list[int | None]) -> tuple[list[int], list[int | None]]:
@@ -77,6 +79,8 @@ class PagedCausalLM(nn.Module):
     shard_sizes: dict[str, list[int]]  # fused parameter -> output rows of each shard
     tie_word_embeddings: bool
     final_logit_softcapping: float | None = None
+    plan: KernelPlan = KernelPlan()  # the CPU kernels the model was built for
+    tied_head: PackedLinear | None = None  # a tied LM head's packed copy of the embedding
 
     @property
     def dtype(self) -> torch.dtype:
@@ -106,72 +110,23 @@ class PagedCausalLM(nn.Module):
             return self.model.embed_tokens.weight
         return self.lm_head.weight
 
-    def pack_for_cpu(
-        self, plan: LinearPlan | str | None = None, quantization: str | None = None
-    ) -> LinearPlan:
-        """On CPU: run every projection and the LM head on packed kernels (see packed_linear).
-
-        ``plan`` is a LinearPlan, one kernel name, or None for the kernel tuner's choice
-        (measured once per CPU, model shapes and dtype, then cached). ``quantization="int8"``
-        runs every projection and the LM head on int8 weights instead, on the int8 kernel
-        ``plan`` names or else the faster one measured (INT8_KERNELS). Returns the plan used.
-        """
-        if quantization is not None:
-            if quantization not in QUANTIZATIONS:
-                raise ValueError(
-                    f"quantization={quantization!r} is invalid: use None or one of "
-                    f"{', '.join(QUANTIZATIONS)}"
-                )
-            if isinstance(plan, str) and plan in INT8_KERNELS:
-                plan = LinearPlan.single(plan)  # an int8 kernel named by the caller
-            elif self.lm_head_weight().device.type != "cpu":
-                plan = LinearPlan.single(quantization)
-            else:
-                # NOTE: the int8 kernels compute the same numbers; which one runs is measured.
-                from pagedattn.model.kernel_tuner import plan_for_model
-
-                plan = plan_for_model(self, INT8_KERNELS)
-        self._lm_head: PackedLinear | None = None
-        self.linear_plan = LinearPlan.single("torch")
-        if isinstance(plan, str):
-            plan = LinearPlan.single(plan)
-        if self.lm_head_weight().device.type != "cpu":
-            return plan or LinearPlan.single("torch")
-        if plan is None:
-            from pagedattn.model.kernel_tuner import plan_for_model
-
-            plan = plan_for_model(self)
-        plan = usable_plan(plan, self.dtype)
-        untied = None if self.tie_word_embeddings else self.lm_head
-        pack_linear_layers(self, plan, exclude=(untied,) if untied is not None else ())
-        weight = self.lm_head_weight().detach()
-        bias = None if untied is None or untied.bias is None else untied.bias.detach()
-        head = fitted_kernel(weight, plan.head)  # e.g. a vocabulary that is not whole AMX tiles
-        if head != "torch" and weight.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            # NOTE: a tied head is the embedding, which lookups still need, so the LM head gets
-            # its own packed copy; an untied head's nn.Linear weight is released.
-            self._lm_head = PackedLinear(head, weight, bias)
-            if untied is not None:
-                untied.weight = nn.Parameter(
-                    torch.empty(0, dtype=weight.dtype), requires_grad=False
-                )
-        self.linear_plan = plan
-        self._apply_attention_choice(plan.attention)
-        return plan
-
-    def _apply_attention_choice(self, kernel: str) -> None:
-        """Point every CPU attention backend at the decode kernel the plan chose."""
+    def process_weights_after_loading(self) -> None:
+        """Pack every Linear's weight for the plan's kernels; a tied LM head gets a packed copy
+        of the embedding (lookups still need the embedding itself)."""
         for module in self.modules():
-            if isinstance(module, PagedAttention) and isinstance(module.backend, CpuBackend):
-                module.backend.use_compiled_decode(kernel != "torch", amx=kernel == "amx")
+            if isinstance(module, Linear):
+                module.process_weights_after_loading()
+        weight = self.lm_head_weight()
+        if self.tie_word_embeddings and weight.device.type == "cpu":
+            packed = pack_weight(self.plan.linear_head, weight.detach())
+            self.tied_head = None if packed.name == "torch" else packed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V] (soft-capped when the model says so)."""
-        head = getattr(self, "_lm_head", None)
-        if head is not None:
-            logits = head(hidden).float()  # [N, V]
-        elif not self.tie_word_embeddings:
+        if not self.tie_word_embeddings:
             logits = self.lm_head(hidden).float()  # [N, V]
+        elif self.tied_head is not None:
+            logits = self.tied_head(hidden).float()  # [N, V]
         else:
             logits = (hidden @ self.lm_head_weight().t()).float()  # [N, V]
         cap = self.final_logit_softcapping

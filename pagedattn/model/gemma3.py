@@ -9,9 +9,11 @@ from torch import nn
 
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.metadata import AttentionMetadata
-from pagedattn.model.base import PagedCausalLM, group_layers
+from pagedattn.cpu.plan import KernelPlan
+from pagedattn.model.base import PagedCausalLM, group_layers, head_kernels, linear_kernels
 from pagedattn.model.layers import (
     GemmaRMSNorm,
+    Linear,
     PagedAttention,
     RotaryEmbedding,
     apply_rotary_,
@@ -35,18 +37,23 @@ _VISION_PREFIXES += ("model.multi_modal_projector.",)
 class Gemma3Attention(nn.Module):
     """Fused QKV, per-head q/k norms, rope of the layer's type, paged (sliding) attention."""
 
-    def __init__(self, config: TextConfig, backend: AttentionBackend, is_sliding: bool):
+    def __init__(
+        self, config: TextConfig, backend: AttentionBackend, is_sliding: bool, plan: KernelPlan
+    ):
         super().__init__()
+        self.step_ops = plan.step_ops
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_size = config.head_dim
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         bias = bool(config.attention_bias)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=bias)
-        self.q_norm = GemmaRMSNorm(self.head_size, config.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(self.head_size, config.rms_norm_eps)
+        kernels = linear_kernels(plan)
+        qkv_size = self.q_size + 2 * self.kv_size
+        self.qkv_proj = Linear(config.hidden_size, qkv_size, bias, kernels)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias, kernels)
+        self.q_norm = GemmaRMSNorm(self.head_size, config.rms_norm_eps, plan.step_ops)
+        self.k_norm = GemmaRMSNorm(self.head_size, config.rms_norm_eps, plan.step_ops)
         self.is_sliding = is_sliding
         self.attn = PagedAttention(
             backend,
@@ -72,35 +79,40 @@ class Gemma3Attention(nn.Module):
         k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_size))  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_size)  # [T, Hkv, D]
         cos, sin = rope[self.is_sliding]
-        q, k = apply_rotary_(q, cos, sin), apply_rotary_(k, cos, sin)  # fresh tensors: in place
+        # fresh tensors: rotated in place
+        q, k = apply_rotary_(q, cos, sin, self.step_ops), apply_rotary_(k, cos, sin, self.step_ops)
         return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
 
 
 class Gemma3MLP(nn.Module):
     """GeGLU (gelu-tanh) MLP with a fused gate/up projection."""
 
-    def __init__(self, config: TextConfig) -> None:
+    def __init__(self, config: TextConfig, plan: KernelPlan) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        kernels, inter = linear_kernels(plan), config.intermediate_size
+        self.step_ops = plan.step_ops
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, False, kernels)
+        self.down_proj = Linear(inter, config.hidden_size, False, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x), self.step_ops))
 
 
 class Gemma3DecoderLayer(nn.Module):
     """Sandwich norms: norm -> attention -> norm -> residual, norm -> MLP -> norm -> residual."""
 
-    def __init__(self, config: TextConfig, backend: AttentionBackend, is_sliding: bool):
+    def __init__(
+        self, config: TextConfig, backend: AttentionBackend, is_sliding: bool, plan: KernelPlan
+    ):
         super().__init__()
-        eps = config.rms_norm_eps
-        self.self_attn = Gemma3Attention(config, backend, is_sliding)
-        self.mlp = Gemma3MLP(config)
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        eps, hidden, ops = config.rms_norm_eps, config.hidden_size, plan.step_ops
+        self.self_attn = Gemma3Attention(config, backend, is_sliding, plan)
+        self.mlp = Gemma3MLP(config, plan)
+        self.input_layernorm = GemmaRMSNorm(hidden, eps, ops)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps, ops)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps, ops)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps, ops)
 
     def forward(
         self,
@@ -119,21 +131,34 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(nn.Module):
     """Embedding, decoder layers and final norm (HF parameter names)."""
 
-    def __init__(self, config: TextConfig, backend: AttentionBackend, sliding: list[bool]) -> None:
+    def __init__(
+        self,
+        config: TextConfig,
+        backend: AttentionBackend,
+        sliding: list[bool],
+        plan: KernelPlan,
+    ) -> None:
         super().__init__()
         # NOTE: an explicit (empty) weight skips nn.Embedding's random init, whose first call on
         # the meta device costs seconds of one-time setup; the checkpoint overwrites it anyway.
         empty = torch.empty(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=empty)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, backend, s) for s in sliding)
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, backend, s, plan) for s in sliding)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, plan.step_ops)
 
 
 class Gemma3ForCausalLM(PagedCausalLM):
     """Gemma 3 text causal LM over a paged KV cache with a sliding and a global cache group."""
 
-    def __init__(self, config: TextConfig, backend: AttentionBackend, architecture: str) -> None:
+    def __init__(
+        self,
+        config: TextConfig,
+        backend: AttentionBackend,
+        architecture: str,
+        plan: KernelPlan = KernelPlan(),
+    ) -> None:
         super().__init__()
+        self.plan = plan
         sliding = [t == SLIDING for t in config.layer_types]
         self.num_layers = config.num_hidden_layers
         self.num_kv_heads = config.num_key_value_heads
@@ -150,9 +175,9 @@ class Gemma3ForCausalLM(PagedCausalLM):
         }
         self.tie_word_embeddings = bool(config.tie_word_embeddings)
         self.final_logit_softcapping = config.final_logit_softcapping
-        self.model = Gemma3Model(config, backend, sliding)
+        self.model = Gemma3Model(config, backend, sliding, plan)
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, head_kernels(plan))
         self.rope = {
             True: RotaryEmbedding(config, self.head_size, layer_type=SLIDING),
             False: RotaryEmbedding(config, self.head_size, layer_type=FULL),

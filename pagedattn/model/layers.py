@@ -1,6 +1,13 @@
-"""Shared building blocks: norms, rotary embedding, activations, paged attention."""
+"""Shared building blocks: linear layers, norms, rotary embedding, activations, paged attention.
+
+Layers that have a compiled CPU kernel take ``step_ops`` (KernelPlan.step_ops) at construction:
+True runs it where the tensors allow, False always runs the PyTorch code.
+"""
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -9,27 +16,86 @@ from torch import nn
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.cpu import extension as cpu_ext
+from pagedattn.cpu.linear import PackedLinear, pack_weight
 from pagedattn.model.rope import rope_frequencies
 from pagedattn.model.text_config import TextConfig
 
 
-def compiled_ops_for(x: torch.Tensor):
-    """The compiled CPU extension when it can take x (CPU, float32/bfloat16), else None."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+def compiled_ops_for(x: torch.Tensor, enabled: bool = True):
+    """The compiled CPU extension when enabled and it can take x (CPU, fp32/bf16), else None."""
+    if not enabled or x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return None
     return cpu_ext.step_ops()
+
+
+class LinearKernels(NamedTuple):
+    """The CPU kernels of one Linear layer: below ``prefill_rows`` rows ``decode``, else
+    ``prefill`` (names from pagedattn.cpu.linear)."""
+
+    decode: str
+    prefill: str
+    prefill_rows: float = math.inf
+
+
+class Linear(nn.Module):
+    """``y = x W^T + b``; with ``kernels``, the weight is packed once after loading for the decode
+    and prefill kernels, and each call runs the one its row count selects."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        kernels: LinearKernels | None = None,
+    ) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.kernels = kernels
+        self.decode: PackedLinear | None = None
+        self.prefill: PackedLinear | None = None
+        self.prefill_rows = math.inf
+
+    def process_weights_after_loading(self) -> None:
+        """Pack the loaded weight for the layer's kernels (a CPU weight that some kernel other
+        than F.linear takes); the packed copies then hold the only reference to it."""
+        kernels, weight = self.kernels, self.weight
+        if kernels is None or weight is None or weight.device.type != "cpu":
+            return
+        w, b = weight.detach(), None if self.bias is None else self.bias.detach()
+        decode = pack_weight(kernels.decode, w, b)
+        same = kernels.prefill == kernels.decode
+        prefill = decode if same else pack_weight(kernels.prefill, w, b)
+        if decode.name == prefill.name == "torch":
+            return
+        self.decode, self.prefill, self.prefill_rows = decode, prefill, kernels.prefill_rows
+        self.weight = None  # NOTE: freed unless a kernel keeps it (torch, MKL)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.decode is None:
+            return F.linear(x, self.weight, self.bias)
+        rows = x.numel() // self.in_features if self.in_features else 0
+        return (self.prefill if rows >= self.prefill_rows else self.decode)(x)
+
+    def extra_repr(self) -> str:
+        kernels = ""
+        if self.decode is not None:
+            kernels = f", kernels={self.decode.name}/{self.prefill.name}"
+        return f"in_features={self.in_features}, out_features={self.out_features}{kernels}"
 
 
 class RMSNorm(nn.Module):
     """Llama RMSNorm: normalise in fp32, cast back, then scale by ``weight``."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, step_ops: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.step_ops = step_ops
         self.weight = nn.Parameter(torch.ones(hidden_size))
 
     def _compiled(self, x: torch.Tensor):
-        ext = compiled_ops_for(x)
+        ext = compiled_ops_for(x, self.step_ops)
         ok = ext is not None and x.dim() == 2 and x.is_contiguous()
         return ext if ok and self.weight.dtype == x.dtype else None
 
@@ -55,13 +121,14 @@ class RMSNorm(nn.Module):
 class GemmaRMSNorm(nn.Module):
     """Gemma RMSNorm: scale by ``1 + weight`` in fp32, then cast back (weights are zero-centred)."""
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, step_ops: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.step_ops = step_ops
         self.weight = nn.Parameter(torch.zeros(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ext = compiled_ops_for(x)
+        ext = compiled_ops_for(x, self.step_ops)
         if ext is not None and self.weight.dtype == x.dtype:
             # NOTE: q/k norms get strided views of the fused qkv output; one copy is still far
             # cheaper than the five PyTorch ops below.
@@ -71,18 +138,18 @@ class GemmaRMSNorm(nn.Module):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, step_ops: bool = False) -> torch.Tensor:
     """SwiGLU on a fused [T, 2 * I] gate/up projection -> [T, I]."""
-    ext = compiled_ops_for(gate_up)
+    ext = compiled_ops_for(gate_up, step_ops)
     if ext is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
         return ext.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_and_mul(gate_up: torch.Tensor, step_ops: bool = False) -> torch.Tensor:
     """GeGLU (tanh approximation) on a fused [T, 2 * I] gate/up projection -> [T, I]."""
-    ext = compiled_ops_for(gate_up)
+    ext = compiled_ops_for(gate_up, step_ops)
     if ext is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
         return ext.gelu_tanh_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
@@ -127,14 +194,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos + rotated * sin
 
 
-def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary_(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step_ops: bool = False
+) -> torch.Tensor:
     """``apply_rotary`` written into x itself; returns x.
 
     x [T, num_heads, head_size] may be a strided view (e.g. the q and k columns of a fused qkv
     output). On CPU the compiled kernel does it in one pass with the same rounding; elsewhere the
     PyTorch result is copied back.
     """
-    ext = compiled_ops_for(x)
+    ext = compiled_ops_for(x, step_ops)
     if ext is not None and x.stride(-1) == 1 and cos.dtype == x.dtype:
         num_tokens = x.shape[0]
         ext.rotary_inplace(

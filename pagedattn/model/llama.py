@@ -9,9 +9,11 @@ from torch import nn
 
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.metadata import AttentionMetadata
-from pagedattn.model.base import PagedCausalLM, group_layers
-from pagedattn.model.decode_stack import DecodeStack, build_decode_stack
+from pagedattn.cpu.decode_stack import DecodeStack, StackLayer, build_decode_stack
+from pagedattn.cpu.plan import KernelPlan
+from pagedattn.model.base import PagedCausalLM, group_layers, head_kernels, linear_kernels
 from pagedattn.model.layers import (
+    Linear,
     PagedAttention,
     RMSNorm,
     RotaryEmbedding,
@@ -19,7 +21,6 @@ from pagedattn.model.layers import (
     apply_rotary_,
     silu_and_mul,
 )
-from pagedattn.model.packed_linear import LinearPlan
 from pagedattn.model.text_config import TextConfig
 
 
@@ -63,19 +64,23 @@ class LlamaAttention(nn.Module):
         variant: LlamaVariant,
         backend: AttentionBackend,
         sliding_window: int | None,
+        plan: KernelPlan,
     ) -> None:
         super().__init__()
+        self.step_ops = plan.step_ops
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_size = config.head_dim
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
         hidden = config.hidden_size
-        self.qkv_proj = nn.Linear(hidden, self.q_size + 2 * self.kv_size, bias=variant.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=variant.o_bias)
+        kernels = linear_kernels(plan)
+        qkv_size = self.q_size + 2 * self.kv_size
+        self.qkv_proj = Linear(hidden, qkv_size, variant.qkv_bias, kernels)
+        self.o_proj = Linear(self.q_size, hidden, variant.o_bias, kernels)
         if variant.qk_norm:
-            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps, plan.step_ops)
+            self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps, plan.step_ops)
         self.qk_norm = variant.qk_norm
         self.attn = PagedAttention(
             backend,
@@ -99,7 +104,7 @@ class LlamaAttention(nn.Module):
         if not self.qk_norm:
             # q and k side by side: one rotation over [T, num_heads + num_kv_heads, head_size].
             qk = qkv[:, : self.q_size + self.kv_size]
-            apply_rotary_(qk.view(qkv.shape[0], -1, self.head_size), cos, sin)
+            apply_rotary_(qk.view(qkv.shape[0], -1, self.head_size), cos, sin, self.step_ops)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_size)  # [T, num_heads, head_size]
         k = k.view(-1, self.num_kv_heads, self.head_size)  # [T, num_kv_heads, head_size]
@@ -113,15 +118,17 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU MLP with a fused gate/up projection."""
 
-    def __init__(self, config: TextConfig, bias: bool) -> None:
+    def __init__(self, config: TextConfig, bias: bool, plan: KernelPlan) -> None:
         super().__init__()
         inter = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * inter, bias=bias)
-        self.down_proj = nn.Linear(inter, config.hidden_size, bias=bias)
+        kernels = linear_kernels(plan)
+        self.step_ops = plan.step_ops
+        self.gate_up_proj = Linear(config.hidden_size, 2 * inter, bias, kernels)
+        self.down_proj = Linear(inter, config.hidden_size, bias, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), self.step_ops))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -133,12 +140,14 @@ class LlamaDecoderLayer(nn.Module):
         variant: LlamaVariant,
         backend: AttentionBackend,
         sliding_window: int | None,
+        plan: KernelPlan,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, variant, backend, sliding_window)
-        self.mlp = LlamaMLP(config, variant.mlp_bias)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        eps, ops = config.rms_norm_eps, plan.step_ops
+        self.self_attn = LlamaAttention(config, variant, backend, sliding_window, plan)
+        self.mlp = LlamaMLP(config, variant.mlp_bias, plan)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, ops)
 
     def forward(
         self,
@@ -173,21 +182,31 @@ class LlamaModel(nn.Module):
         variant: LlamaVariant,
         backend: AttentionBackend,
         windows: list[int | None],
+        plan: KernelPlan,
     ) -> None:
         super().__init__()
         # NOTE: an explicit (empty) weight skips nn.Embedding's random init, whose first call on
         # the meta device costs seconds of one-time setup; the checkpoint overwrites it anyway.
         empty = torch.empty(config.vocab_size, config.hidden_size)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=empty)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, variant, backend, w) for w in windows)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, variant, backend, w, plan) for w in windows
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, plan.step_ops)
 
 
 class LlamaForCausalLM(PagedCausalLM):
     """Llama-family causal LM over a paged KV cache."""
 
-    def __init__(self, config: TextConfig, backend: AttentionBackend, architecture: str) -> None:
+    def __init__(
+        self,
+        config: TextConfig,
+        backend: AttentionBackend,
+        architecture: str,
+        plan: KernelPlan = KernelPlan(),
+    ) -> None:
         super().__init__()
+        self.plan = plan
         if getattr(config, "head_dim", None) is None:
             config.head_dim = config.hidden_size // config.num_attention_heads
         variant = LlamaVariant.from_config(architecture, config)
@@ -203,19 +222,47 @@ class LlamaForCausalLM(PagedCausalLM):
             "gate_up_proj": [config.intermediate_size] * 2,
         }
         self.tie_word_embeddings = bool(config.tie_word_embeddings)
-        self.model = LlamaModel(config, variant, backend, windows)
+        self.model = LlamaModel(config, variant, backend, windows, plan)
         if not self.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, False, head_kernels(plan))
         self.rotary_emb = RotaryEmbedding(config, self.head_size)
+        self.qk_norm = variant.qk_norm
         self.decode_stack: DecodeStack | None = None
 
-    def pack_for_cpu(
-        self, plan: LinearPlan | str | None = None, quantization: str | None = None
-    ) -> LinearPlan:
-        """PagedCausalLM.pack_for_cpu, then the compiled decode stack over the packed layers."""
-        plan = super().pack_for_cpu(plan, quantization)
-        self.decode_stack = build_decode_stack(self)
-        return plan
+    def process_weights_after_loading(self) -> None:
+        """Pack the weights (PagedCausalLM), then build the compiled decode stack over them where
+        the plan asks for it and the model allows it (no q/k norm)."""
+        super().process_weights_after_loading()
+        plan, layers = self.plan, self.model.layers
+        compiled_attention = plan.attention in ("compiled", "amx")
+        if not (plan.decode_stack and compiled_attention and not self.qk_norm and len(layers)):
+            return
+        if self.model.embed_tokens.weight.device.type != "cpu":
+            return
+        first = layers[0].self_attn
+        stack_layers = [
+            StackLayer(
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                layer.input_layernorm.eps,
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+                self.layer_group[i],
+                layer.self_attn.attn.sliding_window,
+                layer.self_attn.attn.scale,
+            )
+            for i, layer in enumerate(layers)
+        ]
+        self.decode_stack = build_decode_stack(
+            stack_layers,
+            first.num_heads,
+            first.num_kv_heads,
+            first.head_size,
+            self.dtype,
+            amx_attention=plan.attention == "amx",
+        )
 
     def forward(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
 import importlib.util
@@ -12,7 +13,13 @@ from typing import Any, NamedTuple
 
 import torch
 
-from pagedattn.attention.backends.base import AttentionBackend, get_attn_backend
+from pagedattn.attention.backends.base import (
+    AttentionBackend,
+    default_backend_name,
+    get_attn_backend,
+)
+from pagedattn.attention.backends.cpu import time_decode_attention
+from pagedattn.cpu.plan import AUTO, KernelOptions, KernelPlan, choose_plan, model_shapes
 from pagedattn.model.base import PagedCausalLM
 from pagedattn.model.gguf_loader import GGUFCheckpoint
 from pagedattn.model.hf_loader import HFCheckpoint
@@ -50,6 +57,7 @@ class LoadedModel(NamedTuple):
     model_name: str
     max_model_len: int
     eos_token_ids: list[int]
+    plan: KernelPlan  # the CPU kernels the model runs
 
 
 def _accepted() -> str:
@@ -146,57 +154,98 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def checkpoint_config(checkpoint: HFCheckpoint | GGUFCheckpoint) -> TextConfig:
+    """The checkpoint's text config (what a kernel plan is chosen from, before any module)."""
+    return TextConfig.from_dict(_architecture_and_config(checkpoint)[2])
+
+
+def choose_model_plan(
+    config: TextConfig,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    options: KernelOptions = KernelOptions(),
+) -> KernelPlan:
+    """The KernelPlan for a model of ``config`` in ``dtype`` (pagedattn.cpu.plan.choose_plan),
+    timing the decode attention kernels on the model's heads where it measures."""
+    shapes = model_shapes(config)
+    measure = functools.partial(
+        time_decode_attention, shapes.num_heads, shapes.num_kv_heads, shapes.head_size
+    )
+    return choose_plan(shapes, dtype, options, measure, device)
+
+
 def build_model(
     checkpoint: HFCheckpoint | GGUFCheckpoint,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     attn_backend: AttentionBackend | str | None = None,
-    linear_kernel: str | None = None,
-    quantization: str | None = None,
-) -> tuple[PagedCausalLM, TextConfig]:
-    """Our model with the checkpoint's weights loaded, and the (text) config it was built from.
+    plan: KernelPlan | None = None,
+) -> tuple[PagedCausalLM, TextConfig, KernelPlan]:
+    """Our model with the checkpoint's weights loaded and packed for ``plan``'s kernels, the
+    (text) config it was built from, and the plan (chosen here when None is given).
 
-    ``linear_kernel`` forces one CPU linear kernel (packed_linear.KERNELS); None or "auto" uses
-    the kernel tuner's measured choice (or PAGEDATTN_LINEAR when set). ``quantization="int8"``
-    stores the projections and LM head as per-channel int8 weights (packed_linear.QUANTIZATIONS).
+    ``attn_backend``: a backend built for the plan (the runner's), or a name: "cpu" is then
+    built with the plan's decode kernel.
     """
+    architecture, model_cls, raw = _architecture_and_config(checkpoint)
+    config = TextConfig.from_dict(raw)
+    torch_dtype = _torch_dtype(dtype)
+    if plan is None:
+        plan = choose_model_plan(config, torch_dtype, device)
     backend = (
         attn_backend
         if isinstance(attn_backend, AttentionBackend)
-        else get_attn_backend(attn_backend, device)
+        else get_attn_backend(attn_backend, device, **backend_options(attn_backend, device, plan))
     )
-    architecture, model_cls, raw = _architecture_and_config(checkpoint)
-    config = TextConfig.from_dict(raw)
     with torch.device("meta"):
-        net = model_cls(config, backend, architecture)
+        net = model_cls(config, backend, architecture, plan)
     # NOTE: built on meta and then materialised, so no time is spent on random init. Not
     # to_empty(): its empty_like on meta tensors imports sympy (~0.35 s); torch.empty does not.
-    net = net.to(_torch_dtype(dtype))
+    net = net.to(torch_dtype)
     net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     if isinstance(checkpoint, GGUFCheckpoint):
-        net.load_weights(checkpoint.weights(config, _torch_dtype(dtype)))
+        net.load_weights(checkpoint.weights(config, torch_dtype))
     else:
         net.load_weights(checkpoint.weights())
     net = net.eval().requires_grad_(False)
-    kernel = None if linear_kernel in (None, "auto") else linear_kernel
-    net.pack_for_cpu(kernel, quantization)
-    return net, config
+    net.process_weights_after_loading()
+    return net, config, plan
+
+
+def backend_options(
+    name: str | None, device: str | torch.device, plan: KernelPlan
+) -> dict[str, object]:
+    """What get_attn_backend gives the cpu backend from a plan (nothing for other backends)."""
+    if (name or default_backend_name(device)) != "cpu":
+        return {}
+    return {"decode_kernel": plan.attention, "step_ops": plan.step_ops}
 
 
 def load_model(
-    model: str | None = None,
+    model: str | HFCheckpoint | GGUFCheckpoint | None = None,
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     attn_backend: AttentionBackend | str | None = None,
     linear_kernel: str | None = None,
     quantization: str | None = None,
+    *,
+    plan: KernelPlan | None = None,
 ) -> LoadedModel:
-    """Load ``model`` (see ModelNotFoundError for what is accepted) on ``device`` in ``dtype``."""
+    """Load ``model`` (a checkpoint, or see ModelNotFoundError for the names accepted) on
+    ``device`` in ``dtype``.
+
+    The kernels are ``plan``'s; without one they are chosen here, with ``linear_kernel``
+    forced (None or "auto": measured) and ``quantization`` ("int8" or None).
+    """
     with _gc_paused():
-        checkpoint = resolve_checkpoint(model)
-        net, config = build_model(
-            checkpoint, dtype, device, attn_backend, linear_kernel, quantization
+        checkpoint = (
+            model if isinstance(model, HFCheckpoint | GGUFCheckpoint) else resolve_checkpoint(model)
         )
+        if plan is None:
+            options = KernelOptions(linear_kernel=linear_kernel or AUTO, quantization=quantization)
+            config = checkpoint_config(checkpoint)
+            plan = choose_model_plan(config, _torch_dtype(dtype), device, options)
+        net, config, plan = build_model(checkpoint, dtype, device, attn_backend, plan)
         tokenizer = checkpoint.tokenizer()
     extra_eos = (
         checkpoint.generation_eos_token_ids() if isinstance(checkpoint, HFCheckpoint) else []
@@ -208,4 +257,5 @@ def load_model(
         model_name=checkpoint.model_name(),
         max_model_len=int(config.max_position_embeddings),
         eos_token_ids=_eos_token_ids(config, tokenizer, extra_eos),
+        plan=plan,
     )

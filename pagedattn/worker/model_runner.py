@@ -9,12 +9,23 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedattn.attention.backends.base import AttentionBackend
+from pagedattn.attention.backends.base import get_attn_backend
 from pagedattn.attention.ops import copy_blocks
+from pagedattn.config import EngineConfig
 from pagedattn.core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
 from pagedattn.cpu.extension import flush_denormals_all_threads, keep_freed_heap_memory
+from pagedattn.cpu.features import resolve_dtype
+from pagedattn.cpu.plan import KernelOptions
+from pagedattn.model.loader import (
+    backend_options,
+    checkpoint_config,
+    choose_model_plan,
+    load_model,
+    resolve_checkpoint,
+)
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.worker.input_batch import InputBatch, build_input_batch
+from pagedattn.worker.kv_cache_sizing import plan_kv_cache
 from pagedattn.worker.logprobs import compute_logprobs, gather_logprobs
 from pagedattn.worker.sampler import Sampler
 from pagedattn.worker.sampling_metadata import build_sampling_metadata, make_generator
@@ -53,43 +64,91 @@ class _SampleRow:
 
 
 class ModelRunner:
-    """Allocates one (key_cache, value_cache) pair per layer, executes steps and samples."""
+    """Owns the device: chooses the kernel plan, builds the attention backend with its decode
+    kernel, loads the model for the plan, sets the threads, sizes and allocates one
+    (key_cache, value_cache) pair per layer and connects the KV store; then executes steps.
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        attn_backend: AttentionBackend,
-        num_blocks: int,
-        block_size: int,
-        num_groups: int,
-        device: torch.device | str,
-        cache_dtype: torch.dtype,
-        *,
-        vocab_size: int,
-        eos_token_ids: Sequence[int] = (),
-        tokenizer=None,
-    ) -> None:
-        self.model = model
-        self.attn_backend = attn_backend
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.num_groups = num_groups
-        self.device = torch.device(device)
-        self.vocab_size = vocab_size
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.tokenizer = tokenizer  # for structured-output grammars
+    What the engine needs from it: ``kv_cache_groups``, ``num_blocks``, ``vocab_size``,
+    ``eos_token_ids``, ``max_model_len``, ``tokenizer``, ``model_name`` and ``kv_connector``.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        model_config, cache = config.model, config.cache
+        self.device = torch.device(model_config.device)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.dtype = resolve_dtype(model_config.dtype, self.device)
+        checkpoint = resolve_checkpoint(model_config.model)
+        options = KernelOptions(
+            linear_kernel=model_config.linear_kernel,
+            attention_kernel=model_config.attention_kernel,
+            quantization=model_config.quantization,
+            decode_stack=model_config.decode_stack,
+            step_ops=model_config.step_ops,
+        )
+        self.plan = choose_model_plan(
+            checkpoint_config(checkpoint), self.dtype, self.device, options
+        )
+        self.attn_backend = get_attn_backend(
+            config.attn_backend,
+            self.device,
+            **backend_options(config.attn_backend, self.device, self.plan),
+        )
+        loaded = load_model(checkpoint, self.dtype, self.device, self.attn_backend, plan=self.plan)
+        if config.num_threads is None and self.plan.threads == 1:
+            torch.set_num_threads(1)  # NOTE: the kernel tuner measured one thread faster here
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer  # also for structured-output grammars
+        self.model_name = loaded.model_name
+        self.eos_token_ids = tuple(loaded.eos_token_ids)
+        self.vocab_size = int(loaded.hf_config["vocab_size"])
+        self.max_model_len = min(
+            config.scheduler.max_model_len or loaded.max_model_len, loaded.max_model_len
+        )
+        self.block_size = cache.block_size
+        self.kv_cache_groups = self.model.kv_cache_groups(cache.block_size)
+        self.num_groups = len(self.kv_cache_groups)
+        self.kv_cache_plan = plan_kv_cache(
+            cache,
+            config.scheduler,
+            self.model,
+            self.dtype,
+            self.attn_backend.name,
+            self.device,
+            self.max_model_len,
+        )
+        self.num_blocks = self.kv_cache_plan.num_blocks
+        self.kv_cache_dtype = self.kv_cache_plan.dtype
         if self.device.type == "cpu":
             flush_denormals_all_threads()
             keep_freed_heap_memory()
         self.kv_caches = [
-            attn_backend.allocate_kv_cache(
-                num_blocks, block_size, model.num_kv_heads, model.head_size, cache_dtype, device
+            self.attn_backend.allocate_kv_cache(
+                self.num_blocks,
+                self.block_size,
+                self.model.num_kv_heads,
+                self.model.head_size,
+                self.kv_cache_dtype,
+                self.device,
             )
-            for _ in range(model.num_layers)
+            for _ in range(self.model.num_layers)
         ]
-        self.sampler = Sampler()
-        # The second KV tier (kv_transfer.KVConnector), set by the engine when a store is used.
+        # The second KV tier (kv_transfer.KVConnector): its worker side reads and writes these
+        # caches; the scheduler asks it what the store holds.
         self.kv_connector = None
+        if cache.kv_store is not None:
+            from pagedattn.kv_transfer import connector_for_engine
+
+            self.kv_connector = connector_for_engine(
+                cache.kv_store,
+                self.model_name,
+                self.num_groups,
+                self.kv_caches,
+                self.kv_cache_dtype,
+            )
+        self.sampler = Sampler()
+        # NOTE: requests without a seed of their own draw from one generator seeded here.
+        self.sampler.generator = make_generator(model_config.seed, self.device)
         # Seeded sequences' own generators and structured-output matchers, kept until the
         # sequence finishes.
         self._generators: dict[str, torch.Generator] = {}

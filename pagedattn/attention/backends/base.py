@@ -132,8 +132,11 @@ def default_backend_name(device: torch.device | str) -> str:
     return "cpu" if torch.device(device).type == "cpu" else "triton"
 
 
-def get_attn_backend(name: str | None, device: torch.device | str = "cpu") -> AttentionBackend:
-    """Return the backend called ``name`` (or the default for ``device`` when name is None)."""
+def get_attn_backend(
+    name: str | None, device: torch.device | str = "cpu", **options
+) -> AttentionBackend:
+    """Return the backend called ``name`` (or the default for ``device`` when name is None);
+    ``options`` go to the cpu backend (its decode kernel and step ops, from the KernelPlan)."""
     name = default_backend_name(device) if name is None else name
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}: use one of {sorted(_BACKENDS)}")
@@ -144,4 +147,5 @@ def get_attn_backend(name: str | None, device: torch.device | str = "cpu") -> At
         raise RuntimeError(
             f"attention backend {name!r} is not available ({exc}); use 'cpu' or 'torch' on CPU"
         ) from exc
-    return getattr(module, class_name)()
+    backend_cls = getattr(module, class_name)
+    return backend_cls(**options) if name == "cpu" else backend_cls()

@@ -18,6 +18,7 @@ tables directly. The PyTorch path above stays as the fallback and for prefill sp
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -92,16 +93,29 @@ class CpuBackend(AttentionBackend):
     name = "cpu"
     layout = KVCacheLayout.FLASH
 
-    def __init__(self, use_extension: bool | None = None) -> None:
-        """use_extension: None = the compiled decode kernel if it builds, False = PyTorch only,
-        True = require it (raises cpu_ext.ExtensionBuildError if it cannot be built)."""
+    def __init__(
+        self,
+        use_extension: bool | None = None,
+        decode_kernel: str = "compiled",
+        step_ops: bool = True,
+    ) -> None:
+        """use_extension: None = the compiled kernels if the extension builds, False = PyTorch
+        only, True = require it (raises ExtensionBuildError if it cannot be built).
+        decode_kernel: the KernelPlan's decode attention: "compiled" (the extension's vector
+        kernel), "amx" (its AMX tile path for bf16) or "torch" (gather + SDPA).
+        step_ops: write the cache with the compiled kernel (KernelPlan.step_ops)."""
+        if decode_kernel not in ("compiled", "amx", "torch"):
+            raise ValueError(
+                f"decode_kernel={decode_kernel!r} is invalid: use compiled, amx or torch"
+            )
         self._buffers = GatherBuffers()
         if use_extension is None:
             self._use_extension = cpu_ext.get_extension() is not None
         else:
             self._use_extension = use_extension and cpu_ext.load_extension() is not None
-        self._compiled_decode = self._use_extension
-        self._amx_decode = False
+        self._compiled_decode = self._use_extension and decode_kernel != "torch"
+        self._amx_decode = self._compiled_decode and decode_kernel == "amx"
+        self._step_ops = step_ops
 
     @property
     def uses_extension(self) -> bool:
@@ -116,13 +130,7 @@ class CpuBackend(AttentionBackend):
     @property
     def uses_amx_decode(self) -> bool:
         """Whether the compiled kernel runs bf16 decode rows on AMX tiles (where shapes fit)."""
-        return self._compiled_decode and self._amx_decode
-
-    def use_compiled_decode(self, on: bool, amx: bool = False) -> None:
-        """Run decode rows on the compiled kernel (if the extension is in use), on its AMX tiles
-        path (``amx``), or on PyTorch (the kernel tuner's choice: LinearPlan.attention)."""
-        self._compiled_decode = on and self._use_extension
-        self._amx_decode = amx and self._compiled_decode
+        return self._amx_decode
 
     def reshape_and_cache(
         self,
@@ -136,7 +144,7 @@ class CpuBackend(AttentionBackend):
 
         One compiled call (row copies by slot) when the dtypes match, else the PyTorch op.
         """
-        ext = cpu_ext.step_ops() if self._use_extension else None
+        ext = cpu_ext.step_ops(self._step_ops) if self._use_extension else None
         if ext is not None and key_cache.dim() == 4:
             # kv_cache_dtype: cast first (.to is a no-op when the dtypes already match).
             key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
@@ -319,3 +327,41 @@ class CpuBackend(AttentionBackend):
         # [Hkv, G*q_len, D] -> [Hkv, G, q_len, D] -> [q_len, Hkv, G, D]
         out = out.view(num_kv_heads, group, q_len, head_size).permute(2, 0, 1, 3)
         return out.reshape(q_len, num_heads, head_size)
+
+
+# Timing the decode attention kernels for the kernel plan (pagedattn.cpu.plan.choose_plan).
+ATTENTION_CONTEXT = 256  # tokens per sequence in the timed decode attention
+ATTENTION_BLOCK_SIZE = 16
+
+
+def time_decode_attention(
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    kernels: Sequence[str],
+    dtype: torch.dtype,
+    num_seqs: int = 32,
+) -> dict[str, float]:
+    """Seconds of one decode attention call per kernel of ``kernels`` (compiled, amx, torch):
+    ``num_seqs`` sequences of ``ATTENTION_CONTEXT`` tokens in shuffled blocks of a flash cache."""
+    from pagedattn.cpu.tuner import fastest_passes
+
+    block = ATTENTION_BLOCK_SIZE
+    per_seq = ATTENTION_CONTEXT // block
+    gen = torch.Generator().manual_seed(0)
+    cache_shape = (num_seqs * per_seq, block, num_kv_heads, head_size)
+    key_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    value_cache = torch.randn(cache_shape, generator=gen).to(dtype)
+    tables = torch.randperm(cache_shape[0], generator=gen).view(num_seqs, per_seq).tolist()
+    metadata = AttentionMetadata.build(
+        [1] * num_seqs, [ATTENTION_CONTEXT] * num_seqs, tables, block
+    )
+    query = torch.randn(num_seqs, num_heads, head_size, generator=gen).to(dtype)
+    scale = head_size**-0.5
+    backends = {k: CpuBackend(decode_kernel=k) for k in kernels}
+    return fastest_passes(
+        {
+            name: lambda b=backend: b.forward(query, key_cache, value_cache, metadata, scale=scale)
+            for name, backend in backends.items()
+        }
+    )

@@ -1,0 +1,156 @@
+"""Decode steps of a Llama-family model in one compiled call (csrc/decode_stack_cpu.cpp).
+
+The compiled DecodeStack runs the kernels the Python decoder layers call, in the same order and
+on the same packed linear kernels, so its hidden states are bit-identical to the Python layers';
+it saves the interpreter between ~25 small calls per layer. The model builds it once, after its
+weights are packed, where the plan asks for it (KernelPlan.decode_stack) and the layers allow
+an exact match: float32/bfloat16, the extension's decode attention, one RMSNorm epsilon and one
+attention scale. It runs a step only when every row is a decode row, the KV cache has the model's
+dtype and the rows are below every layer's prefill split.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple, Protocol
+
+import torch
+
+from pagedattn.cpu import extension
+from pagedattn.cpu.linear import PackedLinear
+
+
+class PackedLayer(Protocol):
+    """A linear layer as the stack reads it (pagedattn.model.layers.Linear)."""
+
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    out_features: int
+    decode: PackedLinear | None
+    prefill_rows: float
+
+
+class StackLayer(NamedTuple):
+    """One decoder layer's weights and settings, as the compiled stack takes them."""
+
+    input_norm: torch.Tensor
+    post_attention_norm: torch.Tensor
+    eps: float
+    qkv: PackedLayer
+    o: PackedLayer
+    gate_up: PackedLayer
+    down: PackedLayer
+    group: int  # KV cache group of the layer
+    sliding_window: int | None
+    scale: float
+
+
+class StepMetadata(Protocol):
+    """What the stack reads of one KV cache group's attention metadata."""
+
+    is_pure_decode: bool
+    num_actual_tokens: int
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+def _decode_linear(ext, layer: PackedLayer):
+    """(the compiled DecodeLinear of the layer's decode kernel, rows from which it prefills)."""
+    packed = layer.decode
+    if packed is None:  # never packed: plain F.linear
+        return ext.DecodeLinear(0, layer.weight, None, layer.bias, layer.out_features), math.inf
+    linear = ext.DecodeLinear(
+        packed.kernel.cpp_id, packed.a, packed.b, packed.bias, packed.out_features
+    )
+    return linear, layer.prefill_rows
+
+
+class DecodeStack:
+    """The compiled stack of one model plus the conditions under which a step may use it."""
+
+    def __init__(self, compiled, max_rows: float, dtype: torch.dtype) -> None:
+        self.compiled = compiled
+        self.max_rows = max_rows  # rows at or past this run the prefill linear kernel
+        self.dtype = dtype
+
+    def usable(
+        self,
+        num_tokens: int,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: Sequence[StepMetadata],
+    ) -> bool:
+        """Whether this step can run on the stack (all rows decode, the cache in our dtype)."""
+        first = attn_metadata[0]
+        return (
+            0 < num_tokens < self.max_rows
+            and first.is_pure_decode
+            and first.num_actual_tokens == num_tokens
+            and kv_caches[0][0].dtype == self.dtype
+            and kv_caches[0][0].dim() == 4
+        )
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+        attn_metadata: Sequence[StepMetadata],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden [T, H], cos/sin [T, 1, D] -> (hidden, residual) after the last layer."""
+        num_tokens = hidden.shape[0]
+        return self.compiled.forward(
+            hidden,
+            cos.reshape(num_tokens, -1),
+            sin.reshape(num_tokens, -1),
+            kv_caches,
+            [m.slot_mapping for m in attn_metadata],
+            [m.block_tables for m in attn_metadata],
+            [m.seq_lens for m in attn_metadata],
+        )
+
+
+def build_decode_stack(
+    layers: Sequence[StackLayer],
+    num_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    dtype: torch.dtype,
+    amx_attention: bool,
+) -> DecodeStack | None:
+    """A DecodeStack over ``layers``, or None where it could not match the Python layers exactly
+    (no extension, another dtype or head size, mixed epsilons or scales)."""
+    ext = extension.step_ops()
+    if ext is None or not hasattr(ext, "DecodeStack") or not layers:
+        return None
+    if dtype not in extension.SUPPORTED_DTYPES or head_size % extension.HEAD_SIZE_MULTIPLE:
+        return None
+    first = layers[0]
+    if any(layer.eps != first.eps or layer.scale != first.scale for layer in layers):
+        return None
+    compiled = ext.DecodeStack(
+        num_heads,
+        num_kv_heads,
+        head_size,
+        first.eps,
+        first.scale,
+        extension.DEFAULT_PARTITION_SIZE,
+        amx_attention,
+    )
+    max_rows = math.inf
+    for layer in layers:
+        linears = []
+        for packed in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            linear, rows = _decode_linear(ext, packed)
+            linears.append(linear)
+            max_rows = min(max_rows, rows)
+        compiled.add_layer(
+            layer.input_norm,
+            layer.post_attention_norm,
+            *linears,
+            layer.group,
+            layer.sliding_window or extension.NO_SLIDING_WINDOW,
+        )
+    return DecodeStack(compiled, max_rows, dtype)

@@ -1,0 +1,321 @@
+"""KernelPlan: which CPU kernel runs each part of a step, chosen once from the model's shapes.
+
+The runner chooses the plan before any module exists (``choose_plan``, from the checkpoint's
+config and the dtype), then hands it down: the attention backend is built with its decode kernel,
+the model's Linear layers pack their weights for its linear kernels, and the runner sets its
+thread count. Nothing reads a choice back from a module.
+
+A forced choice (``KernelOptions``: ``--linear-kernel``, ``--attention-kernel``) is checked
+against what this CPU and build can run; "auto" takes the cached plan for this CPU signature,
+dtype, shapes, torch version and candidate set, or measures one (``pagedattn.cpu.tuner``, a few
+seconds) and caches it in ``<PAGEDATTN_CACHE_DIR>/kernel_plans.json``. ``PAGEDATTN_RETUNE=1``
+measures again. The plan is printed once to stderr as a ``[kernels]`` line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from pagedattn import disk_cache, envs
+from pagedattn.cpu import extension, features, tuner
+from pagedattn.cpu.linear import INT8_KERNELS, KERNELS, QUANTIZATIONS, amx_available, candidates
+from pagedattn.cpu.linear import get_kernel as get_linear_kernel
+
+AUTO = "auto"
+CACHE_FILE = "kernel_plans.json"
+PLAN_VERSION = 4  # bump when what is measured changes, so old plans are measured again
+# Decode attention kernels: the extension's vector kernel, its AMX tile path, PyTorch's SDPA.
+ATTENTION_KERNELS = ("compiled", "amx", "torch")
+# (candidate names, dtype) -> seconds of one timed decode attention call per candidate.
+MeasureAttention = Callable[[Sequence[str], torch.dtype], dict[str, float]]
+
+
+class ShapeConfig(Protocol):
+    """The config fields the plan reads (pagedattn.model.text_config.TextConfig has them)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+
+
+class ModelShapes(NamedTuple):
+    """What a plan is chosen from: every projection's (out, in), the LM head's, the heads."""
+
+    layers: tuple[tuple[int, int], ...]
+    head: tuple[int, int]
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+
+
+def model_shapes(config: ShapeConfig) -> ModelShapes:
+    """The shapes of a Llama-family or Gemma 3 model (fused qkv and gate/up, per layer)."""
+    hidden, heads, kv_heads = (
+        config.hidden_size,
+        config.num_attention_heads,
+        config.num_key_value_heads,
+    )
+    head_size = getattr(config, "head_dim", None) or hidden // heads
+    q_size, kv_size, inter = heads * head_size, kv_heads * head_size, config.intermediate_size
+    layer = ((q_size + 2 * kv_size, hidden), (hidden, q_size), (2 * inter, hidden), (hidden, inter))
+    return ModelShapes(
+        layer * config.num_hidden_layers,
+        (config.vocab_size, hidden),
+        heads,
+        kv_heads,
+        head_size,
+    )
+
+
+@dataclass(frozen=True)
+class KernelOptions:
+    """What the user asked for (ModelConfig's kernel fields); "auto" leaves it to the plan."""
+
+    linear_kernel: str = AUTO
+    attention_kernel: str = AUTO
+    quantization: str | None = None
+    decode_stack: bool = True
+    step_ops: bool = True
+
+    def __post_init__(self) -> None:
+        allowed = (AUTO, *KERNELS, *INT8_KERNELS)
+        if self.linear_kernel not in allowed:
+            raise ValueError(
+                f"linear_kernel={self.linear_kernel!r} is invalid: use one of {', '.join(allowed)}"
+            )
+        if self.attention_kernel not in (AUTO, *ATTENTION_KERNELS):
+            raise ValueError(
+                f"attention_kernel={self.attention_kernel!r} is invalid: use one of "
+                f"{', '.join((AUTO, *ATTENTION_KERNELS))}"
+            )
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(
+                f"quantization={self.quantization!r} is invalid: use None or one of "
+                f"{', '.join(QUANTIZATIONS)}"
+            )
+        if self.linear_kernel in INT8_KERNELS and self.quantization is None:
+            raise ValueError(
+                f"linear_kernel={self.linear_kernel!r} runs int8 weights: add quantization='int8'"
+            )
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """The kernels of one model on one CPU: linear per regime, decode attention, threads."""
+
+    linear_decode: str = "torch"  # rows below prefill_rows
+    linear_prefill: str = "torch"
+    linear_head: str = "torch"
+    prefill_rows: int = tuner.DEFAULT_PREFILL_ROWS
+    attention: str = "torch"  # decode attention: one of ATTENTION_KERNELS
+    threads: int = 0  # torch threads to run on; 0: as configured
+    decode_stack: bool = False  # the compiled decode stack (Llama-family models)
+    step_ops: bool = False  # compiled norms, rotary, activations and cache writes
+    isa: str = "scalar"  # the vector instructions the plan was chosen for (features.vector_isa)
+
+    @classmethod
+    def single(cls, kernel: str, **fields) -> KernelPlan:
+        """One linear kernel for every regime."""
+        return cls(kernel, kernel, kernel, **fields)
+
+    def linear_for(self, rows: int) -> str:
+        """The linear kernel of a call with ``rows`` rows."""
+        return self.linear_prefill if rows >= self.prefill_rows else self.linear_decode
+
+    def describe(self) -> str:
+        if self.linear_decode == self.linear_prefill == self.linear_head:
+            text = f"linear {self.linear_decode}"
+        else:
+            text = (
+                f"linear decode {self.linear_decode}, prefill {self.linear_prefill} "
+                f"(>= {self.prefill_rows} rows), LM head {self.linear_head}"
+            )
+        text += f", decode attention {self.attention}"
+        if self.threads:
+            text += f", {self.threads} thread{'s' if self.threads > 1 else ''}"
+        if not self.decode_stack:
+            text += ", no decode stack"
+        if not self.step_ops:
+            text += ", PyTorch step ops"
+        return f"{text} [{self.isa}]"
+
+
+def attention_available(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether the decode attention ``kernel`` runs ``dtype`` here."""
+    if kernel == "torch":
+        return True
+    if extension.get_extension() is None or dtype not in extension.SUPPORTED_DTYPES:
+        return False
+    return kernel == "compiled" or (dtype == torch.bfloat16 and amx_available())
+
+
+class KernelChoiceError(ValueError):
+    """A kernel that was asked for cannot run here (CPU, build or dtype)."""
+
+
+def _check_forced(options: KernelOptions, dtype: torch.dtype) -> None:
+    name = str(dtype).removeprefix("torch.")
+    isa = features.vector_isa()
+    if options.linear_kernel != AUTO and not get_linear_kernel(options.linear_kernel).available(
+        dtype
+    ):
+        raise KernelChoiceError(
+            f"linear kernel {options.linear_kernel!r} cannot run {name} on this CPU ({isa}): "
+            f"use auto or one of {', '.join(candidates(dtype)) or 'torch'}"
+        )
+    if options.attention_kernel != AUTO and not attention_available(
+        options.attention_kernel, dtype
+    ):
+        usable = [k for k in ATTENTION_KERNELS if attention_available(k, dtype)]
+        raise KernelChoiceError(
+            f"attention kernel {options.attention_kernel!r} cannot run {name} on this CPU "
+            f"({isa}): use auto or one of {', '.join(usable)}"
+        )
+
+
+def choose_plan(
+    shapes: ModelShapes,
+    dtype: torch.dtype,
+    options: KernelOptions = KernelOptions(),
+    measure_attention: MeasureAttention | None = None,
+    device: str | torch.device = "cpu",
+) -> KernelPlan:
+    """The plan for a model of ``shapes`` in ``dtype`` on this CPU (see the module docstring).
+
+    Raises KernelChoiceError when a forced kernel cannot run here.
+    """
+    if torch.device(device).type != "cpu":
+        return KernelPlan(isa=torch.device(device).type)
+    _check_forced(options, dtype)
+    compiled = extension.get_extension() is not None
+    fixed = dict(
+        decode_stack=options.decode_stack and compiled,
+        step_ops=options.step_ops and compiled,
+        isa=features.vector_isa(),
+    )
+    pool = INT8_KERNELS if options.quantization else KERNELS
+    linear = [k for k in candidates(dtype, pool)] or ["torch"]
+    if options.linear_kernel != AUTO:
+        linear = [options.linear_kernel]
+    attention = [k for k in ATTENTION_KERNELS if attention_available(k, dtype)]
+    if options.attention_kernel != AUTO:
+        attention = [options.attention_kernel]
+    if len(linear) == 1 and (len(attention) == 1 or measure_attention is None):
+        plan = KernelPlan.single(linear[0], attention=attention[0], **fixed)
+        _announce(str(plan), f"{_dtype_name(dtype)}: {plan.describe()} (as asked)")
+        return plan
+    key = _plan_key(shapes, dtype, linear, attention)
+    path = disk_cache.cache_root() / CACHE_FILE
+    entry = {} if envs.PAGEDATTN_RETUNE else disk_cache.read_json(path).get(key)
+    cached = _cached_plan(entry, linear, attention)
+    if cached is not None and not (entry.get("busy") and not tuner.machine_busy()):
+        plan = dataclasses.replace(cached, **fixed)
+        _announce(
+            key,
+            f"{_dtype_name(dtype)}: {plan.describe()} (measured earlier; "
+            "PAGEDATTN_RETUNE=1 measures again)",
+        )
+        return plan
+    plan, times, seconds, busy = _measure(shapes, dtype, linear, attention, measure_attention)
+    plan = dataclasses.replace(plan, **fixed)
+    disk_cache.update_json(
+        path,
+        key,
+        {
+            "plan": dataclasses.asdict(plan),
+            "times_ms": {
+                r: {k: round(t * 1e3, 3) for k, t in ts.items()} for r, ts in times.items()
+            },
+            "cpu": features.describe_cpu(),
+            "busy": busy,
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+    )
+    line = f"{_dtype_name(dtype)}: {plan.describe()} (measured in {seconds:.1f} s"
+    if busy:
+        line += " on 1 thread, the machine being busy (measured again once it is quiet),"
+    _announce(key + "|new", f"{line} on {features.describe_cpu()}; cached in {path})")
+    return plan
+
+
+def _measure(
+    shapes: ModelShapes,
+    dtype: torch.dtype,
+    linear: list[str],
+    attention: list[str],
+    measure_attention: MeasureAttention | None,
+) -> tuple[KernelPlan, dict[str, dict[str, float]], float, bool]:
+    start = time.perf_counter()
+    busy = tuner.machine_busy()
+    threads = torch.get_num_threads()
+
+    def measure(kernels, weight_shapes, rows):
+        return tuner.measure_kernels(kernels, weight_shapes, rows, dtype)
+
+    if busy:
+        # NOTE: with more runnable processes than cores, a multi-threaded pass mostly measures
+        # how long its threads wait for each other; one thread still ranks the kernels.
+        torch.set_num_threads(1)
+    try:
+        times: dict[str, dict[str, float]] = {}
+        choice = tuner.LinearChoice(linear[0], linear[0], linear[0])
+        if len(linear) > 1:
+            choice, times = tuner.tune_linear(shapes.layers, shapes.head, dtype, linear, measure)
+        chosen_attention = attention[0]
+        if len(attention) > 1 and measure_attention is not None:
+            times["attention"] = measure_attention(attention, dtype)
+            chosen_attention = tuner.fastest(times["attention"])
+        num_threads = 0
+        if not busy and threads > 1 and len(linear) > 1:
+            num_threads = tuner.tune_threads(choice, shapes.layers, dtype, measure, times, threads)
+    finally:
+        torch.set_num_threads(threads)
+    plan = KernelPlan(*choice, attention=chosen_attention, threads=num_threads)
+    return plan, times, time.perf_counter() - start, busy
+
+
+def _plan_key(
+    shapes: ModelShapes, dtype: torch.dtype, linear: list[str], attention: list[str]
+) -> str:
+    """Cache key: CPU signature, dtype, shapes, torch version and the candidates."""
+    digest = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
+    return (
+        f"v{PLAN_VERSION}|{features.cpu_signature()}|{_dtype_name(dtype)}|{digest}|"
+        f"torch {torch.__version__}|{','.join(linear)}|{','.join(attention)}"
+    )
+
+
+def _cached_plan(entry: object, linear: list[str], attention: list[str]) -> KernelPlan | None:
+    try:
+        plan = KernelPlan(**entry["plan"])  # type: ignore[index]
+    except (TypeError, KeyError):
+        return None
+    chosen = (plan.linear_decode, plan.linear_prefill, plan.linear_head)
+    ok = all(k in linear for k in chosen) and plan.attention in attention
+    return plan if ok and plan.prefill_rows > 0 else None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+_announced: set[str] = set()
+
+
+def _announce(key: str, line: str) -> None:
+    """Print the kernel choice to stderr, once per process and key."""
+    if key not in _announced:
+        _announced.add(key)
+        print(f"[kernels] {line}", file=sys.stderr, flush=True)

@@ -1,0 +1,182 @@
+"""Measure CPU kernels on a model's own shapes: linear kernels per regime, threads, attention.
+
+Measuring only: ``pagedattn.cpu.plan`` decides when to measure, caches what was chosen and turns
+the times into a KernelPlan. Every linear candidate (``linear.candidates``) is timed on random
+weights of the model's projection shapes:
+
+- decode: ``DECODE_ROWS`` rows through enough of the model's layers to stream ~24 MiB of weights
+  per pass (as a decode step streams the whole model from memory);
+- prefill: ``PREFILL_ROWS`` rows through the same weights;
+- LM head: ``DECODE_ROWS`` rows through (up to 16k rows of) the head;
+
+and where the decode and prefill winners differ, the row count at which the prefill kernel starts
+winning. The decode attention candidates are timed by a function the caller hands in (the
+attention backends live above this package). Candidates run interleaved, round after round, and
+each keeps its fastest pass, so a busy machine slows all of them alike; when the load average
+says other processes hold every core, everything is timed on one thread.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import torch
+
+from pagedattn.cpu.linear import pack_weight
+
+DECODE_ROWS = 32
+PREFILL_ROWS = 2048
+SPLIT_ROWS = (64, 128, 256, 512, 1024)  # row counts tried for the decode -> prefill switch
+DECODE_PASS_BYTES = 24 << 20  # weights streamed per timed decode pass (well past L2)
+HEAD_MAX_OUT = 16384  # LM head rows timed (the ranking does not change past this)
+MIN_ROUNDS, MAX_ROUNDS = 3, 9
+ROUND_BUDGET_S = 1.0  # per measurement; the rounds stop after MIN_ROUNDS once it is spent
+HOPELESS = 3.0  # a kernel this many times slower than the best after a round is dropped
+# One thread is kept only where it beats all threads by this factor in both regimes: on a busy
+# moment one run of a tune measured 1 thread 2% faster at decode and 19% at prefill, and that
+# plan then ran decode steps ~1.5x slower; wrongly keeping 2 threads costs a few percent at most.
+ONE_THREAD_MARGIN = 0.9
+# Rows at and above which a layer runs its prefill kernel when nothing was measured.
+DEFAULT_PREFILL_ROWS = 128
+
+Shape = tuple[int, int]  # (out_features, in_features) of one weight
+# (kernels, the weights of one pass, rows) -> seconds of the fastest pass, per kernel.
+Measure = Callable[[Sequence[str], Sequence[Shape], int], dict[str, float]]
+
+
+class LinearChoice(NamedTuple):
+    """The linear kernels measured fastest: decode, prefill (from ``prefill_rows``), LM head."""
+
+    decode: str
+    prefill: str
+    head: str
+    prefill_rows: int = DEFAULT_PREFILL_ROWS
+
+
+def machine_busy() -> bool:
+    """True when the 1-minute load average says other processes compete for every core."""
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        return False
+    return load >= (os.cpu_count() or 1) + 0.5
+
+
+def fastest(times: dict[str, float]) -> str:
+    """The candidate with the smallest time (the first listed on a tie)."""
+    return min(times, key=lambda k: times[k])
+
+
+def fastest_passes(passes: dict[str, Callable[[], object]]) -> dict[str, float]:
+    """Seconds of the fastest call of each function, called in turn round after round (a
+    function ``HOPELESS`` times slower than the best after two rounds stops being called)."""
+    best = dict.fromkeys(passes, math.inf)
+    live = list(passes)
+    with torch.inference_mode():
+        for one_pass in passes.values():
+            one_pass()  # NOTE: warm-up; oneDNN builds its primitive on the first call
+        start = time.perf_counter()
+        for r in range(MAX_ROUNDS):
+            for name in live[r % len(live) :] + live[: r % len(live)]:
+                t0 = time.perf_counter()
+                passes[name]()
+                best[name] = min(best[name], time.perf_counter() - t0)
+            if r >= 1:
+                floor = min(best.values())
+                live = [k for k in live if best[k] <= HOPELESS * floor]
+            if r + 1 >= MIN_ROUNDS and time.perf_counter() - start > ROUND_BUDGET_S:
+                break
+    return best
+
+
+def measure_kernels(
+    kernels: Sequence[str], shapes: Sequence[Shape], rows: int, dtype: torch.dtype
+) -> dict[str, float]:
+    """Seconds of the fastest pass of each kernel over random weights of ``shapes``."""
+    gen = torch.Generator().manual_seed(0)
+    # NOTE: one random tensor per distinct shape, copied: distinct memory streams like a model's
+    # weights, and copying is far cheaper than drawing random numbers.
+    first = {s: torch.randn(s, generator=gen).mul_(0.02).to(dtype) for s in dict.fromkeys(shapes)}
+    weights = [first[s].clone() for s in shapes]
+    inputs = {k: torch.randn(rows, k, generator=gen).to(dtype) for _, k in shapes}
+    passes = {}
+    for kernel in kernels:
+        # NOTE: a weight the kernel cannot take runs what the model would run in its place.
+        layers = [pack_weight(kernel, w) for w in weights]
+
+        def one_pass(layers=layers) -> None:
+            for layer in layers:
+                layer(inputs[layer.in_features])
+
+        passes[kernel] = one_pass
+    return fastest_passes(passes)
+
+
+def decode_shapes(layer_shapes: Sequence[Shape], dtype: torch.dtype) -> list[Shape]:
+    """The model's first weights, in order, up to DECODE_PASS_BYTES (at least one of each shape)."""
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    chosen, total, seen = [], 0, set()
+    for shape in layer_shapes:
+        if total >= DECODE_PASS_BYTES and shape in seen:
+            continue
+        chosen.append(shape)
+        seen.add(shape)
+        total += shape[0] * shape[1] * itemsize
+    return chosen
+
+
+def tune_linear(
+    layer_shapes: Sequence[Shape],
+    head_shape: Shape,
+    dtype: torch.dtype,
+    kernels: Sequence[str],
+    measure: Measure,
+) -> tuple[LinearChoice, dict[str, dict[str, float]]]:
+    """The fastest of ``kernels`` per regime, and the seconds measured per regime and kernel."""
+    streamed = decode_shapes(layer_shapes, dtype)
+    times = {
+        "decode": measure(kernels, streamed, DECODE_ROWS),
+        "prefill": measure(kernels, streamed, PREFILL_ROWS),
+        "head": measure(kernels, [(min(head_shape[0], HEAD_MAX_OUT), head_shape[1])], DECODE_ROWS),
+    }
+    decode, prefill = fastest(times["decode"]), fastest(times["prefill"])
+    split = DEFAULT_PREFILL_ROWS
+    if decode != prefill:
+        split = PREFILL_ROWS
+        for rows in SPLIT_ROWS:
+            times[f"rows_{rows}"] = t = measure([decode, prefill], streamed, rows)
+            if t[prefill] <= t[decode]:
+                split = rows
+                break
+    return LinearChoice(decode, prefill, fastest(times["head"]), split), times
+
+
+def tune_threads(
+    choice: LinearChoice,
+    layer_shapes: Sequence[Shape],
+    dtype: torch.dtype,
+    measure: Measure,
+    times: dict[str, dict[str, float]],
+    threads: int,
+) -> int:
+    """1 when one thread runs both the decode and prefill passes clearly faster
+    (``ONE_THREAD_MARGIN``) than ``threads`` threads, else ``threads``."""
+    streamed = decode_shapes(layer_shapes, dtype)
+    regimes = {
+        "decode": (choice.decode, DECODE_ROWS),
+        "prefill": (choice.prefill, PREFILL_ROWS),
+    }
+    wins = []
+    for regime, (kernel, rows) in regimes.items():
+        torch.set_num_threads(1)
+        try:
+            single = measure([kernel], streamed, rows)[kernel]
+        finally:
+            torch.set_num_threads(threads)
+        times[f"threads_{regime}"] = {f"{threads}": times[regime][kernel], "1": single}
+        wins.append(single < ONE_THREAD_MARGIN * times[regime][kernel])
+    return 1 if all(wins) else threads
