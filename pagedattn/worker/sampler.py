@@ -42,10 +42,22 @@ def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """Forbid stop tokens (and EOS) for requests that have not yet produced min_tokens tokens."""
-    if metadata.min_tokens_mask is not None:
-        rows, token_ids = metadata.min_tokens_mask
-        logits.index_put_((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
+    """Forbid stop tokens (and EOS) for requests that have not yet produced min_tokens tokens.
+
+    NOTE: after the grammar mask. The grammar wins over min_tokens: a constrained row whose
+    grammar allows nothing but a stop token (the match is complete) keeps its stop tokens, so
+    the request ends shorter than min_tokens instead of failing.
+    """
+    if metadata.min_tokens_mask is None:
+        return logits
+    rows, token_ids = metadata.min_tokens_mask
+    saved = logits[rows, token_ids] if metadata.matchers is not None else None
+    logits.index_put_((rows, token_ids), torch.tensor(float("-inf"), device=logits.device))
+    if saved is not None:
+        only_stop = torch.isneginf(logits).all(dim=-1)  # [num_reqs]
+        revive = only_stop[rows]
+        if bool(revive.any()):
+            logits.index_put_((rows[revive], token_ids[revive]), saved[revive])
     return logits
 
 
@@ -69,6 +81,23 @@ def apply_grammar_bitmask(logits: torch.Tensor, metadata: SamplingMetadata) -> t
         metadata.matchers[row].fill_bitmask(bitmask, row)
     apply_bitmask(logits, bitmask, rows)
     return logits
+
+
+def check_constrained_rows(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Raise StructuredOutputError for a constrained row with no token left to sample.
+
+    NOTE: before any matcher advances, so a failed batch can be retried row by row.
+    """
+    if metadata.matchers is None:
+        return
+    rows = [i for i, m in enumerate(metadata.matchers) if m is not None]
+    index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
+    dead = torch.isneginf(logits.index_select(0, index)).all(dim=-1)  # [num_constrained]
+    for j in dead.nonzero().view(-1).tolist():
+        raise StructuredOutputError(
+            f"row {rows[j]}: the request's grammar and its logit_bias/penalties leave no token "
+            "that may come next"
+        )
 
 
 def advance_matchers(sampled: torch.Tensor, metadata: SamplingMetadata) -> list[int]:
@@ -255,9 +284,11 @@ class Sampler:
         ):
             logits = logits.clone()
         logits = apply_logit_bias(logits, metadata)
-        logits = apply_min_tokens(logits, metadata)
-        # NOTE: last, so that no bias or penalty can revive a token the grammar forbids.
+        # NOTE: after penalties and bias, so that none can revive a token the grammar forbids;
+        # min_tokens comes after the grammar, which it yields to (see apply_min_tokens).
         logits = apply_grammar_bitmask(logits, metadata)
+        logits = apply_min_tokens(logits, metadata)
+        check_constrained_rows(logits, metadata)
         sampled = self.sample(logits, metadata)
         logprobs = None
         if raw_logprobs is not None:

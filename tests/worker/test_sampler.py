@@ -348,3 +348,35 @@ def test_bitmask_applies_to_constrained_rows_only_and_reports_terminated_rows() 
     assert out.sampled_token_ids.tolist()[2] == 5
     assert out.terminated_rows == [0]
     assert first.accepted == [37] and last.accepted == [5]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_grammar_that_can_only_end_ends_despite_min_tokens(temperature: float) -> None:
+    pytest.importorskip("xgrammar")
+    # Row 0's grammar allows only EOS (its match is complete); row 1 is free with min_tokens.
+    logits = _logits(2)
+    ended, free = _OnlyTokenMatcher(token=EOS, length=1), None
+    params = [SamplingParams(temperature=temperature, seed=1, min_tokens=8)] * 2
+    meta = build_sampling_metadata(
+        params, [[1, 2, 4]] * 2, [[]] * 2, None, VOCAB_SIZE, [EOS], matchers=[ended, free]
+    )
+    out = Sampler(torch.Generator().manual_seed(0))(logits, meta)
+    sampled = out.sampled_token_ids.tolist()
+    assert sampled[0] == EOS and sampled[1] != EOS
+    assert out.terminated_rows == [0] and ended.accepted == [EOS]
+
+
+def test_a_constrained_row_with_no_token_left_fails_before_any_matcher_advances() -> None:
+    pytest.importorskip("xgrammar")
+    from pagedattn.worker.sampler import StructuredOutputError
+
+    logits = _logits(2)
+    logits[1, 7] = float("-inf")  # the only token row 1's grammar allows
+    first, second = _OnlyTokenMatcher(token=5, length=2), _OnlyTokenMatcher(token=7, length=2)
+    meta = build_sampling_metadata(
+        [SamplingParams(temperature=0.0)] * 2, [[]] * 2, [[]] * 2, None, VOCAB_SIZE,
+        matchers=[first, second],
+    )  # fmt: skip
+    with pytest.raises(StructuredOutputError, match="row 1"):
+        Sampler()(logits, meta)
+    assert first.accepted == [] and second.accepted == []
