@@ -18,6 +18,9 @@ TOP_K_DISABLED_VALUES = (0, -1)
 # Seeds seed a torch.Generator, a signed 64-bit value.
 MAX_SEED = 2**63
 MAX_LOGIT_BIAS = 100.0
+# n and best_of: the sequences of one request (OpenAI's cap on n). Every sibling holds its own
+# blocks and state, and the engine also refuses more than its max_num_seqs.
+MAX_NUM_SEQS_PER_REQUEST = 128
 
 
 _FLOAT_FIELDS = (
@@ -134,10 +137,15 @@ class SamplingParams:
             object.__setattr__(self, "min_p", 0.0)
 
     def _validate(self) -> None:
-        _require(_is_int(self.n) and self.n >= 1, f"n={self.n!r} is invalid: use an integer >= 1")
         _require(
-            self.best_of is None or (_is_int(self.best_of) and self.best_of >= self.n),
-            f"best_of={self.best_of!r} is invalid: use an integer >= n ({self.n}) or None",
+            _is_int(self.n) and 1 <= self.n <= MAX_NUM_SEQS_PER_REQUEST,
+            f"n={self.n!r} is invalid: use an integer in [1, {MAX_NUM_SEQS_PER_REQUEST}]",
+        )
+        _require(
+            self.best_of is None
+            or (_is_int(self.best_of) and self.n <= self.best_of <= MAX_NUM_SEQS_PER_REQUEST),
+            f"best_of={self.best_of!r} is invalid: use None or an integer in [n ({self.n}), "
+            f"{MAX_NUM_SEQS_PER_REQUEST}]",
         )
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -220,6 +228,20 @@ class SamplingParams:
             self.detokenize or not self.stop,
             "stop strings need detokenize=True: set detokenize=True or use stop_token_ids",
         )
+
+    @classmethod
+    def for_beam_step(cls, beam_width: int, max_tokens: int) -> SamplingParams:
+        """Each beam's params in beam search: greedy, no EOS stop, its 2 * beam_width best tokens.
+
+        NOTE: the one place logprobs may pass MAX_NUM_LOGPROBS (the cap on what a client asks
+        for): the search ranks that many candidates per beam, and the engine bounds beam_width
+        by max_num_seqs (every beam runs every step).
+        """
+        params = cls(
+            temperature=0.0, max_tokens=max_tokens, logprobs=0, ignore_eos=True, detokenize=False
+        )
+        object.__setattr__(params, "logprobs", 2 * beam_width)
+        return params
 
     @property
     def is_greedy(self) -> bool:

@@ -453,6 +453,12 @@ class Scheduler:
                 " shorten the prompt or lower max_tokens"
             )
         config = self.scheduler_config
+        num_seqs = request.num_pending_forks + 1
+        if num_seqs > config.max_num_seqs:
+            raise RequestRejectedError(
+                f"request {request.request_id!r} asks for {num_seqs} sequences (n/best_of), more"
+                f" than max_num_seqs={config.max_num_seqs} can run at once: lower n or best_of"
+            )
         if not config.enable_chunked_prefill and num_prompt > config.max_num_batched_tokens:
             raise RequestRejectedError(
                 f"request {request.request_id!r} has {num_prompt} prompt tokens, more than"

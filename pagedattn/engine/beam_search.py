@@ -61,13 +61,7 @@ def run_beam_search(engine, prompt: str | list[int], params: BeamSearchParams) -
     engine.check_fits_together(width, len(prompt_ids) + params.max_tokens + 1)
     # NOTE: every beam samples greedily and reports its 2 * width best next tokens; the search
     # then forks the beams it keeps with their chosen token in place of the sampled one.
-    step_params = SamplingParams(
-        temperature=0.0,
-        max_tokens=params.max_tokens + 1,
-        logprobs=2 * width,
-        ignore_eos=True,
-        detokenize=False,
-    )
+    step_params = SamplingParams.for_beam_step(width, max_tokens=params.max_tokens + 1)
     root = f"beam-{next(_beam_ids)}"
     engine.add_request(root, prompt_ids, step_params)
     beams = [_Beam(root, [], 0.0)]

@@ -34,6 +34,7 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"seed={params.seed} is out of range: use an integer in [0, 2**63)", "seed"
             )
+        self.check_token_ids(params)
         prompt_ids = self.tokenize(prompt)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty: send at least one token", "prompt")
@@ -46,6 +47,21 @@ class InputProcessor:
                 param="prompt",
             )
         return prompt_ids, room if params.max_tokens is None else params.max_tokens
+
+    def check_token_ids(self, params: SamplingParams) -> None:
+        """Every token id the params name (logit_bias keys, stop_token_ids) is in the vocabulary."""
+        for param, token_ids in (
+            ("logit_bias", (params.logit_bias or {}).keys()),
+            ("stop_token_ids", params.stop_token_ids),
+        ):
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                shown = ", ".join(str(t) for t in bad[:3]) + (", ..." if len(bad) > 3 else "")
+                raise InvalidRequestError(
+                    f"{param} names token id(s) {shown} outside the vocabulary of "
+                    f"{self.model_name}: use ids in [0, {self.vocab_size})",
+                    param=param,
+                )
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a text prompt (with the BOS the tokenizer adds), or checked given ids."""

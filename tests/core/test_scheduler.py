@@ -293,6 +293,9 @@ def test_reject_requests_that_can_never_fit():
     with pytest.raises(RequestRejectedError, match="5 KV cache blocks"):
         scheduler.add_request(Request("sp", [1] * 10, params, max_tokens=10, block_size=BLOCK_SIZE))
     assert not scheduler.has_unfinished_requests()
+    siblings = Request("n", [1] * 4, max_tokens=1, block_size=BLOCK_SIZE, num_forks=8)
+    with pytest.raises(RequestRejectedError, match=r"9 sequences \(n/best_of\).*max_num_seqs=8"):
+        scheduler.add_request(siblings)
     scheduler.add_request(make_request("ok", [1] * 10, max_tokens=6))
     with pytest.raises(RequestRejectedError, match="already in use"):
         scheduler.add_request(make_request("ok", [1] * 4, max_tokens=1))

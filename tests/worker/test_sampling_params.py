@@ -143,3 +143,11 @@ def test_boundary_values_raise_with_a_message(kwargs: dict, field_name: str) -> 
 def test_largest_seed_and_logit_bias_accepted() -> None:
     assert SamplingParams(seed=2**63 - 1).seed == 2**63 - 1
     assert SamplingParams(logit_bias={3: -100, 4: 100.0}).logit_bias == {3: -100, 4: 100.0}
+
+
+def test_beam_step_params_rank_more_candidates_than_a_client_may_ask_for() -> None:
+    params = SamplingParams.for_beam_step(64, max_tokens=9)
+    assert params.logprobs == 128 and params.is_greedy and params.ignore_eos
+    assert params.max_tokens == 9 and not params.detokenize
+    with pytest.raises(InvalidSamplingParamsError, match="logprobs"):
+        SamplingParams(logprobs=128)
