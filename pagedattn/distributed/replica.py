@@ -25,25 +25,10 @@ _GROUP0 = (0).to_bytes(GROUP_ID_BYTES, "big")
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:
-    """`{"status", "body"}` for an exception, as `pagedattn serve`'s handlers answer it."""
-    from pagedattn.engine.async_engine import EngineDeadError
-    from pagedattn.engine.errors import InvalidRequestError
-    from pagedattn.entrypoints.openai.protocol import error_body
-    from pagedattn.entrypoints.openai.serving import APIError
+    """`{"status", "body"}` for an exception, as every front door answers it (http.py)."""
+    from pagedattn.entrypoints.openai.http import error_payload as payload
 
-    if isinstance(exc, APIError):
-        body = error_body(str(exc), exc.err_type, exc.param, exc.code)
-        return {"status": exc.status_code, "body": body}
-    if isinstance(exc, InvalidRequestError):
-        return {"status": 400, "body": error_body(str(exc), "invalid_request_error", exc.param)}
-    if isinstance(exc, EngineDeadError):
-        body = error_body(str(exc), "server_error", code="engine_unavailable")
-        return {"status": 503, "body": body}
-    if isinstance(exc, ValueError):
-        name = str(exc).partition("=")[0]
-        param = name if name.isidentifier() else None
-        return {"status": 400, "body": error_body(str(exc), "invalid_request_error", param)}
-    return {"status": 500, "body": error_body(f"{type(exc).__name__}: {exc}", "server_error")}
+    return payload(exc)
 
 
 class EngineReplica:
@@ -165,6 +150,14 @@ class EngineReplica:
             return
         async for chunk in result:
             yield chunk
+
+    async def health(self, stall_s: float) -> list[str]:
+        """Why this replica cannot serve in time now (empty when healthy): see `/health`."""
+        from pagedattn.entrypoints.openai.http import degraded_reasons
+
+        if not self.engine.is_running:
+            return [f"replica {self.replica_id}: the engine loop has stopped"]
+        return degraded_reasons(self.engine, self.serving.pools, stall_s)
 
     async def models(self) -> dict:
         """The /v1/models body."""

@@ -7,10 +7,10 @@ is `PagedRequestRouter` (prefix-aware, pow2 or round robin). Replicas and the in
 server secret, so a tenant's salt, and so its block hashes, are the same everywhere.
 """
 
-# NOTE: no `from __future__ import annotations`: serve.ingress pickles the class as it is
-# defined, and FastAPI must see real annotation objects (Request, the body models), not strings.
+from __future__ import annotations
+
 import asyncio
-import contextlib
+import json
 import logging
 import secrets
 from collections.abc import AsyncIterator, Sequence
@@ -29,42 +29,44 @@ from pagedattn.distributed.router import (
     DEFAULT_IMBALANCE_THRESHOLD,
     RequestHasher,
 )
+from pagedattn.entrypoints.args import DEFAULT_HEALTH_STALL_S, DEFAULT_MAX_REQUEST_BYTES
+from pagedattn.entrypoints.openai.http import (
+    CLIENT_CLOSED_REQUEST,
+    TenantAuth,
+    error_payload,
+    internal_error,
+    make_app,
+    tenant_of,
+    until_disconnect,
+)
+from pagedattn.entrypoints.openai.preprocess import check_prompt_chars, default_max_prompt_chars
 from pagedattn.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     error_body,
 )
+from pagedattn.entrypoints.openai.worker_pool import WorkerPool
 
 logger = logging.getLogger(__name__)
 
 APP_NAME = "pagedattn"
 ROUTER_CLASS = "pagedattn.distributed.serve_router.PagedRequestRouter"
-DISCONNECT_POLL_S = 0.5
-CLIENT_CLOSED_REQUEST = 499
-
-api = FastAPI(title="pagedattn (Ray Serve replicas)")
-
-
-def _install_handlers(app: FastAPI) -> None:
-    from pagedattn.entrypoints.openai import server
-
-    server._install_error_handlers(app)
-
-
-_install_handlers(api)
+# Routing hashes cover the prompt's first this-many characters: prefix affinity needs only the
+# leading blocks, and hashing a 20 MB prompt would hold a worker for seconds.
+ROUTING_PREFIX_CHARS = 8192
+# How long /health waits for a replica to answer.
+HEALTH_TIMEOUT_S = 10.0
 
 
 def _replica_failed(exc: BaseException) -> dict[str, Any]:
-    message = (
-        f"the engine replica serving this request failed ({type(exc).__name__}: {exc}); "
-        "Ray Serve restarts it: retry the request"
-    )
-    return {"status": 503, "body": error_body(message, "server_error", code="replica_failed")}
+    # NOTE: Ray's exception text names the actor id, pid and node address: log it, never send it.
+    message = internal_error(exc, "the engine replica serving this request failed")
+    body = error_body(f"{message}; Ray Serve restarts it: retry", "server_error")
+    body["error"]["code"] = "replica_failed"
+    return {"status": 503, "body": body}
 
 
 def _error_event(payload: dict[str, Any]) -> str:
-    import json
-
     return f"data: {json.dumps(payload['body'])}\n\n"
 
 
@@ -78,10 +80,23 @@ def _routers():
     return list(ACTIVE_ROUTERS)
 
 
-# NOTE: every name the class uses is defined above it: serve.ingress pickles it right here.
-@serve.ingress(api)
+def _num_prompt_chars(kind: str, body: CompletionRequest | ChatCompletionRequest) -> int:
+    if kind == CHAT:
+        return sum(len(m.text()) for m in body.messages)
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return len(prompt)
+    return max((len(p) for p in prompt if isinstance(p, str)), default=0)
+
+
+@serve.ingress()
 class OpenAIIngress:
-    """The OpenAI endpoints in front of the engine replicas (one handle, our request router)."""
+    """The OpenAI endpoints in front of the engine replicas (one handle, our request router).
+
+    Its app is built per replica (`__serve_build_asgi_app__`) on the shared HTTP layer: the key is
+    checked, then the body size capped, before the body is read. The prompt's size is checked
+    before routing, and routing hashes are computed on a worker thread over a bounded prefix.
+    """
 
     def __init__(
         self,
@@ -91,53 +106,82 @@ class OpenAIIngress:
         hash_seed: str,
         api_keys: Sequence[str] | None,
         secret: bytes,
+        max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+        max_prompt_chars: int | None = None,
+        metrics_public: bool = False,
+        health_stall_s: float = DEFAULT_HEALTH_STALL_S,
     ) -> None:
-        from pagedattn.entrypoints.openai.server import TenantAuth
         from pagedattn.model.loader import resolve_checkpoint
 
         self.engine = engine
         self.stream_engine = engine.options(stream=True)
         self.auth = TenantAuth(api_keys, secret=secret)
         self.hasher = RequestHasher(resolve_checkpoint(model).tokenizer(), block_size, hash_seed)
+        self.max_request_bytes = max_request_bytes
+        self.max_prompt_chars = max_prompt_chars
+        self.max_model_len: int | None = None
+        self.metrics_public = metrics_public
+        self.health_stall_s = health_stall_s
+        self.route_pool = WorkerPool("pagedattn-route", 2)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return build_ingress_app(self)
 
     # ---- routing inputs -------------------------------------------------------------------
 
-    def _routing_hashes(self, kind: str, body: CompletionRequest | ChatCompletionRequest, salt):
+    async def check_prompt(self, kind: str, body) -> None:
+        """Refuse a prompt over the character cap before any routing work is done."""
+        if self.max_model_len is None:
+            card = (await self.engine.models.remote())["data"][0]
+            self.max_model_len = int(card["max_model_len"])
+        limit = self.max_prompt_chars or default_max_prompt_chars(
+            self.hasher.tokenizer, self.max_model_len
+        )
+        param = "messages" if kind == CHAT else "prompt"
+        check_prompt_chars(_num_prompt_chars(kind, body), limit, self.max_model_len, param)
+
+    def routing_hashes(self, kind: str, body, salt) -> list:
+        """Block hashes of the prompt's first ROUTING_PREFIX_CHARS characters (a worker thread)."""
         try:
             if kind == CHAT:
                 messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-                tokens = self.hasher.chat_token_ids(messages)
+                text = self.hasher.tokenizer.apply_chat_template(
+                    messages, tokenize=False, add_generation_prompt=True
+                )
+                tokens = self._prefix_ids(text, add_special_tokens=False)
             else:
                 prompt = body.prompt
                 if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
                     prompt = prompt[0]  # NOTE: a batch of prompts is routed by its first one.
-                tokens = self.hasher.prompt_token_ids(prompt)
+                if isinstance(prompt, str):
+                    tokens = self._prefix_ids(prompt, add_special_tokens=True)
+                else:
+                    tokens = list(prompt[:ROUTING_PREFIX_CHARS])
         except Exception:
             return []  # the replica reports the bad prompt; route it anywhere
         return self.hasher.block_hashes(tokens, salt)
 
-    async def _serve(self, kind: str, body, raw: Request) -> Response:
-        salt = self.auth.cache_salt(
-            self.auth.authenticate(raw.headers.get("authorization")), body.cache_salt
-        )
+    def _prefix_ids(self, text: str, add_special_tokens: bool) -> list[int]:
+        ids = list(self.hasher.tokenizer.encode(text[:ROUTING_PREFIX_CHARS], add_special_tokens))
+        if len(text) > ROUTING_PREFIX_CHARS:
+            ids = ids[:-1]  # NOTE: the cut may split the last token differently from the whole
+        return ids
+
+    # ---- requests -------------------------------------------------------------------------
+
+    async def serve(self, kind: str, body, raw: Request) -> Response:
+        salt = self.auth.cache_salt(tenant_of(raw), body.cache_salt)
+        await self.check_prompt(kind, body)
+        hashes = await self.route_pool.run(self.routing_hashes, kind, body, salt)
         payload = await raw.json()
-        hashes = self._routing_hashes(kind, body, salt)
         if body.stream:
             return await self._stream(kind, payload, salt, hashes)
         call = self.engine.generate.remote(kind, payload, salt, routing_hashes=hashes)
-        task = asyncio.ensure_future(_await(call))
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                break
-            if await raw.is_disconnected():
-                call.cancel()
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
+        answered, _ = await until_disconnect(_await(call), raw, on_disconnect=call.cancel)
+        if not answered:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         try:
-            result = task.result()
+            result = await call
         except Exception as exc:
             result = _replica_failed(exc)
         return JSONResponse(result["body"], status_code=result["status"])
@@ -147,7 +191,7 @@ class OpenAIIngress:
         try:
             first = await gen.__anext__()
         except StopAsyncIteration:
-            first = {"status": 500, "body": error_body("empty response", "server_error")}
+            first = error_payload(RuntimeError("the replica sent an empty response"))
         except Exception as exc:
             first = _replica_failed(exc)
         if isinstance(first, dict):
@@ -167,39 +211,73 @@ class OpenAIIngress:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    # ---- endpoints --------------------------------------------------------------------------
-
-    @api.post("/v1/completions")
-    async def completions(self, body: CompletionRequest, raw: Request) -> Response:
-        return await self._serve(COMPLETION, body, raw)
-
-    @api.post("/v1/chat/completions")
-    async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        return await self._serve(CHAT, body, raw)
-
-    @api.get("/v1/models")
-    async def models(self, raw: Request) -> Response:
-        self.auth.authenticate(raw.headers.get("authorization"))
-        return JSONResponse(await self.engine.models.remote())
-
-    @api.get("/health")
     async def health(self) -> Response:
+        reasons = []
+        stuck = self.route_pool.oldest_running_s()
+        if stuck > self.health_stall_s:
+            reasons.append(f"a {self.route_pool.name} job has run for {stuck:.0f} s")
         try:
-            await asyncio.wait_for(_await(self.engine.models.remote()), timeout=10.0)
+            call = self.engine.health.remote(self.health_stall_s)
+            reasons += await asyncio.wait_for(_await(call), timeout=HEALTH_TIMEOUT_S)
         except Exception as exc:
-            body = error_body(f"no engine replica answers: {exc}", "server_error")
+            logger.warning("health: no engine replica answers: %r", exc)
+            body = error_body("no engine replica answers", "server_error")
             return JSONResponse(body, status_code=503)
+        if reasons:
+            return JSONResponse({"status": "degraded", "reasons": reasons}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    async def ensure_router(self) -> None:
+        # NOTE: a handle builds its request router on its first call.
+        if not _routers():
+            try:
+                await self.engine.models.remote()
+            except Exception as exc:
+                logger.warning("no replica answered while building the router: %r", exc)
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """Latest routing stats of every live replica, as this process's routers see them."""
+        await self.ensure_router()
+        out: dict[str, dict[str, Any]] = {}
+        for router in _routers():
+            out.update(router.replica_stats())
+        return out
+
+
+def build_ingress_app(ingress: OpenAIIngress) -> FastAPI:
+    """The ingress's FastAPI app: the same guard and error mapping as `pagedattn serve`."""
+    api = make_app(
+        "pagedattn (Ray Serve replicas)",
+        ingress.auth,
+        max_request_bytes=ingress.max_request_bytes,
+        metrics_public=ingress.metrics_public,
+    )
+
+    @api.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        return await ingress.serve(COMPLETION, body, raw)
+
+    @api.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await ingress.serve(CHAT, body, raw)
+
+    @api.get("/v1/models")
+    async def models() -> Response:
+        return JSONResponse(await ingress.engine.models.remote())
+
+    @api.get("/health")
+    async def health() -> Response:
+        return await ingress.health()
+
     @api.get("/metrics")
-    async def metrics(self) -> Response:
-        pages = {uid: s.get("metrics", "") for uid, s in (await self.replica_stats()).items()}
+    async def metrics() -> Response:
+        stats = await ingress.replica_stats()
+        pages = {uid: s.get("metrics", "") for uid, s in stats.items()}
         return Response(merge_metrics(pages), media_type="text/plain; version=0.0.4")
 
     @api.get("/debug/replicas")
-    async def replicas(self, raw: Request) -> Response:
-        self.auth.authenticate(raw.headers.get("authorization"))
-        await self._ensure_router()
+    async def replicas() -> Response:
+        await ingress.ensure_router()
         out = {}
         for router in _routers():
             view = router.index_view()
@@ -210,24 +288,11 @@ class OpenAIIngress:
         return JSONResponse(out)
 
     @api.get("/debug/router")
-    async def router(self, raw: Request) -> Response:
-        self.auth.authenticate(raw.headers.get("authorization"))
-        await self._ensure_router()
-        return JSONResponse({"routers": [router.policy_counters() for router in _routers()]})
+    async def router() -> Response:
+        await ingress.ensure_router()
+        return JSONResponse({"routers": [r.policy_counters() for r in _routers()]})
 
-    async def _ensure_router(self) -> None:
-        # NOTE: a handle builds its request router on its first call.
-        if not _routers():
-            with contextlib.suppress(Exception):
-                await self.engine.models.remote()
-
-    async def replica_stats(self) -> dict[str, dict[str, Any]]:
-        """Latest routing stats of every live replica, as this process's routers see them."""
-        await self._ensure_router()
-        out: dict[str, dict[str, Any]] = {}
-        for router in _routers():
-            out.update(router.replica_stats())
-        return out
+    return api
 
 
 def build_app(
@@ -248,6 +313,10 @@ def build_app(
     seed: int | None = None,
     kv_events_endpoint: str | None = None,
     kv_events_replay_endpoint: str | None = None,
+    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
+    max_prompt_chars: int | None = None,
+    metrics_public: bool = False,
+    health_stall_s: float = DEFAULT_HEALTH_STALL_S,
 ):
     """The Ray Serve application: `serve.run(build_app(...))`."""
     secret = secret if secret is not None else secrets.token_bytes(32)
@@ -295,6 +364,10 @@ def build_app(
         engine_config.cache.hash_seed,
         list(api_keys or []),
         secret,
+        max_request_bytes,
+        max_prompt_chars,
+        metrics_public,
+        health_stall_s,
     )
 
 
@@ -312,7 +385,7 @@ def run_replicas(args, engine_config) -> int:
     import ray
 
     from pagedattn.distributed.args import validate_distributed_args
-    from pagedattn.entrypoints.openai.server import _keys_from_env
+    from pagedattn.entrypoints.openai.http import keys_from_env
 
     validate_distributed_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -336,13 +409,17 @@ def run_replicas(args, engine_config) -> int:
             engine_config,
             num_replicas,
             router=args.router,
-            api_keys=list(args.api_key or []) or _keys_from_env(),
+            api_keys=list(args.api_key or []) or keys_from_env(),
             served_model_name=args.served_model_name,
             imbalance_threshold=args.router_imbalance_threshold,
             replica_num_cpus=args.replica_cpus,
             graceful_shutdown_timeout_s=args.shutdown_timeout,
             kv_events_endpoint=getattr(args, "kv_events_endpoint", None),
             kv_events_replay_endpoint=args.kv_events_replay_endpoint,
+            max_request_bytes=args.max_request_bytes,
+            max_prompt_chars=args.max_prompt_chars,
+            metrics_public=args.metrics_public,
+            health_stall_s=args.health_stall_s,
         )
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         logger.info(

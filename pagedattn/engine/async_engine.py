@@ -149,6 +149,8 @@ class AsyncLLMEngine:
         # The exception that stopped the loop when it was an engine fault (not a shutdown).
         self.fault: BaseException | None = None
         self._fault_listeners: list[Callable[[BaseException], None]] = []
+        # The heartbeat: when the loop thread started its current step (None while it waits).
+        self._busy_since: float | None = None
 
     @property
     def tokenizer(self):
@@ -169,6 +171,15 @@ class AsyncLLMEngine:
     def add_fault_listener(self, fn: Callable[[BaseException], None]) -> None:
         """Call `fn(exc)` (from the loop thread) if the engine faults."""
         self._fault_listeners.append(fn)
+
+    def busy_s(self) -> float:
+        """Seconds the loop thread has spent in its current step and commands (0.0 when idle).
+
+        A step stuck for long (a hung read, a runaway kernel) shows here while `is_running` is
+        still True; `/health` reports it.
+        """
+        since = self._busy_since
+        return 0.0 if since is None else time.monotonic() - since
 
     @property
     def is_running(self) -> bool:
@@ -294,11 +305,13 @@ class AsyncLLMEngine:
                 if any(cmd is _STOP for cmd in commands):
                     self._stop(EngineDeadError("the server is shutting down"), commands)
                     return
+                self._busy_since = time.monotonic()
                 for cmd in commands:
                     self._apply(cmd)
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
                 self.metrics.record_engine_stats(self.engine.get_stats())
+                self._busy_since = None
         except BaseException as exc:
             logger.exception("engine fault: failing every request in flight and stopping")
             self.fault = exc

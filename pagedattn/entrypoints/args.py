@@ -33,7 +33,35 @@ def add_engine_args(
     parser: argparse.ArgumentParser, *, exclude: Iterable[str] = ()
 ) -> argparse._ArgumentGroup:
     """The engine's flags (one per EngineConfig option), minus ``exclude`` (flat names)."""
-    return EngineConfig.add_cli_args(parser, exclude=exclude)
+    group = EngineConfig.add_cli_args(parser, exclude=exclude)
+    for action in group._group_actions:
+        if action.type not in (None, int, float, str):
+            action.type = _clear_errors(action.type)
+        if action.choices is not None and None in action.choices:
+            # NOTE: --help shows the default as "none": accept that spelling for None.
+            action.type = _none_or(action.type)
+    return group
+
+
+def _clear_errors(parse):
+    """A flag's parser whose ValueError message argparse shows (not "invalid parse_size value")."""
+
+    def parse_flag(text: str):
+        try:
+            return parse(text)
+        except (ValueError, TypeError) as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse_flag.__name__ = getattr(parse, "__name__", "value")
+    return parse_flag
+
+
+def _none_or(parse):
+    def parse_flag(text: str):
+        return None if text.strip().lower() == "none" else parse(text)
+
+    parse_flag.__name__ = getattr(parse, "__name__", "value")
+    return parse_flag
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int = CLI_MAX_TOKENS) -> None:
@@ -100,6 +128,8 @@ def options_markdown() -> str:
 # line does not import the web stack (FastAPI, uvicorn) for generate, chat or bench.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
 DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
+# /health answers 503 "degraded" once a step or a front-end job has run this long.
+DEFAULT_HEALTH_STALL_S = 30.0
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -130,6 +160,18 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging"
     )
+    g.add_argument(
+        "--metrics-public",
+        action="store_true",
+        help="serve /metrics without an API key even when keys are set (default: it needs one)",
+    )
+    g.add_argument(
+        "--health-stall-s",
+        type=float,
+        default=DEFAULT_HEALTH_STALL_S,
+        help="/health answers 503 degraded when an engine step or a tokenise/grammar job has "
+        "run longer than this",
+    )
     add_limit_args(g)
     from pagedattn.distributed.args import add_distributed_args
 
@@ -148,6 +190,7 @@ def add_limit_args(group) -> None:
         "--max-prompt-chars",
         type=int,
         default=None,
-        help="longest prompt text accepted before tokenising (default: max_model_len times the "
-        "longest token's length, the most that could ever fit)",
+        help="longest prompt text accepted before tokenising (default: max_model_len x 8 "
+        "characters, or x the longest token if shorter; a prompt of more characters is refused "
+        "before any tokenisation)",
     )

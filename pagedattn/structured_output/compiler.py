@@ -18,6 +18,37 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept per tokenizer (least recently used dropped first).
 MAX_CACHED_GRAMMARS = 256
+# Size limits a server puts on one constraint before compiling it: compile time grows with the
+# size (a 40,000-string enum took 90 s of one core), and a compile cannot be interrupted.
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 16_384
+MAX_SCHEMA_CHARS = 16_384
+MAX_REGEX_CHARS = 2_048
+MAX_GRAMMAR_CHARS = 16_384
+
+
+def check_constraint_size(params: StructuredOutputsParams) -> None:
+    """Raise InvalidStructuredOutputsError if the constraint is larger than a server compiles."""
+    kind, spec = params.key
+    if kind == "choice":
+        choices = params.choice or ()
+        if len(choices) > MAX_CHOICES:
+            _too_large(f"{len(choices)} choices", f"{MAX_CHOICES} choices")
+        num_chars = sum(len(c) for c in choices)
+        if num_chars > MAX_CHOICE_CHARS:
+            _too_large(f"choices of {num_chars} characters", f"{MAX_CHOICE_CHARS} in all")
+        return
+    limits = {"json": MAX_SCHEMA_CHARS, "regex": MAX_REGEX_CHARS, "grammar": MAX_GRAMMAR_CHARS}
+    limit = limits.get(kind)
+    if limit is not None and len(spec) > limit:
+        _too_large(f"a {kind} of {len(spec)} characters", f"{limit} characters")
+
+
+def _too_large(what: str, limit: str) -> None:
+    raise InvalidStructuredOutputsError(
+        f"the output constraint is too large to compile: {what}, more than this server accepts "
+        f"({limit}); send a smaller constraint (fewer choices, a shorter schema, regex or grammar)"
+    )
 
 
 _REGEX_SPECIAL = re.compile(r"([.^$*+?()\[\]{}|\\/-])")

@@ -102,11 +102,13 @@ def read_metrics(base_url: str, headers: dict | None = None) -> dict[str, float]
     return values
 
 
-def wait_idle(base_url: str, timeout: float = 10.0) -> dict[str, float]:
+def wait_idle(
+    base_url: str, timeout: float = 10.0, headers: dict | None = None
+) -> dict[str, float]:
     """Poll `/metrics` until nothing runs or waits and no KV block is in use; return the last."""
     deadline = time.monotonic() + timeout
     while True:
-        m = read_metrics(base_url)
+        m = read_metrics(base_url, headers)
         idle = (
             m["pagedattn_num_requests_running"] == 0
             and m["pagedattn_num_requests_waiting"] == 0

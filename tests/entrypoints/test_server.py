@@ -13,6 +13,7 @@ from pagedattn.entrypoints.openai.server import TenantAuth
 from tests.entrypoints.server_process import ServerProcess, make_model_dir, read_metrics, wait_idle
 
 KEY_A, KEY_B = "key-tenant-a", "key-tenant-b"
+AUTH = {"Authorization": f"Bearer {KEY_A}"}
 PROMPT = "The quick brown fox jumps over the lazy dog"
 # Long enough to fill several 16-token blocks, so a second request can hit the prefix cache.
 LONG_PROMPT = " ".join(f"w{i}" for i in range(40))
@@ -270,9 +271,9 @@ def test_prefix_cache_is_per_tenant(server, model):
     client_b = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEY_B, max_retries=0)
     _cached_tokens(client_a, model)
     assert _cached_tokens(client_a, model) >= 32  # tenant A hits its own cached blocks
-    hits_before = read_metrics(server.base_url)["pagedattn_prefix_cache_hits_total"]
+    hits_before = read_metrics(server.base_url, AUTH)["pagedattn_prefix_cache_hits_total"]
     assert _cached_tokens(client_b, model) == 0
-    assert read_metrics(server.base_url)["pagedattn_prefix_cache_hits_total"] == hits_before
+    assert read_metrics(server.base_url, AUTH)["pagedattn_prefix_cache_hits_total"] == hits_before
     # A client-chosen salt cannot reach another tenant's namespace, only split its own.
     assert _cached_tokens(client_b, model, cache_salt="anything") == 0
     assert _cached_tokens(client_a, model, cache_salt="sub") == 0
@@ -297,7 +298,7 @@ def test_tenant_salts():
 def test_disconnect_mid_stream_frees_blocks(server, model):
     body = {"model": model, "prompt": LONG_PROMPT, "max_tokens": 210, "stream": True,
             "ignore_eos": True, "temperature": 0}  # fmt: skip
-    aborted_before = read_metrics(server.base_url).get(
+    aborted_before = read_metrics(server.base_url, AUTH).get(
         f'pagedattn_request_success_total{{finished_reason="abort",model_name="{model}"}}', 0.0
     )
     headers = {"Authorization": f"Bearer {KEY_A}"}
@@ -310,10 +311,10 @@ def test_disconnect_mid_stream_frees_blocks(server, model):
             num_events += line.startswith("data: ")
             if num_events == 3:
                 break
-        running = read_metrics(server.base_url)
+        running = read_metrics(server.base_url, AUTH)
         assert running["pagedattn_kv_cache_usage_perc"] > 0
     t0 = time.monotonic()
-    metrics = wait_idle(server.base_url)
+    metrics = wait_idle(server.base_url, headers=AUTH)
     assert metrics["pagedattn_kv_cache_usage_perc"] == 0, f"blocks leaked: {metrics}"
     assert metrics["pagedattn_num_requests_running"] == 0
     assert time.monotonic() - t0 < 5.0
@@ -325,7 +326,7 @@ def test_disconnect_mid_stream_frees_blocks(server, model):
 
 def test_metrics_exposes_engine_state(server, client, model):
     client.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body=NO_EOS)
-    m = wait_idle(server.base_url)
+    m = wait_idle(server.base_url, headers=AUTH)
     for name in (
         "pagedattn_kv_cache_free_blocks",
         "pagedattn_kv_cache_cached_blocks",

@@ -261,7 +261,7 @@ def test_tokenisation_runs_in_the_worker_pool_and_limits_come_first():
 
 
 def test_rejected_multi_prompt_request_runs_none_of_its_prompts(server):
-    before = wait_idle(server.base_url)
+    before = wait_idle(server.base_url, headers=_headers())
     # Prompt 1 fits the context alone but not with max_tokens: the engine rejects it after
     # prompt 0 was accepted, so prompt 0 must be aborted.
     body = {"model": MODEL, "prompt": ["hello", "w1 " * 200], "max_tokens": 100,
@@ -270,7 +270,7 @@ def test_rejected_multi_prompt_request_runs_none_of_its_prompts(server):
                   "invalid_request_error")  # fmt: skip
     body = {"model": MODEL, "prompt": ["hello", ""], "max_tokens": 100, "ignore_eos": True}
     _assert_error(_post(server, "/v1/completions", body), 400, "prompt", "invalid_request_error")
-    after = wait_idle(server.base_url)
+    after = wait_idle(server.base_url, headers=_headers())
     assert after["pagedattn_kv_cache_usage_perc"] == 0
     # NOTE: prompt 0 running to its end would add 100 generated tokens per request.
     grown = after["pagedattn_generation_tokens_total"] - before["pagedattn_generation_tokens_total"]
@@ -298,7 +298,7 @@ def test_query_secrets_never_reach_the_access_log(server):
 
 def test_health_after_all_of_the_above(server):
     assert httpx.get(f"{server.base_url}/health").status_code == 200
-    m = read_metrics(server.base_url)
+    m = read_metrics(server.base_url, _headers())
     assert m["pagedattn_num_requests_running"] == 0
 
 

@@ -28,6 +28,9 @@ MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 MAX_NUM_STOP = 16
 MAX_STOP_CHARS = 256
+# Prompts in one completion request (a list of strings or of token-id lists); each is a request
+# to the engine, so a batch of thousands would hold the server for minutes.
+MAX_PROMPTS_PER_REQUEST = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # Seeds seed a torch.Generator (a signed 64-bit value).
 MAX_SEED = 2**63
@@ -129,10 +132,15 @@ def _check_prompt(value: Any) -> Any:
     if isinstance(value, list):
         if not value:
             raise ValueError("the prompt is empty: send at least one token")
-        if all(isinstance(p, str) for p in value):
-            return [_valid_utf8(p) for p in value]
         if is_ids(value):
             return value
+        if len(value) > MAX_PROMPTS_PER_REQUEST and all(isinstance(p, str | list) for p in value):
+            raise ValueError(
+                f"{len(value)} prompts in one request is more than this server accepts "
+                f"({MAX_PROMPTS_PER_REQUEST}): send them in several requests"
+            )
+        if all(isinstance(p, str) for p in value):
+            return [_valid_utf8(p) for p in value]
         if all(is_ids(p) for p in value):
             return value
     raise ValueError(
@@ -377,6 +385,24 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class APIError(Exception):
+    """An error with an HTTP status and an OpenAI error type, raised by request handlers."""
+
+    def __init__(
+        self,
+        message: str,
+        status_code: int = 400,
+        err_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.err_type = err_type
+        self.param = param
+        self.code = code
 
 
 def error_body(

@@ -13,6 +13,7 @@ from pagedattn.engine.outputs import RequestOutput
 from pagedattn.entrypoints.openai import responses
 from pagedattn.entrypoints.openai.preprocess import PromptPreprocessor
 from pagedattn.entrypoints.openai.protocol import (
+    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     ModelCard,
@@ -20,6 +21,7 @@ from pagedattn.entrypoints.openai.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from pagedattn.entrypoints.openai.worker_pool import WorkerPool
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.structured_output.params import (
     InvalidStructuredOutputsError,
@@ -29,24 +31,10 @@ from pagedattn.structured_output.params import (
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-
-
-class APIError(Exception):
-    """An error with an HTTP status and an OpenAI error type, raised by request handlers."""
-
-    def __init__(
-        self,
-        message: str,
-        status_code: int = 400,
-        err_type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.err_type = err_type
-        self.param = param
-        self.code = code
+# A grammar compile past this many seconds is a 400 (it runs on; its result is still cached).
+DEFAULT_GRAMMAR_TIMEOUT_S = 20.0
+# Grammar compiles waiting for the compile worker before new ones are refused with 503.
+MAX_QUEUED_COMPILES = 4
 
 
 async def merge_streams(
@@ -196,18 +184,29 @@ class OpenAIServing:
         served_model_name: str,
         *,
         max_prompt_chars: int | None = None,
+        grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
     ) -> None:
         self.engine = engine
         self.model_name = served_model_name
         self.preprocessor = PromptPreprocessor(
             engine.tokenizer, engine.max_model_len, max_prompt_chars=max_prompt_chars
         )
+        # NOTE: grammars compile on their own worker, never on the tokenisers' (a slow compile
+        # must not hold up text prompts), with a deadline and a bounded queue.
+        self.grammar_pool = WorkerPool("pagedattn-grammar", 1, max_queued=MAX_QUEUED_COMPILES)
+        self.grammar_timeout_s = grammar_timeout_s
         # NOTE: responses decode on the event loop with the preprocessor's own copy (the engine
         # thread uses the engine's tokenizer concurrently).
         self.tokenizer = self.preprocessor.local_tokenizer()
 
+    @property
+    def pools(self) -> tuple[WorkerPool, ...]:
+        """The worker pools of this front end (for /health)."""
+        return (*self.preprocessor.pools, self.grammar_pool)
+
     def close(self) -> None:
-        self.preprocessor.close()
+        for pool in self.pools:
+            pool.close()
 
     def models(self) -> ModelList:
         card = ModelCard(id=self.model_name, max_model_len=self.engine.max_model_len)
@@ -223,17 +222,33 @@ class OpenAIServing:
             )
 
     async def _compile(self, structured: StructuredOutputsParams | None, param: str | None):
-        """Compile the grammar now (cached), so that one that cannot compile is a 400."""
+        """Compile the grammar now (cached), so that one that cannot compile is a 400.
+
+        Too large a constraint is refused before compiling; a compile past the deadline is a 400;
+        a client that leaves cancels a compile still queued.
+        """
         if structured is None:
             return
-        from pagedattn.structured_output.compiler import compile_structured_outputs
+        from pagedattn.structured_output.compiler import (
+            check_constraint_size,
+            compile_structured_outputs,
+        )
 
         try:
-            await self.preprocessor.run(
+            check_constraint_size(structured)
+            job = self.grammar_pool.run(
                 compile_structured_outputs, structured, self.tokenizer, self.engine.vocab_size
             )
+            await asyncio.wait_for(job, self.grammar_timeout_s)
         except InvalidStructuredOutputsError as exc:
             raise APIError(str(exc), param=param) from None
+        except TimeoutError:
+            raise APIError(
+                f"the output constraint did not compile within {self.grammar_timeout_s:g} s "
+                "(too complex, or the compiler is busy): simplify it, or retry",
+                param=param,
+                code="constraint_timeout",
+            ) from None
 
     async def _start(
         self,
