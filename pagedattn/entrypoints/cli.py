@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -30,6 +31,60 @@ class CliError(ValueError):
     """The command line asks for something that cannot be done; the message says what to pass."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with a usage error on one line (argparse prints the whole usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
+
+
+def check_before_load(args: argparse.Namespace) -> None:
+    """Raise CliError for what can be checked before the model loads (a load takes seconds)."""
+    device = getattr(args, "device", "cpu") or "cpu"
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CliError(f"--device {device}: no CUDA GPU is available here; use --device cpu")
+    kv_store = getattr(args, "kv_store", None)
+    if kv_store:
+        from pagedattn.kv_transfer.store import StoreURLError, make_store
+
+        try:
+            make_store(kv_store)
+        except StoreURLError as exc:
+            raise CliError(f"--kv-store: {exc}") from None
+    if args.command == "serve":
+        check_serve_args(args)
+
+
+def check_serve_args(args: argparse.Namespace) -> None:
+    """Replica options, the `ray` extra and a free port, before the model loads."""
+    from pagedattn.distributed.args import uses_replicas, validate_distributed_args
+
+    try:
+        validate_distributed_args(args)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    if uses_replicas(args):
+        try:
+            import ray  # noqa: F401
+            from ray import serve  # noqa: F401
+        except ImportError:
+            raise CliError(
+                "--data-parallel-size and --ray-address need Ray Serve: pip install "
+                "'pagedattn[ray]' (or run one engine without them)"
+            ) from None
+    with socket.socket() as sock:
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as exc:
+            raise CliError(
+                f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc}): another "
+                "process holds the port; pick another with --port"
+            ) from None
+
+
 def read_prompts(args: argparse.Namespace) -> list[str]:
     """Prompts from the arguments, else --file, else stdin, else the demo prompts."""
     if args.prompts:
@@ -41,7 +96,11 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
             )
         return list(args.prompts)
     if args.file:
-        lines = Path(args.file).read_text().splitlines()
+        try:
+            lines = Path(args.file).read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = getattr(exc, "strerror", None) or str(exc)
+            raise CliError(f"cannot read --file {args.file}: {reason}") from None
         prompts = [line for line in lines if line.strip()]
         if not prompts:
             raise CliError(f"--file {args.file} holds no prompt: write one prompt per line")
@@ -54,43 +113,117 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return list(DEFAULT_PROMPTS)
 
 
-def print_kv_summary(llm) -> None:
-    """The end-of-run KV cache report."""
-    s = llm.get_stats()
+def kv_summary_lines(s) -> list[str]:
+    """The end-of-run KV cache report of EngineStats `s`: each count named once, in one unit."""
     t = s.step_times
+    store = s.kv_store
+    num_store = getattr(store, "num_hit_tokens", 0) if store is not None else 0
+    num_total = s.prefix_cache_hits + num_store + s.num_prompt_tokens
+    lines = [
+        f"[kv] prompt tokens: {num_total} = {s.prefix_cache_hits} from the prefix cache "
+        f"+ {num_store} from the KV store + {s.num_prompt_tokens} computed; "
+        f"{s.num_generation_tokens} generated in {t.num_steps} steps",
+        f"[kv] prefix cache: {s.prefix_cache_hits}/{s.prefix_cache_queries} looked-up prompt "
+        f"tokens hit ({100 * s.prefix_cache_hit_rate:.1f}%); blocks: {s.num_free_blocks} of "
+        f"{s.num_blocks} free ({s.num_cached_blocks} of those hold cached prefixes); "
+        f"preemptions {s.num_preemptions}, recomputed tokens {s.num_recomputed_tokens}",
+    ]
+    if store is not None:
+        lines.append(
+            f"[kv] KV store: {num_store} prompt tokens loaded ({100 * store.hit_rate:.1f}% of "
+            f"those looked up), {store.num_loaded_blocks} blocks read, {store.num_saved_blocks} "
+            f"saved, {store.num_load_failures} failed loads"
+        )
+    lines.append(
+        f"[kv] time: schedule {t.schedule:.3f}s, prepare {t.prepare:.3f}s, forward "
+        f"{t.forward:.3f}s, sample {t.sample:.3f}s, output {t.process:.3f}s"
+    )
+    return lines
+
+
+def print_kv_summary(llm) -> None:
+    """The end-of-run KV cache report (the cache's size was printed when it was allocated)."""
+    print("\n" + "\n".join(kv_summary_lines(llm.get_stats())))
+
+
+def stream_outputs(llm, prompts: list, params, labels: list[str], out=None) -> list:
+    """Run every prompt as one batch, printing each one's text as it is produced, in order.
+
+    The first unfinished prompt streams; the next one's text so far is printed when it finishes.
+    Ctrl-C keeps everything printed so far. With n > 1 a prompt's choices print when it ends.
+    """
+    out = out or sys.stdout
+    engine = llm.engine
+    ids = [f"cli-{i}" for i in range(len(prompts))]
+    added = []
+    try:
+        for rid, prompt in zip(ids, prompts, strict=True):
+            engine.add_request(rid, prompt, params)
+            added.append(rid)
+    except Exception:
+        engine.abort_request(added)
+        raise
+    latest: dict = {}
+    head = 0
+    num_printed = 0
+    stream = params.n == 1
+    print(f"\n### {labels[0]}", file=out, flush=True)
+    try:
+        while head < len(ids):
+            for o in engine.step():
+                latest[o.request_id] = o
+            while head < len(ids):
+                o = latest.get(ids[head])
+                if o is None:
+                    break
+                if stream and o.error is None:
+                    text = o.outputs[0].text
+                    out.write(text[num_printed:])
+                    num_printed = len(text)
+                    out.flush()
+                if not o.finished:
+                    break
+                _print_finished(o, stream, out)
+                head += 1
+                num_printed = 0
+                if head < len(ids):
+                    print(f"\n### {labels[head]}", file=out, flush=True)
+    except BaseException:
+        engine.abort_request([r for r in ids if r not in latest or not latest[r].finished])
+        raise
+    return [latest[r] for r in ids]
+
+
+def _print_finished(o, streamed: bool, out) -> None:
+    if o.error is not None:
+        print(f"    error: {o.error}", file=out)
+        return
+    for c in o.outputs:
+        if streamed:
+            print(f"  ({len(c.token_ids)} tokens, {c.finish_reason})", file=out)
+        else:
+            tag = f"[{c.index}] " if len(o.outputs) > 1 else ""
+            print(
+                f"{tag}{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason})", file=out
+            )
+    m = o.metrics
     print(
-        f"\n[kv] {llm.engine.kv_summary}\n"
-        f"[kv] prefix cache: {s.prefix_cache_hits}/{s.prefix_cache_queries} prompt tokens hit "
-        f"({100 * s.prefix_cache_hit_rate:.1f}%); preemptions {s.num_preemptions}; recomputed "
-        f"tokens {s.num_recomputed_tokens}; blocks free {s.num_free_blocks}/{s.num_blocks} "
-        f"(cached {s.num_cached_blocks})\n"
-        f"[kv] tokens: {s.num_prompt_tokens} prompt, {s.num_generation_tokens} generated in "
-        f"{t.num_steps} steps; time: schedule {t.schedule:.3f}s, prepare {t.prepare:.3f}s, "
-        f"forward {t.forward:.3f}s, sample {t.sample:.3f}s, output {t.process:.3f}s"
+        f"    ttft {1000 * (m.ttft or 0):.0f} ms, cached prompt tokens {m.num_cached_tokens}",
+        file=out,
     )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     params = sampling_params(args)
+    check_before_load(args)
     llm = build_llm(args)
-    use_chat = not args.raw and getattr(llm.tokenizer, "chat_template", None) is not None
-    if use_chat:
-        outs = llm.chat(
-            [[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=len(prompts) > 8
-        )
-    else:
-        outs = llm.generate(prompts, params, use_tqdm=len(prompts) > 8)
-    for prompt, out in zip(prompts, outs, strict=True):
-        print(f"\n### {prompt}")
-        if out.error is not None:
-            print(f"    error: {out.error}")
-            continue
-        for c in out.outputs:
-            tag = f"[{c.index}] " if len(out.outputs) > 1 else ""
-            print(f"{tag}{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason})")
-        m = out.metrics
-        print(f"    ttft {1000 * (m.ttft or 0):.0f} ms, cached prompt tokens {m.num_cached_tokens}")
+    inputs: list = list(prompts)
+    if not args.raw and getattr(llm.tokenizer, "chat_template", None) is not None:
+        # NOTE: as LLM.chat renders it: the template holds the special tokens already.
+        texts = [llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
+        inputs = [llm.tokenizer.encode(t, add_special_tokens=False) for t in texts]
+    stream_outputs(llm, inputs, params, prompts)
     print_kv_summary(llm)
     return 0
 
@@ -98,10 +231,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from pagedattn.entrypoints.chat import run_chat
 
+    check_before_load(args)
     return run_chat(args)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    """One engine behind the OpenAI server, or N replicas behind the Ray Serve ingress."""
+    from pagedattn.distributed.args import uses_replicas
+
+    check_before_load(args)
+    if uses_replicas(args):
+        from pagedattn.config import EngineConfig
+        from pagedattn.distributed.serve_app import run_replicas
+
+        return run_replicas(args, EngineConfig.from_cli(args)) or 0
     from pagedattn.entrypoints.openai.server import run_server
 
     return run_server(args) or 0
@@ -125,7 +268,7 @@ def _bench_epilog() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedattn", description=__doc__)
+    parser = Parser(prog="pagedattn", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, help: str, **kwargs) -> argparse.ArgumentParser:
@@ -173,19 +316,22 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    from pagedattn.config import ConfigError
-    from pagedattn.engine.errors import InvalidRequestError
-    from pagedattn.model.loader import ModelNotFoundError
-    from pagedattn.sampling_params import InvalidSamplingParamsError
-
-    errors = (ConfigError, CliError, InvalidRequestError, InvalidSamplingParamsError)
     try:
-        return args.func(args)
-    except (*errors, ModelNotFoundError) as e:
-        print(f"pagedattn: error: {e}", file=sys.stderr)
-        return 2
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+        # NOTE: imported inside the try: Ctrl-C while torch loads must not print a traceback.
+        from pagedattn.config import ConfigError
+        from pagedattn.engine.errors import InvalidRequestError
+        from pagedattn.model.loader import ModelNotFoundError
+        from pagedattn.sampling_params import InvalidSamplingParamsError
+
+        errors = (ConfigError, CliError, InvalidRequestError, InvalidSamplingParamsError)
+        try:
+            return args.func(args)
+        except (*errors, ModelNotFoundError) as e:
+            print(f"pagedattn: error: {e}", file=sys.stderr)
+            return 2
     except KeyboardInterrupt:
+        print("\npagedattn: interrupted", file=sys.stderr)
         return 130
     finally:
         if argv is None:  # the process is this command, and it ends now

@@ -17,6 +17,7 @@ serve = pytest.importorskip("ray.serve")
 from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from pagedattn.distributed.serve_app import build_app  # noqa: E402
 from tests.entrypoints.server_process import free_port, make_model_dir  # noqa: E402
+from tests.entrypoints.test_front_door import load_probes  # noqa: E402
 
 KEYS = ("key-a", "key-b")
 BLOCK_SIZE = 4
@@ -159,11 +160,29 @@ def test_prefix_affinity_tenants_and_index_equals_caches(app):
 
 def test_metrics_cover_every_replica(app):
     complete(app, prompt(50))
-    wait_for(lambda: app.get("/metrics").text.count('replica="') > 0, "metrics")
-    text = app.get("/metrics").text
+    assert app.get("/metrics").status_code == 401  # keys are set, and no --metrics-public
+    wait_for(
+        lambda: app.get("/metrics", headers=auth(KEYS[0])).text.count('replica="') > 0, "metrics"
+    )
+    text = app.get("/metrics", headers=auth(KEYS[0])).text
     replicas = set(replica_stats(app))
     assert {rid for rid in replicas if f'replica="{rid}"' in text} == replicas
     assert "# HELP" in text
+
+
+def test_adversarial_probes_hold_on_the_replicas(app):
+    # NOTE: the same list as the single server's (issue 21: C2 was the ingress missing them).
+    results = load_probes().run_probes(str(app.base_url), KEYS[0], "tiny-llama", KEYS[1])
+    failed = [f"{r.name}: {r.failure}" for r in results if not r.ok]
+    assert not failed, failed
+
+
+def test_a_failed_replica_call_sends_no_ray_detail():
+    from pagedattn.distributed.serve_app import _replica_failed
+
+    exc = RuntimeError("ActorDiedError: actor 5a1f... pid=31337, ip=10.9.8.7")
+    body = json.dumps(_replica_failed(exc)["body"])
+    assert "31337" not in body and "10.9.8.7" not in body and "ActorDied" not in body
 
 
 def test_killed_replica_fails_its_requests_clearly_and_is_restarted(app):

@@ -51,7 +51,7 @@ def test_generate_from_arguments_prints_outputs_and_kv_summary(tiny_model):
     assert res.returncode == 0, res.stderr
     assert res.stdout.count("### ") == 2
     assert "(5 tokens, length)" in res.stdout or "tokens, stop)" in res.stdout
-    assert "KV cache: 64 blocks x 16 tokens" in res.stdout
+    assert res.stdout.count("KV cache: 64 blocks x 16 tokens") == 1  # printed once
     assert "[kv] prefix cache:" in res.stdout
 
 
