@@ -19,7 +19,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -43,6 +43,9 @@ KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]
 _LOAD_CHUNK_BLOCKS = 8
 # Keys remembered as stored, so a block saved or loaded once is not written again.
 _MAX_KNOWN_KEYS = 1 << 16
+# Deadline of one store lookup or one load in the engine's step (a hung read: a stuck network
+# mount); past it the step recomputes, and the store is skipped until the read returns.
+DEFAULT_LOAD_TIMEOUT_S = 2.0
 
 
 class KVConnector:
@@ -50,7 +53,9 @@ class KVConnector:
 
     Owns the store (close() closes it), a background writer whose queue holds at most
     max_pending_bytes of blocks (a save past that is skipped and counted), and num_load_threads
-    threads that fetch and verify blocks while loading.
+    threads that fetch and verify blocks while loading. A lookup or load that takes longer than
+    load_timeout_s is given up (the step recomputes); while a given-up read is still running,
+    the store is not asked again.
     """
 
     def __init__(
@@ -66,7 +71,10 @@ class KVConnector:
         max_pending_bytes: int = 256 << 20,
         min_hit_tokens: int = 0,
         num_load_threads: int = 2,
+        load_timeout_s: float = DEFAULT_LOAD_TIMEOUT_S,
     ) -> None:
+        if not load_timeout_s > 0:
+            raise ValueError(f"load_timeout_s={load_timeout_s!r} is invalid: use seconds > 0")
         layout = KVCacheLayout(layout)
         self.store = store
         self.layout = layout
@@ -84,6 +92,10 @@ class KVConnector:
             store, max_pending_bytes, self._count, self._mark_known, self._store_failed
         )
         self._load_pool = ThreadPoolExecutor(num_load_threads, thread_name_prefix="kv-store-load")
+        self.load_timeout_s = load_timeout_s
+        # Store reads given up at their deadline and not yet returned.
+        self._abandoned: list[Future] = []
+        self._warned_timeout = False
 
     # ---- bookkeeping ----
 
@@ -111,6 +123,27 @@ class KVConnector:
                 self.store.name,
                 type(error).__name__,
                 exc_info=error,
+            )
+
+    def _stalled(self) -> bool:
+        """True while a store read given up at its deadline is still running."""
+        with self._lock:
+            self._abandoned = [f for f in self._abandoned if not f.done()]
+            return bool(self._abandoned)
+
+    def _timed_out(self, futures: Sequence[Future], what: str) -> None:
+        """Count a read past its deadline and remember the reads still running."""
+        self._count(num_load_timeouts=1)
+        with self._lock:
+            self._abandoned += [f for f in futures if not f.done()]
+            first, self._warned_timeout = not self._warned_timeout, True
+        if first:
+            logger.warning(
+                "kv store %s: %s took more than %.1f s; recomputing, and skipping the store "
+                "until the read returns (logged once)",
+                self.store.name,
+                what,
+                self.load_timeout_s,
             )
 
     def _mark_known(self, keys: Sequence[str]) -> None:
@@ -161,20 +194,31 @@ class KVConnector:
         if not candidates:
             return 0
         keys = [self.key_space.key(h) for h in candidates]
-        try:
-            num_hits = self.store.num_prefix_hits(keys)
-        except Exception as error:  # NOTE: no store failure may fail a request.
-            self._store_failed(error)
-            num_hits = 0
+        num_hits = self._num_prefix_hits(keys)
         self._mark_known(keys[:num_hits])
         num_tokens = num_hits * self.block_size
         if num_tokens < self.min_hit_tokens:
             num_tokens = 0
-        self._count(
-            num_hit_tokens=num_tokens,
-            num_miss_tokens=len(candidates) * self.block_size - num_tokens,
-        )
+        # NOTE: hits are counted when the blocks load (load_blocks), not on the store's word.
+        self._count(num_miss_tokens=len(candidates) * self.block_size - num_tokens)
         return num_tokens
+
+    def _num_prefix_hits(self, keys: list[str]) -> int:
+        """The store's prefix hits among keys, within the deadline; 0 if it fails or stalls."""
+        if self._stalled():
+            return 0
+        lookup = None
+        try:
+            if self._writer.closed:  # NOTE: the pool is shut down: no deadline after close()
+                return self.store.num_prefix_hits(keys)
+            lookup = self._load_pool.submit(self.store.num_prefix_hits, keys)
+            return lookup.result(timeout=self.load_timeout_s)
+        except Exception as error:  # NOTE: no store failure may fail a request.
+            if lookup is None or lookup.done():
+                self._store_failed(error)
+            else:
+                self._timed_out([lookup], "a lookup")
+            return 0
 
     # ---- worker side ----
 
@@ -185,7 +229,8 @@ class KVConnector:
 
         Stops at the first missing or bad entry (the caller recomputes from there); a bad entry
         is deleted from the store so that the recomputed block replaces it. Chunks of blocks are
-        fetched and verified on a few threads (file reads, sockets and BLAKE2b release the GIL).
+        fetched and verified on a few threads (file reads, sockets and BLAKE2b release the GIL);
+        chunks not done by the deadline count as missing.
         """
         if len(block_ids) != len(block_hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(block_hashes)} block hashes")
@@ -201,15 +246,23 @@ class KVConnector:
             range(first, min(first + _LOAD_CHUNK_BLOCKS, len(keys)))
             for first in range(0, len(keys), _LOAD_CHUNK_BLOCKS)
         ]
-        results = list(
-            self._load_pool.map(lambda rows: self._fetch(keys, rows, fmt, staging_np), chunks)
-        )
         num_loaded = num_bytes = 0
-        for rows, (num_good, chunk_bytes) in zip(chunks, results, strict=True):
-            num_loaded += num_good
-            num_bytes += chunk_bytes
-            if num_good < len(rows):
-                break
+        if not self._stalled():
+            futures = [
+                self._load_pool.submit(self._fetch, keys, rows, fmt, staging_np) for rows in chunks
+            ]
+            _, not_done = wait(futures, timeout=self.load_timeout_s)
+            if not_done:
+                # NOTE: a late chunk writes into this call's own staging rows, never the cache.
+                self._timed_out(futures, f"a load of {len(keys)} blocks")
+            for rows, future in zip(chunks, futures, strict=True):
+                if future in not_done:
+                    break
+                num_good, chunk_bytes = future.result()
+                num_loaded += num_good
+                num_bytes += chunk_bytes
+                if num_good < len(rows):
+                    break
         if num_loaded:
             payloads = staging[:num_loaded, HEADER_BYTES : HEADER_BYTES + fmt.payload_bytes]
             k, v = split_payload(payloads, fmt)  # [n, L, *key_shape], [n, L, *value_shape]
@@ -222,9 +275,13 @@ class KVConnector:
                     rows = cache.view(cache.shape[0], -1)
                     rows.index_copy_(0, ids, src[:, i].reshape(num_loaded, -1).to(device))
             self._mark_known(keys[:num_loaded])
+        num_failed = len(keys) - num_loaded
         self._count(
+            num_hit_tokens=num_loaded * self.block_size,
+            num_miss_tokens=num_failed * self.block_size,
             num_loaded_blocks=num_loaded,
-            num_load_failures=int(num_loaded < len(keys)),
+            num_failed_load_blocks=num_failed,
+            num_load_failures=int(num_failed > 0),
             bytes_read=num_bytes,
             load_time_s=time.perf_counter() - start,
         )
@@ -318,7 +375,8 @@ class KVConnector:
         if self._writer.closed:
             return
         self._writer.close()
-        self._load_pool.shutdown()
+        # NOTE: a read given up at its deadline may never return: do not wait for it.
+        self._load_pool.shutdown(wait=not self._stalled(), cancel_futures=True)
         self.store.close()
 
 

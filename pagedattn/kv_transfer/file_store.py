@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -96,7 +97,8 @@ class FileKVStore(KVStore):
         stem = self._stem(key)
         path = self._path(stem)
         try:
-            value = path.read_bytes()
+            with _open_regular(path) as f:
+                value = f.read() if f is not None else b""
         except FileNotFoundError:
             with self._lock:
                 self._forget(stem)
@@ -117,9 +119,13 @@ class FileKVStore(KVStore):
             stem = self._stem(key)
             path = self._path(stem)
             try:
-                with open(path, "rb", buffering=0) as f:
-                    size = os.fstat(f.fileno()).st_size
-                    length = _read_into(f, memoryview(out)[:size]) if size <= len(out) else size
+                with _open_regular(path) as f:
+                    if f is None:
+                        size = length = 0
+                    else:
+                        size = os.fstat(f.fileno()).st_size
+                        view = memoryview(out)[:size]
+                        length = _read_into(f, view) if size <= len(out) else size
             except FileNotFoundError:
                 with self._lock:
                     self._forget(stem)
@@ -181,13 +187,43 @@ class FileKVStore(KVStore):
         stem = self._stem(key)
         with self._lock:
             self._forget(stem)
+        path = self._path(stem)
         try:
-            self._path(stem).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+        except IsADirectoryError:
+            # NOTE: something else sits under the entry's name: remove it if it is empty, and
+            # never count it against the store (the entry reads as empty, so it is recomputed).
+            with contextlib.suppress(OSError):
+                path.rmdir()
         except OSError as error:
             raise self.breaker.record_failure(error) from error
 
     def __len__(self) -> int:
         return len(self._index)
+
+
+@contextlib.contextmanager
+def _open_regular(path: Path):
+    """The entry's file opened for reading, or None if the path is not a regular file.
+
+    NOTE: O_NONBLOCK, so that opening a FIFO (or a device) left under an entry's name returns at
+    once instead of blocking the engine's step; the caller reads a non-regular entry as an empty
+    value, which fails verification, so the entry is deleted and its blocks recomputed.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not regular:
+        try:
+            yield None
+        finally:
+            os.close(fd)
+        return
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        yield f
 
 
 def _read_into(f, out: memoryview) -> int:

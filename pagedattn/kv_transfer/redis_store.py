@@ -16,6 +16,8 @@ from pagedattn.kv_transfer.store import KVStore, StoreUnavailableError
 # Keys per pipelined round trip: GET values are a block each (~0.1-1 MB), EXISTS replies tiny.
 _GET_BATCH_KEYS = 16
 _EXISTS_BATCH_KEYS = 1024
+# The start of the error a GET of a list, hash or set key returns.
+_WRONGTYPE = "WRONGTYPE"
 
 
 def _import_redis():
@@ -49,6 +51,7 @@ class RedisKVStore(KVStore):
         from redis.retry import Retry
 
         self._errors = (redis.RedisError, OSError)
+        self._response_error = redis.ResponseError
         self.url = f"redis://{host}:{port}/{db}"
         self.breaker = CircuitBreaker(self.url, backoff_s=backoff_s, max_backoff_s=max_backoff_s)
         self._client = redis.Redis(
@@ -80,13 +83,25 @@ class RedisKVStore(KVStore):
                 pipe = self._client.pipeline(transaction=False)
                 for key in keys[start : start + batch]:
                     getattr(pipe, command)(key)
-                out.extend(pipe.execute())
+                out.extend(self._value(r) for r in pipe.execute(raise_on_error=False))
             return out
 
         return self._run(call) if keys else []
 
+    def _value(self, reply):
+        """A GET reply; a key of another type (WRONGTYPE) reads as an empty value.
+
+        NOTE: an empty value fails the connector's checks, so the key is deleted as a corrupt
+        entry; a key someone else wrote must not open the breaker for every request.
+        """
+        if isinstance(reply, self._response_error) and str(reply).startswith(_WRONGTYPE):
+            return b""
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
     def get(self, key: str) -> bytes | None:
-        return self._run(lambda: self._client.get(key))
+        return self._pipelined("get", [key], 1)[0]
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._pipelined("get", keys, _GET_BATCH_KEYS)

@@ -10,13 +10,17 @@ from dataclasses import dataclass
 class KVConnectorStats:
     """Totals since the connector started (KVConnector.stats hands out a copy)."""
 
-    # Scheduler side: prompt tokens past the local hit that the store had / did not have.
+    # Prompt tokens past the local hit that came from the store (counted once loaded), and those
+    # that did not: absent at lookup, or promised by the lookup but not loaded.
     num_hit_tokens: int = 0
     num_miss_tokens: int = 0
-    # Worker side, loads: blocks copied in, loads that stopped early, entries that failed checks.
+    # Worker side, loads: blocks copied in, blocks the lookup promised that did not load, loads
+    # that stopped early, entries that failed verification (deleted), reads past the deadline.
     num_loaded_blocks: int = 0
+    num_failed_load_blocks: int = 0
     num_load_failures: int = 0
     num_corrupt_entries: int = 0
+    num_load_timeouts: int = 0
     bytes_read: int = 0
     load_time_s: float = 0.0
     # Worker side, saves: written, skipped because the queue was full, failed in the store.
