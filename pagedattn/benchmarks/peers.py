@@ -1,5 +1,7 @@
 """Peer engines for the throughput benchmark: HF static generate, HF generate_batch, llama.cpp.
 
+(OpenVINO GenAI and vLLM's CPU build, which need their own venvs: peers_cpu_engines.py.)
+
 Same contract as benchmarks.pagedattn_runner.run_pagedattn: warm up, time the whole workload
 (every request arrives at t0), return a RunResult.
 """
@@ -349,8 +351,20 @@ def _run_llama_cpp_python(L, opts: RunOptions, workload: Workload) -> RunResult:
         extra={
             "note": f"llama-cpp-python {L.__version__}, continuous batching over {slots} "
             f"sequences, weights {weights}, no prefix reuse",
+            "kv_cache_dtype": _ggml_type_name(L, cparams.type_k, cparams.type_v),
         },
     )
+
+
+def _ggml_type_name(L, type_k: int, type_v: int) -> str:  # noqa: N803
+    """llama.cpp's KV cache types by name (f16 unless a context parameter says otherwise)."""
+    names = {
+        int(getattr(L, f"GGML_TYPE_{n.upper()}")): n
+        for n in ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+        if hasattr(L, f"GGML_TYPE_{n.upper()}")
+    }
+    k, v = names.get(int(type_k), f"type {type_k}"), names.get(int(type_v), f"type {type_v}")
+    return k if k == v else f"key {k} / value {v}"
 
 
 def _run_batched_bench(opts: RunOptions, workload: Workload) -> RunResult:
@@ -403,6 +417,7 @@ def _run_batched_bench(opts: RunOptions, workload: Workload) -> RunResult:
         [row["T_TG s"] / num_new] * batch,
         extra={
             "note": f"llama-batched-bench, weights {weights}",
+            "kv_cache_dtype": "f16",  # llama-batched-bench's default -ctk / -ctv
             "shared_prompt": shared,
             "row": row,
         },

@@ -94,6 +94,7 @@ def summarise(data: dict) -> dict:
         "tpot_p50_s": percentile(data["tpot_s"], 50),
         "tpot_p99_s": percentile(data["tpot_s"], 99),
         "peak_rss_mib": data.get("peak_rss_mib", 0.0),
+        "kv_cache_dtype": data.get("extra", {}).get("kv_cache_dtype", "-"),
         "extra": {k: v for k, v in data.get("extra", {}).items() if k != "steps"},
     }
     if "steps" in data.get("extra", {}):
@@ -102,7 +103,7 @@ def summarise(data: dict) -> dict:
         f"{head} gen {row['gen_tps']:8.1f} tok/s  prompt {row['prompt_tps']:8.1f} tok/s  "
         f"TTFT p50/p99 {_ms(row['ttft_p50_s'])}/{_ms(row['ttft_p99_s'])} ms  "
         f"TPOT p50/p99 {_ms(row['tpot_p50_s'])}/{_ms(row['tpot_p99_s'])} ms  "
-        f"RSS {row['peak_rss_mib']:.0f} MiB  ({elapsed:.1f} s)"
+        f"RSS {row['peak_rss_mib']:.0f} MiB  KV {row['kv_cache_dtype']}  ({elapsed:.1f} s)"
     )
     return row
 
@@ -229,13 +230,13 @@ def render_markdown(
         f"at start, {meta['load_average_end']:.2f} at end.",
         "",
         "| workload | engine | gen tok/s | prompt tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-        "| peak RSS MiB | pagedattn / peer |",
-        "|---|---|---|---|---|---|---|---|",
+        "| peak RSS MiB | KV cache | pagedattn / peer |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r["status"] != "ok":
             md.append(
-                f"| {r['workload']} | {r['engine']} | {r['status']}: {r['reason']} | | | | | |"
+                f"| {r['workload']} | {r['engine']} | {r['status']}: {r['reason']} | | | | | | |"
             )
             continue
         ratio = r.get("paged_over_peer_gen_tps")
@@ -243,7 +244,7 @@ def render_markdown(
             f"| {r['workload']} | {r['engine']} | {r['gen_tps']:.1f} | {r['prompt_tps']:.1f} "
             f"| {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} "
             f"| {_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p99_s'])} | {r['peak_rss_mib']:.0f} "
-            f"| {'-' if ratio is None else f'{ratio:.2f}x'} |"
+            f"| {r['kv_cache_dtype']} | {'-' if ratio is None else f'{ratio:.2f}x'} |"
         )
     if prefix:
         md += [
@@ -277,7 +278,10 @@ def render_markdown(
         "included), TPOT = its batch's mean decode step; only each request's own tokens count "
         "as output. Overhead = everything but forward and sampling. Every engine runs the GGUF's "
         "dequantised weights in the chosen dtype, llama.cpp from a GGUF file retyped to it "
-        "(unless --llama-cpp-weights says otherwise: its note in the JSON names the weights).",
+        "(unless --llama-cpp-weights says otherwise: its note in the JSON names the weights); "
+        "OpenVINO and vLLM CPU from the same weights saved as an HF folder (OpenVINO: exported "
+        "by optimum-intel, fp32 IR, the dtype as its inference precision). KV cache: the element "
+        "type each engine keeps its cache in (OpenVINO's CPU default is u8).",
         "",
     ]
     report = {

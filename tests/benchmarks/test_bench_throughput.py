@@ -48,7 +48,11 @@ def _run(tmp_path: Path, model: Path, *extra: str) -> dict:
 
 def test_end_to_end_rows_ratios_ceiling_and_breakdown(tmp_path, tiny_model, capsys) -> None:
     trace = tmp_path / "trace.json"
-    report = _run(tmp_path, tiny_model, "--in-process", "--trace-out", str(trace))
+    # NOTE: the CPU engines' venvs are not under test here (tests/benchmarks/test_cpu_peers.py).
+    engines = ",".join(("pagedattn", *PEERS))
+    report = _run(
+        tmp_path, tiny_model, "--in-process", "--trace-out", str(trace), "--engines", engines
+    )
     rows = {(r["workload"], r["engine"]): r for r in report["results"]}
     expected = {
         (w, e) for w in ("uniform", "sharegpt", "shared_prefix") for e in ("pagedattn", *PEERS)
