@@ -191,10 +191,13 @@ def choose_plan(
     options: KernelOptions = KernelOptions(),
     measure_attention: MeasureAttention | None = None,
     device: str | torch.device = "cpu",
+    measure_linear: tuner.Measure | None = None,
 ) -> KernelPlan:
     """The plan for a model of ``shapes`` in ``dtype`` on this CPU (see the module docstring).
 
-    Raises KernelChoiceError when a forced kernel cannot run here.
+    ``measure_attention`` times the decode attention candidates (none: the first available is
+    taken); ``measure_linear`` replaces the real timing of linear kernels (for tests). Raises
+    KernelChoiceError when a forced kernel cannot run here.
     """
     if torch.device(device).type != "cpu":
         return KernelPlan(isa=torch.device(device).type)
@@ -228,7 +231,9 @@ def choose_plan(
             "PAGEDATTN_RETUNE=1 measures again)",
         )
         return plan
-    plan, times, seconds, busy = _measure(shapes, dtype, linear, attention, measure_attention)
+    plan, times, seconds, busy = _measure(
+        shapes, dtype, linear, attention, measure_attention, measure_linear
+    )
     plan = dataclasses.replace(plan, **fixed)
     disk_cache.update_json(
         path,
@@ -246,7 +251,8 @@ def choose_plan(
     line = f"{_dtype_name(dtype)}: {plan.describe()} (measured in {seconds:.1f} s"
     if busy:
         line += " on 1 thread, the machine being busy (measured again once it is quiet),"
-    _announce(key + "|new", f"{line} on {features.describe_cpu()}; cached in {path})")
+    _announced.add(key)  # NOTE: a fresh measurement is always printed, then not again
+    print(f"[kernels] {line} on {features.describe_cpu()}; cached in {path})", file=sys.stderr)
     return plan
 
 
@@ -256,6 +262,7 @@ def _measure(
     linear: list[str],
     attention: list[str],
     measure_attention: MeasureAttention | None,
+    measure_linear: tuner.Measure | None,
 ) -> tuple[KernelPlan, dict[str, dict[str, float]], float, bool]:
     start = time.perf_counter()
     busy = tuner.machine_busy()
@@ -263,6 +270,8 @@ def _measure(
 
     def measure(kernels, weight_shapes, rows):
         return tuner.measure_kernels(kernels, weight_shapes, rows, dtype)
+
+    measure = measure_linear or measure
 
     if busy:
         # NOTE: with more runnable processes than cores, a multi-threaded pass mostly measures

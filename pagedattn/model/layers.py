@@ -88,7 +88,7 @@ class Linear(nn.Module):
 class RMSNorm(nn.Module):
     """Llama RMSNorm: normalise in fp32, cast back, then scale by ``weight``."""
 
-    def __init__(self, hidden_size: int, eps: float, step_ops: bool = False) -> None:
+    def __init__(self, hidden_size: int, eps: float, step_ops: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.step_ops = step_ops
@@ -121,7 +121,7 @@ class RMSNorm(nn.Module):
 class GemmaRMSNorm(nn.Module):
     """Gemma RMSNorm: scale by ``1 + weight`` in fp32, then cast back (weights are zero-centred)."""
 
-    def __init__(self, hidden_size: int, eps: float, step_ops: bool = False) -> None:
+    def __init__(self, hidden_size: int, eps: float, step_ops: bool = True) -> None:
         super().__init__()
         self.eps = eps
         self.step_ops = step_ops
@@ -138,7 +138,7 @@ class GemmaRMSNorm(nn.Module):
         return (x32 * (1.0 + self.weight.float())).to(x.dtype)
 
 
-def silu_and_mul(gate_up: torch.Tensor, step_ops: bool = False) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, step_ops: bool = True) -> torch.Tensor:
     """SwiGLU on a fused [T, 2 * I] gate/up projection -> [T, I]."""
     ext = compiled_ops_for(gate_up, step_ops)
     if ext is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
@@ -147,7 +147,7 @@ def silu_and_mul(gate_up: torch.Tensor, step_ops: bool = False) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gelu_tanh_and_mul(gate_up: torch.Tensor, step_ops: bool = False) -> torch.Tensor:
+def gelu_tanh_and_mul(gate_up: torch.Tensor, step_ops: bool = True) -> torch.Tensor:
     """GeGLU (tanh approximation) on a fused [T, 2 * I] gate/up projection -> [T, I]."""
     ext = compiled_ops_for(gate_up, step_ops)
     if ext is not None and gate_up.dim() == 2 and gate_up.is_contiguous():
@@ -195,7 +195,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def apply_rotary_(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step_ops: bool = False
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, step_ops: bool = True
 ) -> torch.Tensor:
     """``apply_rotary`` written into x itself; returns x.
 

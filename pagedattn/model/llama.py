@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from pagedattn.attention.backends.base import AttentionBackend
+from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.cpu.decode_stack import DecodeStack, StackLayer, build_decode_stack
 from pagedattn.cpu.plan import KernelPlan
@@ -233,13 +234,18 @@ class LlamaForCausalLM(PagedCausalLM):
         """Pack the weights (PagedCausalLM), then build the compiled decode stack over them where
         the plan asks for it and the model allows it (no q/k norm)."""
         super().process_weights_after_loading()
-        plan, layers = self.plan, self.model.layers
-        compiled_attention = plan.attention in ("compiled", "amx")
-        if not (plan.decode_stack and compiled_attention and not self.qk_norm and len(layers)):
+        layers = self.model.layers
+        # NOTE: the stack runs the compiled step ops: with them off (step_ops) it is off too.
+        plan = self.plan
+        if not (plan.decode_stack and plan.step_ops and not self.qk_norm and len(layers)):
+            return
+        first = layers[0].self_attn
+        # NOTE: the backend was built for the plan; the stack runs its decode kernel only.
+        backend = first.attn.backend
+        if not (isinstance(backend, CpuBackend) and backend.uses_compiled_decode):
             return
         if self.model.embed_tokens.weight.device.type != "cpu":
             return
-        first = layers[0].self_attn
         stack_layers = [
             StackLayer(
                 layer.input_layernorm.weight,
@@ -261,7 +267,7 @@ class LlamaForCausalLM(PagedCausalLM):
             first.num_kv_heads,
             first.head_size,
             self.dtype,
-            amx_attention=plan.attention == "amx",
+            amx_attention=backend.uses_amx_decode,
         )
 
     def forward(

@@ -6,10 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedattn.cpu import decode_stack as decode_stack_module
 from pagedattn.cpu import extension as cpu_ext
-from pagedattn.model import decode_stack as decode_stack_module
-from pagedattn.model.loader import load_model
-from pagedattn.model.packed_linear import kernel_available
+from pagedattn.cpu.linear import kernel_available
+from pagedattn.cpu.plan import KernelOptions
+from pagedattn.model.loader import (
+    checkpoint_config,
+    choose_model_plan,
+    load_model,
+    resolve_checkpoint,
+)
 from tests.model.paged_driver import PagedDriver
 from tests.model.tiny import make_tiny_llama, make_tiny_mistral, make_tiny_qwen2, make_tiny_qwen3
 
@@ -42,9 +48,12 @@ def checkpoints(tmp_path_factory) -> dict:
     return {maker: maker(root) for maker in makers}
 
 
-def _load(path, dtype: str, kernel: str):
+def _load(path, dtype: str, kernel: str, **options):
     quantization = "int8" if kernel.startswith("int8") else None
-    return load_model(str(path), dtype, "cpu", "cpu", kernel, quantization).model
+    options = KernelOptions(linear_kernel=kernel, quantization=quantization, **options)
+    config = checkpoint_config(resolve_checkpoint(str(path)))
+    plan = choose_model_plan(config, getattr(torch, dtype), "cpu", options)
+    return load_model(str(path), dtype, "cpu", "cpu", plan=plan).model
 
 
 def _count_stack_steps(monkeypatch) -> list[int]:
@@ -66,7 +75,7 @@ def test_stack_logits_equal_python_layers(checkpoints, monkeypatch, maker, dtype
         pytest.skip(f"{kernel} cannot run {dtype} on this CPU")
     model = _load(checkpoints[maker], dtype, kernel)
     down = model.model.layers[0].mlp.down_proj
-    assert getattr(down, "linear_decode", None) is None or down.linear_decode.kernel == kernel
+    assert down.decode is None or down.decode.name == kernel
     stack = model.decode_stack
     assert stack is not None
     calls = _count_stack_steps(monkeypatch)
@@ -87,7 +96,7 @@ def test_stack_logits_equal_python_layers(checkpoints, monkeypatch, maker, dtype
 
 
 def test_prefill_rows_and_wide_batches_stay_on_python_layers(checkpoints, monkeypatch) -> None:
-    model = _load(checkpoints[make_tiny_llama], "float32", "onednn")
+    model = _load(checkpoints[make_tiny_llama], "float32", "torch")
     calls = _count_stack_steps(monkeypatch)
     model.decode_stack.max_rows = 3  # as if the plan switched to its prefill kernel at 3 rows
     driver = PagedDriver(model, backend="cpu")
@@ -100,19 +109,17 @@ def test_prefill_rows_and_wide_batches_stay_on_python_layers(checkpoints, monkey
 def test_no_stack_where_it_could_not_match(checkpoints, monkeypatch) -> None:
     llama = checkpoints[make_tiny_llama]
     # q/k norm (Qwen3) is not in the compiled layer.
-    assert _load(checkpoints[make_tiny_qwen3], "float32", "onednn").decode_stack is None
-    monkeypatch.setenv(decode_stack_module.DISABLE_ENV, "1")
-    assert _load(llama, "float32", "onednn").decode_stack is None
-    monkeypatch.delenv(decode_stack_module.DISABLE_ENV)
-    monkeypatch.setenv(cpu_ext.DISABLE_STEP_OPS_ENV, "1")
-    assert _load(llama, "float32", "onednn").decode_stack is None
-    monkeypatch.delenv(cpu_ext.DISABLE_STEP_OPS_ENV)
+    assert _load(checkpoints[make_tiny_qwen3], "float32", "torch").decode_stack is None
+    assert _load(llama, "float32", "torch").decode_stack is not None
+    assert _load(llama, "float32", "torch", decode_stack=False).decode_stack is None
+    assert _load(llama, "float32", "torch", step_ops=False).decode_stack is None
+    assert _load(llama, "float32", "torch", attention_kernel="torch").decode_stack is None
     # The torch attention backend (classic layout) is not the extension's decode kernel.
     assert load_model(str(llama), "float32", "cpu", "torch").model.decode_stack is None
 
 
 def test_kv_cache_in_another_dtype_runs_python_layers(checkpoints, monkeypatch) -> None:
-    model = _load(checkpoints[make_tiny_llama], "float32", "onednn")
+    model = _load(checkpoints[make_tiny_llama], "float32", "torch")
     calls = _count_stack_steps(monkeypatch)
     driver = PagedDriver(model, backend="cpu")
     driver.kv_caches = [(k.bfloat16(), v.bfloat16()) for k, v in driver.kv_caches]

@@ -1,4 +1,4 @@
-"""Packed linear layers (panel GEMM and MKL) compute what F.linear computes, for any batch size."""
+"""Linear kernels (pagedattn.cpu.linear) compute what F.linear computes, for any batch size."""
 
 from __future__ import annotations
 
@@ -8,27 +8,57 @@ import pytest
 import torch
 from torch import nn
 
-from pagedattn.cpu import extension as cpu_ext
 from pagedattn.cpu.extension import flush_denormals_all_threads, keep_freed_heap_memory
-from pagedattn.model.loader import load_model
-from pagedattn.model.packed_linear import (
-    PackedLinear,
-    amx_linear,
-    linear_kernel,
-    mkl_packing_available,
-    onednn_available,
+from pagedattn.cpu.linear import (
+    LINEAR_KERNELS,
+    fitted_kernel,
+    get_kernel,
+    kernel_available,
     pack_amx,
-    pack_linear_layers,
     pack_panels,
-    panel_kernel_available,
-    panel_linear,
+    pack_weight,
     quantize_int8,
 )
+from pagedattn.model.layers import Linear, LinearKernels
+from pagedattn.model.loader import load_model
 from tests.model.tiny import make_tiny_llama
 
-needs_panels = pytest.mark.skipif(not panel_kernel_available(), reason="no AVX-512 extension")
-needs_mkl = pytest.mark.skipif(not mkl_packing_available(), reason="torch built without MKL")
-needs_amx = pytest.mark.skipif(not cpu_ext.amx_available(), reason="no AMX-BF16 on this CPU")
+needs_panels = pytest.mark.skipif(
+    not kernel_available("panels", torch.float32), reason="no vectorized panel GEMM in this build"
+)
+needs_mkl = pytest.mark.skipif(
+    not kernel_available("mkl", torch.float32), reason="torch built without MKL"
+)
+needs_amx = pytest.mark.skipif(
+    not kernel_available("amx", torch.bfloat16), reason="no AMX-BF16 on this CPU"
+)
+
+
+def pack_linear_layers(model: nn.Sequential, kernel: str) -> int:
+    """Replace each nn.Linear of ``model`` by our Linear on ``kernel``, packed from the same
+    weights; returns how many were packed (not left on F.linear)."""
+    count = 0
+    for i, m in enumerate(model):
+        layer = Linear(
+            m.in_features, m.out_features, m.bias is not None, LinearKernels(kernel, kernel)
+        )
+        layer = layer.to(m.weight.dtype)
+        layer.weight.data = m.weight.detach().clone()
+        if m.bias is not None:
+            layer.bias.data = m.bias.detach().clone()
+        layer.process_weights_after_loading()
+        count += layer.decode is not None
+        model[i] = layer
+    return count
+
+
+def panel_linear(x, panels, out_features, bias):
+    """The panel kernel on already packed panels (what a packed Linear calls)."""
+    from pagedattn.cpu.linear import PackedLinear
+
+    kernel = get_kernel("panels")
+    packed = PackedLinear(kernel, out_features, panels.shape[1], panels, None, bias)
+    return kernel.apply(packed, x)
 
 
 @needs_mkl
@@ -40,17 +70,19 @@ def test_mkl_packed_linear_matches_f_linear(num_tokens):
     with torch.no_grad():
         expected = model(x)
         assert pack_linear_layers(model, "mkl") == 2
-        assert all(m.linear_decode.kernel == "mkl" for m in model)
+        assert all(m.decode.name == "mkl" for m in model)
         got = model(x)
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.skipif(not onednn_available(torch.float32), reason="torch built without oneDNN")
+@pytest.mark.skipif(
+    not kernel_available("onednn", torch.float32), reason="torch built without oneDNN"
+)
 @pytest.mark.parametrize("num_tokens", [0, 1, 7, 32, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_onednn_packed_linear_matches_f_linear(num_tokens, dtype):
-    if not onednn_available(dtype):
+    if not kernel_available("onednn", dtype):
         pytest.skip(f"oneDNN cannot run {dtype} here")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(96, 160), nn.Linear(160, 48, bias=False)).to(dtype)
@@ -58,7 +90,7 @@ def test_onednn_packed_linear_matches_f_linear(num_tokens, dtype):
     with torch.no_grad():
         expected = model(x)
         assert pack_linear_layers(model, "onednn") == 2
-        assert all(m.linear_decode.kernel == "onednn" and m.weight.numel() == 0 for m in model)
+        assert all(m.decode.name == "onednn" and m.weight is None for m in model)
         got = model(x)
     assert got.shape == expected.shape and got.dtype == dtype
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -77,7 +109,7 @@ def test_panel_linear_matches_f_linear_fp32(num_tokens, out_features):
         expected = model(x)
         assert pack_linear_layers(model, "panels") == 2
         got = model(x)
-    assert all(m.weight.numel() == 0 for m in model)  # the panels are the only copy
+    assert all(m.weight is None for m in model)  # the panels are the only copy
     assert got.shape == expected.shape
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
@@ -134,21 +166,19 @@ def test_panels_interleave_bf16_halves():
     assert torch.equal(pack_panels(w.float())[0, 1, :4], torch.tensor([1.0, 3.0, 5.0, 7.0]))
 
 
-def test_linear_kernel_env(monkeypatch):
-    monkeypatch.setenv("PAGEDATTN_LINEAR", "torch")
-    assert linear_kernel() == "torch"
-    model = nn.Linear(8, 8)
-    assert pack_linear_layers(model) == 0
-    monkeypatch.setenv("PAGEDATTN_LINEAR", "fast")
-    with pytest.raises(ValueError, match="PAGEDATTN_LINEAR='fast' is invalid"):
-        linear_kernel()
+def test_kernel_registry_names_every_kernel_and_refuses_unknown_ones():
+    assert set(LINEAR_KERNELS) == {"panels", "amx", "mkl", "onednn", "torch", "int8", "int8_amx"}
+    assert len({k.cpp_id for k in LINEAR_KERNELS.values()}) == len(LINEAR_KERNELS)
+    with pytest.raises(ValueError, match="linear kernel 'fast' is invalid"):
+        get_kernel("fast")
+    assert kernel_available("torch", torch.float16)
 
 
-def test_float16_layers_are_left_alone():
-    model = nn.Linear(16, 16).half()
-    assert pack_linear_layers(model, "panels") == 0
+def test_float16_layers_run_on_f_linear():
+    model = nn.Sequential(nn.Linear(16, 16)).half()
+    assert fitted_kernel(model[0].weight, "panels") == "torch"
     assert pack_linear_layers(model, "mkl") == 0
-    assert model.weight.shape == (16, 16)
+    assert model[0].weight.shape == (16, 16)
 
 
 def test_flush_denormals_reaches_the_worker_threads():
@@ -191,7 +221,7 @@ def test_int8_weights_compute_the_dequantised_product(dtype):
     with torch.no_grad():
         expected = (x.float() @ dequantised.t() + first.bias.float()).to(dtype)
         assert pack_linear_layers(model, "int8") == 2
-        assert model[0].linear_decode.kernel == "int8"
+        assert model[0].decode.name == "int8"
         got = model[0](x)
         assert model(torch.randn(2, 3, 96, dtype=dtype)).shape == (2, 3, 48)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
@@ -215,7 +245,7 @@ def test_amx_linear_is_a_bf16_gemm_with_fp32_accumulation(num_tokens, out_featur
     w = torch.randn(out_features, 96).to(torch.bfloat16)
     x = torch.randn(num_tokens, 96).to(torch.bfloat16)
     bias = torch.randn(out_features)
-    got = amx_linear(x, pack_amx(w), out_features, bias)
+    got = pack_weight("amx", w, bias)(x)
     exact = x.double() @ w.double().T + bias.double()
     assert got.dtype == torch.bfloat16 and got.shape == (num_tokens, out_features)
     # fp32 sums in another order, then one rounding to bf16 (a relative step of 2^-8).
@@ -231,7 +261,7 @@ def test_amx_layers_fall_back_where_the_tiles_do_not_fit():
     with torch.no_grad():
         expected = model(x)
         assert pack_linear_layers(model, "amx") == 1  # 40 outputs: not whole 16-column tiles
-        assert model[0].linear_decode.kernel == "amx"
+        assert model[0].decode.name == "amx"
         got = model(x)
     torch.testing.assert_close(got.float(), expected.float(), atol=3e-2, rtol=3e-2)
 
@@ -240,7 +270,7 @@ def test_amx_layers_fall_back_where_the_tiles_do_not_fit():
 def test_int8_layers_stay_int8_where_the_tiles_do_not_fit():
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 40)).to(torch.bfloat16)
     assert pack_linear_layers(model, "int8_amx") == 2
-    assert [m.linear_decode.kernel for m in model] == ["int8_amx", "int8"]
+    assert [m.decode.name for m in model] == ["int8_amx", "int8"]
 
 
 @needs_amx
@@ -251,8 +281,8 @@ def test_lm_head_that_is_not_whole_tiles_falls_back(tmp_path, kernel, quantizati
     # A 120-token vocabulary: the LM head is not whole 16-column tiles (it used to fail to pack).
     path = make_tiny_llama(tmp_path, vocab_size=120)
     model = load_model(str(path), "bfloat16", "cpu", "cpu", kernel, quantization).model
-    assert model.model.layers[0].mlp.down_proj.linear_decode.kernel == kernel
-    assert (model._lm_head and model._lm_head.kernel) == head
+    assert model.model.layers[0].mlp.down_proj.decode.name == kernel
+    assert (model.lm_head.decode and model.lm_head.decode.name) == head
     hidden = torch.randn(3, model.model.embed_tokens.weight.shape[1], dtype=torch.bfloat16)
     assert model.compute_logits(hidden).shape == (3, 120)
 
@@ -264,10 +294,10 @@ def test_int8_weights_on_amx_compute_what_the_int8_kernel_computes(num_tokens):
     w = torch.randn(48, 96).to(torch.bfloat16)
     bias = torch.randn(48).to(torch.bfloat16)
     x = torch.randn(num_tokens, 96).to(torch.bfloat16)
-    amx = PackedLinear("int8_amx", w, bias)
-    assert amx.packed.dtype == torch.int8 and amx.packed.shape == (3, 3, 16, 16, 2)
-    reference = PackedLinear("int8", w, bias)  # torch's weight-only int8 kernel
-    assert torch.equal(amx.scales, reference.scales.float())  # the very same int8 weights
+    amx = pack_weight("int8_amx", w, bias)
+    assert amx.a.dtype == torch.int8 and amx.a.shape == (3, 3, 16, 16, 2)
+    reference = pack_weight("int8", w, bias)  # torch's weight-only int8 kernel
+    assert torch.equal(amx.b, reference.b.float())  # the very same int8 weights
     # The dequantised weights times x, summed exactly, then one bf16 rounding (ours) against
     # torch's kernel: both within bf16 steps of the exact product of the same int8 weights.
     q, scales = quantize_int8(w)

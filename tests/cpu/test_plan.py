@@ -9,39 +9,48 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from pagedattn.cpu import extension as cpu_ext
-from pagedattn.model import kernel_tuner
-from pagedattn.model.kernel_tuner import (
-    DECODE_ROWS,
-    PREFILL_ROWS,
-    candidates,
-    measure_kernels,
-    plan_for_shapes,
-    tune,
+from pagedattn.cpu import plan as plan_module
+from pagedattn.cpu import tuner
+from pagedattn.cpu.linear import KERNELS, candidates
+from pagedattn.cpu.plan import (
+    KernelChoiceError,
+    KernelOptions,
+    KernelPlan,
+    ModelShapes,
+    choose_plan,
+    model_shapes,
 )
+from pagedattn.cpu.tuner import DECODE_ROWS, PREFILL_ROWS, measure_kernels
+from pagedattn.model.layers import Linear, LinearKernels
 from pagedattn.model.loader import load_model
-from pagedattn.model.packed_linear import LinearPlan, pack_linear_layers
+from pagedattn.model.text_config import TextConfig
 from tests.model.paged_driver import PagedDriver
 from tests.model.test_parity import generate_paged, make_prompts
 from tests.model.tiny import make_tiny_gemma3, make_tiny_llama
 
-LAYER = [(96, 32), (32, 32), (128, 32), (32, 64)]
+LAYER = ((96, 32), (32, 32), (128, 32), (32, 64))
 HEAD = (256, 32)
+SHAPES = ModelShapes(LAYER, HEAD, num_heads=4, num_kv_heads=2, head_size=32)
 FP32_KERNELS = candidates(torch.float32)
+# Every candidate there could be (tables answer for all, whatever this machine offers).
+ALL = (*KERNELS,)
 
 
 @pytest.fixture(autouse=True)
 def private_cache(monkeypatch, tmp_path):
-    """Each test gets its own plan cache, no forced kernel, a quiet machine and one thread (so
-    no thread-count measurement, unless the test asks for more threads)."""
+    """Each test gets its own plan cache, a quiet machine and one thread (so no thread-count
+    measurement, unless the test asks for more threads)."""
     monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(kernel_tuner, "machine_busy", lambda: False)
-    monkeypatch.delenv("PAGEDATTN_LINEAR", raising=False)
+    monkeypatch.setattr(tuner, "machine_busy", lambda: False)
     monkeypatch.delenv("PAGEDATTN_RETUNE", raising=False)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def choose(measure=None, shapes=SHAPES, dtype=torch.float32, attention=None, **options):
+    return choose_plan(shapes, dtype, KernelOptions(**options), attention, measure_linear=measure)
 
 
 def threaded_measure(per_thread: dict[int, float]):
@@ -58,45 +67,81 @@ def threaded_measure(per_thread: dict[int, float]):
 )
 def test_thread_count_is_measured_and_one_thread_kept_only_when_it_wins(one, two, chosen):
     # 0.95 against 1.0: one thread 5% faster is within a busy moment's noise, so all threads stay.
+    if len(FP32_KERNELS) < 2:
+        pytest.skip("one linear kernel: nothing is measured")
     torch.set_num_threads(2)
-    result = tune(LAYER, HEAD, torch.float32, threaded_measure({1: one, 2: two}))
-    assert result.plan.threads == chosen
-    assert result.times["threads_decode"] == {"2": two, "1": one}
+    plan = choose(threaded_measure({1: one, 2: two}))
+    assert plan.threads == chosen
     assert torch.get_num_threads() == 2  # measuring on one thread leaves the setting alone
 
 
 def test_busy_machine_measures_no_thread_count(monkeypatch):
-    monkeypatch.setattr(kernel_tuner, "machine_busy", lambda: True)
+    monkeypatch.setattr(tuner, "machine_busy", lambda: True)
     torch.set_num_threads(2)
-    result = tune(LAYER, HEAD, torch.float32, threaded_measure({1: 1.0, 2: 2.0}))
-    assert result.plan.threads == 0 and "threads_decode" not in result.times
+    assert choose(threaded_measure({1: 1.0, 2: 2.0})).threads == 0
 
 
-def test_attention_kernel_is_measured_and_the_fastest_chosen(monkeypatch):
-    shape = kernel_tuner.AttentionShape(num_heads=4, num_kv_heads=2, head_size=32)
-    table = {r: dict.fromkeys(FP32_KERNELS, 1.0) for r in (DECODE_ROWS, PREFILL_ROWS)}
-    result = tune(LAYER, HEAD, torch.float32, fake_measure(table), attention=shape)
-    times = result.times["attention"]
-    assert "torch" in times and all(t > 0 for t in times.values())
-    assert result.plan.attention == min(times, key=times.get)
-    slow_compiled = {"compiled": 2.0, "torch": 1.0}
-    monkeypatch.setattr(kernel_tuner, "measure_attention", lambda shape, dtype: slow_compiled)
-    result = tune(LAYER, HEAD, torch.float32, fake_measure(table), attention=shape)
-    assert result.plan.attention == "torch"
-    assert "decode attention torch" in result.plan.describe()
+def test_attention_kernel_is_measured_and_the_fastest_chosen():
+    table = {r: dict.fromkeys(ALL, 1.0) for r in (DECODE_ROWS, PREFILL_ROWS)}
+    seen = []
+
+    def slow_compiled(kernels, dtype):
+        seen.append(list(kernels))
+        return {k: 2.0 if k == "compiled" else 1.0 for k in kernels}
+
+    plan = choose(fake_measure(table), attention=slow_compiled)
+    usable = [
+        k for k in ("compiled", "amx", "torch") if plan_module.attention_available(k, torch.float32)
+    ]
+    if len(usable) > 1:
+        assert seen == [usable] and plan.attention == "torch"
+        assert "decode attention torch" in plan.describe()
+    else:
+        assert plan.attention == usable[0]
 
 
-def test_plan_with_torch_attention_runs_decode_on_pytorch(tmp_path, monkeypatch):
-    monkeypatch.setattr(
-        kernel_tuner,
-        "plan_for_model",
-        lambda model: LinearPlan.single("torch")._replace(attention="torch"),
-    )
-    model = load_model(str(make_tiny_llama(tmp_path)), "float32", "cpu", "cpu").model
+def test_forced_torch_attention_runs_decode_on_pytorch(tmp_path):
+    path = make_tiny_llama(tmp_path)
+    plan = choose(attention_kernel="torch", linear_kernel="torch")
+    model = load_model(str(path), "float32", "cpu", "cpu", plan=plan).model
     backend = model.model.layers[0].self_attn.attn.backend
-    assert backend.uses_extension == (cpu_ext.get_extension() is not None)
     assert not backend.uses_compiled_decode
     assert model.decode_stack is None
+
+
+def test_a_kernel_this_cpu_cannot_run_is_an_error_naming_what_can():
+    if plan_module.attention_available("amx", torch.float32):
+        pytest.skip("amx attention runs float32 here")
+    with pytest.raises(KernelChoiceError, match="attention kernel 'amx' cannot run float32"):
+        choose(attention_kernel="amx")
+    if not plan_module.get_linear_kernel("amx").available(torch.float32):
+        with pytest.raises(KernelChoiceError, match="linear kernel 'amx' cannot run float32"):
+            choose(linear_kernel="amx")
+    with pytest.raises(ValueError, match="linear_kernel='fastest' is invalid"):
+        KernelOptions(linear_kernel="fastest")
+    with pytest.raises(ValueError, match="add quantization='int8'"):
+        KernelOptions(linear_kernel="int8")
+
+
+def test_model_shapes_come_from_the_config_alone():
+    config = TextConfig.from_dict(
+        {
+            "model_type": "llama",
+            "vocab_size": 100,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 128,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+        }
+    )
+    shapes = model_shapes(config)
+    # fused qkv (4 + 2 * 2 heads of 16), o, fused gate/up, down; per layer; then the head
+    assert shapes.layers == ((128, 64), (64, 64), (192, 64), (64, 96)) * 2
+    assert shapes.head == (100, 64) and shapes.head_size == 16
 
 
 def fake_measure(table: dict[int, dict[str, float]], calls: list | None = None):
@@ -112,70 +157,64 @@ def fake_measure(table: dict[int, dict[str, float]], calls: list | None = None):
 
 def test_tuner_picks_the_fastest_kernel_per_regime():
     table = {
-        DECODE_ROWS: {"panels": 1.0, "mkl": 2.0, "onednn": 3.0, "torch": 4.0},
-        PREFILL_ROWS: {"panels": 9.0, "mkl": 5.0, "onednn": 2.0, "torch": 3.0},
-        64: {"panels": 1.0, "onednn": 1.5},
-        128: {"panels": 2.0, "onednn": 1.9},  # onednn starts winning at 128 rows
-        256: {"panels": 4.0, "onednn": 2.0},
+        DECODE_ROWS: {"panels": 1.0, "amx": 6.0, "mkl": 2.0, "onednn": 3.0, "torch": 4.0},
+        PREFILL_ROWS: {"panels": 9.0, "amx": 6.0, "mkl": 5.0, "onednn": 2.0, "torch": 3.0},
+        64: dict.fromkeys(ALL, 1.0) | {"onednn": 1.5},
+        128: dict.fromkeys(ALL, 2.0) | {"onednn": 1.9},  # onednn starts winning at 128 rows
+        256: dict.fromkeys(ALL, 4.0) | {"onednn": 2.0},
     }
-    # The head (measured at decode rows) follows the decode table.
-    result = tune(LAYER * 3, HEAD, torch.float32, fake_measure(table))
-    kernels = candidates(torch.float32)
+    plan = choose(fake_measure(table), shapes=SHAPES._replace(layers=LAYER * 3))
+    kernels = FP32_KERNELS
+    if len(kernels) < 2:
+        assert plan.linear_decode == plan.linear_prefill == kernels[0]
+        return
     expected_decode = min(kernels, key=lambda k: table[DECODE_ROWS][k])
     expected_prefill = min(kernels, key=lambda k: table[PREFILL_ROWS][k])
-    assert result.plan.decode == expected_decode
-    assert result.plan.prefill == expected_prefill
-    assert result.plan.head == expected_decode
-    if {"panels", "onednn"} <= set(kernels):
-        assert result.plan == LinearPlan("panels", "onednn", "panels", 128)
-    assert set(result.times["decode"]) == set(kernels)
+    assert plan.linear_decode == expected_decode
+    assert plan.linear_prefill == expected_prefill
+    assert plan.linear_head == expected_decode  # the head is timed at decode rows
+    if expected_decode != expected_prefill and {expected_prefill} == {"onednn"}:
+        assert plan.prefill_rows == 128
 
 
 def test_same_winner_needs_no_split_measurement():
-    table = {
-        r: {"panels": 3.0, "mkl": 3.0, "onednn": 3.0, "torch": 1.0}
-        for r in (DECODE_ROWS, PREFILL_ROWS)
-    }
+    table = {r: dict.fromkeys(ALL, 3.0) | {"torch": 1.0} for r in (DECODE_ROWS, PREFILL_ROWS)}
     calls: list = []
-    result = tune(LAYER, HEAD, torch.float32, fake_measure(table, calls))
-    assert result.plan == LinearPlan("torch", "torch", "torch")
-    assert [rows for _, rows in calls] == [DECODE_ROWS, PREFILL_ROWS, DECODE_ROWS]
+    plan = choose(fake_measure(table, calls))
+    assert (plan.linear_decode, plan.linear_prefill, plan.linear_head) == ("torch",) * 3
+    if len(FP32_KERNELS) > 1:
+        assert [rows for _, rows in calls] == [DECODE_ROWS, PREFILL_ROWS, DECODE_ROWS]
 
 
 def test_plan_is_cached_and_retune_measures_again(monkeypatch, capsys):
-    table = {
-        r: {k: (0.5 if k == "torch" else 1.0) for k in FP32_KERNELS}
-        for r in (DECODE_ROWS, PREFILL_ROWS)
-    }
+    if len(FP32_KERNELS) < 2:
+        pytest.skip("one linear kernel: nothing is measured or cached")
+    table = {r: dict.fromkeys(ALL, 1.0) | {"torch": 0.5} for r in (DECODE_ROWS, PREFILL_ROWS)}
     calls: list = []
-    plan = plan_for_shapes(LAYER, HEAD, torch.float32, fake_measure(table, calls))
-    assert plan == LinearPlan.single("torch") and len(calls) == 3
-    assert "linear torch (measured in" in capsys.readouterr().err
+    plan = choose(fake_measure(table, calls))
+    assert plan.linear_decode == "torch" and len(calls) == 3
+    assert "linear torch, decode attention" in capsys.readouterr().err
 
     def must_not_measure(kernels, shapes, rows):
         raise AssertionError("a cached plan was measured again")
 
-    assert plan_for_shapes(LAYER, HEAD, torch.float32, must_not_measure) == plan
-    # Another dtype or other shapes are another entry.
-    other = plan_for_shapes([(64, 32)], HEAD, torch.float32, fake_measure(table, calls))
+    assert choose(must_not_measure) == plan
+    # Other shapes are another entry.
+    other = choose(fake_measure(table, calls), shapes=SHAPES._replace(layers=((64, 32),)))
     assert other == plan and len(calls) == 6
 
     monkeypatch.setenv("PAGEDATTN_RETUNE", "1")
-    slow_torch = {
-        r: {k: (9.0 if k == "torch" else 1.0) for k in FP32_KERNELS}
-        for r in (DECODE_ROWS, PREFILL_ROWS)
-    }
-    retuned = plan_for_shapes(LAYER, HEAD, torch.float32, fake_measure(slow_torch))
-    assert retuned.decode == FP32_KERNELS[0] != "torch"
+    slow_torch = {r: dict.fromkeys(ALL, 1.0) | {"torch": 9.0} for r in (DECODE_ROWS, PREFILL_ROWS)}
+    retuned = choose(fake_measure(slow_torch))
+    assert retuned.linear_decode == FP32_KERNELS[0] != "torch"
     monkeypatch.delenv("PAGEDATTN_RETUNE")
-    assert plan_for_shapes(LAYER, HEAD, torch.float32, must_not_measure) == retuned
+    assert choose(must_not_measure) == retuned
 
 
 def test_busy_machine_measures_on_one_thread_and_again_when_quiet(monkeypatch, capsys):
-    table = {
-        r: {k: (0.5 if k == "torch" else 1.0) for k in FP32_KERNELS}
-        for r in (DECODE_ROWS, PREFILL_ROWS)
-    }
+    if len(FP32_KERNELS) < 2:
+        pytest.skip("one linear kernel: nothing is measured")
+    table = {r: dict.fromkeys(ALL, 1.0) | {"torch": 0.5} for r in (DECODE_ROWS, PREFILL_ROWS)}
     seen_threads: list[int] = []
 
     def measure(kernels, shapes, rows):
@@ -183,49 +222,41 @@ def test_busy_machine_measures_on_one_thread_and_again_when_quiet(monkeypatch, c
         return {k: table[rows][k] for k in kernels}
 
     threads = torch.get_num_threads()
-    monkeypatch.setattr(kernel_tuner, "machine_busy", lambda: True)
-    plan_for_shapes(LAYER, HEAD, torch.float32, measure)
+    monkeypatch.setattr(tuner, "machine_busy", lambda: True)
+    choose(measure)
     assert set(seen_threads) == {1} and torch.get_num_threads() == threads
     assert "on 1 thread, the machine being busy" in capsys.readouterr().err
-    plan_for_shapes(LAYER, HEAD, torch.float32, measure)  # still busy: the plan stands
+    choose(measure)  # still busy: the plan stands
     assert len(seen_threads) == 3
-    monkeypatch.setattr(kernel_tuner, "machine_busy", lambda: False)
-    plan_for_shapes(LAYER, HEAD, torch.float32, measure)  # quiet: measured again, all threads
+    monkeypatch.setattr(tuner, "machine_busy", lambda: False)
+    choose(measure)  # quiet: measured again, all threads
     assert seen_threads[3:] == [threads] * 3
-    plan_for_shapes(LAYER, HEAD, torch.float32, measure)
+    choose(measure)
     assert len(seen_threads) == 6
 
 
-def test_forced_kernel_skips_measuring_and_is_used(monkeypatch, tmp_path):
-    forced = FP32_KERNELS[0]
-    monkeypatch.setenv("PAGEDATTN_LINEAR", forced)
-
+@pytest.mark.parametrize("forced", FP32_KERNELS)
+def test_forced_kernel_skips_measuring_and_is_used(tmp_path, forced):
     def must_not_measure(kernels, shapes, rows):
         raise AssertionError("a forced kernel was measured")
 
-    assert plan_for_shapes(LAYER, HEAD, torch.float32, must_not_measure) == LinearPlan.single(
-        forced
-    )
-    model = load_model(str(make_tiny_llama(tmp_path)), "float32", "cpu", "torch").model
-    head = getattr(model, "lm_head", None)  # untied: packed as the LM head, not as a layer
-    layers = [m for m in model.modules() if isinstance(m, nn.Linear) and m is not head]
-    assert layers
+    plan = choose(must_not_measure, linear_kernel=forced)
+    assert (plan.linear_decode, plan.linear_prefill, plan.linear_head) == (forced,) * 3
+    loaded = load_model(str(make_tiny_llama(tmp_path)), "float32", "cpu", "torch", forced)
+    model = loaded.model
+    layers = [m for m in model.modules() if isinstance(m, Linear)]
+    assert layers and loaded.plan.linear_decode == forced
     if forced == "torch":
-        assert all(not hasattr(m, "linear_decode") for m in layers)
+        assert all(m.decode is None for m in layers)
     else:
-        assert all(m.linear_decode.kernel == forced for m in layers)
-        assert model._lm_head.kernel == forced
-    assert model.linear_plan == LinearPlan.single(forced)
-    monkeypatch.setenv("PAGEDATTN_LINEAR", "fastest")
-    with pytest.raises(ValueError, match="PAGEDATTN_LINEAR='fastest' is invalid"):
-        plan_for_shapes(LAYER, HEAD, torch.float32, must_not_measure)
+        assert all(m.decode.name == forced for m in layers)  # the untied LM head too
 
 
 def test_real_measurement_times_every_candidate():
-    times = measure_kernels(FP32_KERNELS, LAYER, 8, torch.float32)
+    times = measure_kernels(FP32_KERNELS, list(LAYER), 8, torch.float32)
     assert set(times) == set(FP32_KERNELS)
     assert all(0 < t < 1 for t in times.values())
-    assert kernel_tuner.decode_shapes(LAYER * 1000, torch.float32)[: len(LAYER)] == LAYER
+    assert tuple(tuner.decode_shapes(LAYER * 1000, torch.float32)[: len(LAYER)]) == LAYER
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -235,16 +266,15 @@ def test_split_plan_runs_each_kernel_on_its_rows(dtype):
         pytest.skip("one kernel only")
     torch.manual_seed(0)
     # NOTE: shapes every kernel takes (the AMX tiles need K % 32 == 0 and N % 16 == 0).
-    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32, bias=False)).to(dtype)
-    plan = LinearPlan(kernels[0], kernels[1], kernels[0], prefill_rows=8)
+    ref = nn.Linear(64, 96).to(dtype)
+    layer = Linear(64, 96, True, LinearKernels(kernels[0], kernels[1], 8)).to(dtype)
+    layer.weight.data, layer.bias.data = ref.weight.detach().clone(), ref.bias.detach().clone()
     with torch.inference_mode():
         few, many = torch.randn(7, 64, dtype=dtype), torch.randn(3, 8, 64, dtype=dtype)
-        expected = (model(few), model(many))
-        assert pack_linear_layers(model, plan) == 2
-        assert model[0].linear_decode.kernel == kernels[0]
-        assert model[0].linear_prefill.kernel == kernels[1]
-        assert model[0].weight.numel() == 0
-        got = (model(few), model(many))
+        expected = (ref(few), ref(many))
+        layer.process_weights_after_loading()
+        assert layer.decode.name == kernels[0] and layer.prefill.name == kernels[1]
+        got = (layer(few), layer(many))
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for g, e in zip(got, expected, strict=True):
         assert g.shape == e.shape and g.dtype == dtype
@@ -256,14 +286,18 @@ def test_every_float32_kernel_keeps_hf_greedy_tokens(maker, tmp_path: Path):
     path = maker(tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     prompts = make_prompts(hf.config.vocab_size)
-    plans = [LinearPlan.single(k) for k in FP32_KERNELS]
-    if len(FP32_KERNELS) >= 2:  # a split plan: prefill chunks and decode rows on different kernels
-        plans.append(LinearPlan(FP32_KERNELS[0], FP32_KERNELS[-2], FP32_KERNELS[-1], 4))
+    attention = [
+        k for k in ("compiled", "torch") if plan_module.attention_available(k, torch.float32)
+    ]
+    fixed = {"decode_stack": True, "step_ops": True}
+    plans = [KernelPlan.single(k, attention=attention[0], **fixed) for k in FP32_KERNELS]
+    # a split plan: prefill chunks and decode rows on different kernels, PyTorch attention
+    plans.append(
+        KernelPlan(FP32_KERNELS[0], FP32_KERNELS[-1], FP32_KERNELS[-1], 4, attention[-1], **fixed)
+    )
     for plan in plans:
-        # NOTE: "torch" leaves every weight as loaded, so the model can be packed with the plan.
         # The cpu attention backend: Llama's decode steps then run on the compiled decode stack.
-        model = load_model(str(path), "float32", "cpu", "cpu", linear_kernel="torch").model
-        model.pack_for_cpu(plan)
+        model = load_model(str(path), "float32", "cpu", "cpu", plan=plan).model
         tokens, logits = generate_paged(model, prompts, block_size=4, backend="cpu")
         for prompt, seq, rows in zip(prompts, tokens, logits, strict=True):
             with torch.no_grad():
@@ -276,7 +310,8 @@ def test_int8_quantized_model_tracks_float32(tmp_path: Path):
     path = str(make_tiny_llama(tmp_path))
     ref = load_model(path, "float32", "cpu", "torch", linear_kernel="torch").model
     q8 = load_model(path, "float32", "cpu", "torch", quantization="int8").model
-    assert q8.linear_plan == LinearPlan.single("int8") and q8._lm_head.kernel == "int8"
+    assert q8.lm_head.decode.name == "int8"
+    assert q8.model.layers[0].mlp.down_proj.decode.name == "int8"
     prompt = make_prompts(128)[0]
     expected = PagedDriver(ref).step([(0, prompt)])[0]
     got = PagedDriver(q8).step([(0, prompt)])[0]

@@ -217,14 +217,23 @@ def test_prompt_logprobs_score_every_prompt_token(llm):
 
 
 def test_linear_kernel_and_quantization_options_reach_the_model(tmp_path):
+    import torch
+
+    from pagedattn.cpu.linear import candidates
+
     path = make_tiny_llama(tmp_path)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    ref = LLM(path, dtype="float32", num_blocks=32, block_size=4, linear_kernel="panels")
+    # NOTE: the first kernel this machine offers (panels, amx, mkl, onednn or torch).
+    fastest = candidates(torch.float32)[0]
+    ref = LLM(path, dtype="float32", num_blocks=32, block_size=4, linear_kernel=fastest)
     forced = LLM(path, dtype="float32", num_blocks=32, block_size=4, linear_kernel="torch")
-    assert "torch" in str(forced.engine.model.linear_plan)
-    assert "panels" in str(ref.engine.model.linear_plan)
+    assert forced.engine.runner.plan.linear_decode == "torch"
+    assert ref.engine.runner.plan.linear_decode == fastest
+    down = ref.engine.model.model.layers[0].mlp.down_proj
+    assert fastest == "torch" or down.decode.name == fastest
     expected = ref.generate([PROMPT], params)[0].outputs[0].token_ids
     assert forced.generate([PROMPT], params)[0].outputs[0].token_ids == expected
     quant = LLM(path, dtype="float32", num_blocks=32, block_size=4, quantization="int8")
-    assert "int8" in str(quant.engine.model.linear_plan)
+    assert quant.engine.runner.plan.linear_decode.startswith("int8")
+    assert quant.engine.model.model.layers[0].mlp.down_proj.decode.name.startswith("int8")
     assert len(quant.generate([PROMPT], params)[0].outputs[0].token_ids) == 6

@@ -70,7 +70,7 @@ def test_tiny_gguf_matches_hf(tmp_path: Path, arch: str) -> None:
             final_logit_softcapping=None,
         )
     gguf_path = write_gguf(hf_dir, tmp_path / f"{arch}.gguf", arch)
-    model, config = build_model(GGUFCheckpoint(gguf_path), "float32", "cpu", "torch")
+    model, config, _ = build_model(GGUFCheckpoint(gguf_path), "float32", "cpu", "torch")
     if arch == "gemma3":
         assert config.layer_types[5] == "full_attention"
         assert model.kv_cache_group_windows() == [4, None]
