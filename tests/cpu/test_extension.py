@@ -14,8 +14,7 @@ import torch
 from pagedattn.attention.backends import get_attn_backend
 from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.cpu import extension as cpu_ext
-
-from ..paged_case import assert_matches_dense, dense_reference, make_case, mixed_specs
+from tests.attention.paged_case import assert_matches_dense, dense_reference, make_case, mixed_specs
 
 DTYPES = [torch.float32, torch.bfloat16]
 TOLERANCES = {torch.float32: 2e-4, torch.bfloat16: 3e-2}
@@ -185,10 +184,10 @@ def test_build_failure_falls_back_once(monkeypatch, tmp_path, caplog):
 
 
 def test_disable_env_turns_kernel_off(monkeypatch):
-    monkeypatch.setenv(cpu_ext.DISABLE_ENV, "1")
+    monkeypatch.setenv("PAGEDATTN_DISABLE_CPU_EXT", "1")
     assert cpu_ext.get_extension() is None
     assert not CpuBackend().uses_extension
-    monkeypatch.delenv(cpu_ext.DISABLE_ENV)
+    monkeypatch.delenv("PAGEDATTN_DISABLE_CPU_EXT")
     assert CpuBackend().uses_extension
 
 

@@ -161,11 +161,9 @@ def test_compiled_argmax_first_index_and_nan():
     assert got.tolist()[1:5] == [10, 999, 5, 0]
 
 
-def test_step_ops_can_be_switched_off(monkeypatch):
-    monkeypatch.setenv("PAGEDATTN_DISABLE_STEP_OPS", "1")
-    assert cpu_ext.step_ops() is None
+def test_step_ops_can_be_switched_off():
+    assert cpu_ext.step_ops(enabled=False) is None
     x = torch.randn(4, 64)
-    norm = RMSNorm(64, 1e-6)
+    norm = RMSNorm(64, 1e-6, step_ops=False)
     assert torch.equal(norm(x), _reference_rms_norm(x, norm.weight, norm.eps))
-    monkeypatch.setenv("PAGEDATTN_DISABLE_STEP_OPS", "0")
     assert cpu_ext.step_ops() is cpu_ext.get_extension()
