@@ -162,7 +162,10 @@ class OpenAIIngress:
         return self.hasher.block_hashes(tokens, salt)
 
     def _prefix_ids(self, text: str, add_special_tokens: bool) -> list[int]:
-        ids = list(self.hasher.tokenizer.encode(text[:ROUTING_PREFIX_CHARS], add_special_tokens))
+        ids = self.hasher.tokenizer.encode(
+            text[:ROUTING_PREFIX_CHARS], add_special_tokens=add_special_tokens
+        )
+        ids = list(ids)
         if len(text) > ROUTING_PREFIX_CHARS:
             ids = ids[:-1]  # NOTE: the cut may split the last token differently from the whole
         return ids
