@@ -169,8 +169,17 @@ class CacheConfig:
 class SchedulerConfig:
     """Continuous batching limits and the preemption policy."""
 
-    max_num_batched_tokens: int = option(
-        2048, "tokens per engine step (the budget that long prompts are prefilled in chunks of)"
+    max_num_batched_tokens: int | None = option(
+        None,
+        "tokens per engine step (the budget that long prompts are prefilled in chunks of); "
+        "overrides the budget chosen from measured step times",
+        default_text="from --target-step-time, up to 2048",
+    )
+    target_step_time: float = option(
+        0.5,
+        "seconds one engine step aims at when --max-num-batched-tokens is not given: the "
+        "prefill chunk is sized from the measured cost per token, so that streams decoding "
+        "beside a long prompt are not stalled",
     )
     max_num_seqs: int = option(128, "sequences running at once")
     max_model_len: int | None = option(
@@ -189,8 +198,13 @@ class SchedulerConfig:
 
     def __post_init__(self) -> None:
         _require(
-            self.max_num_batched_tokens >= 1,
-            f"max_num_batched_tokens={self.max_num_batched_tokens!r} is invalid: use >= 1",
+            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+            f"max_num_batched_tokens={self.max_num_batched_tokens!r} is invalid: use >= 1 or "
+            "None (chosen from --target-step-time)",
+        )
+        _require(
+            isinstance(self.target_step_time, int | float) and 0 < self.target_step_time <= 60,
+            f"target_step_time={self.target_step_time!r} is invalid: use seconds in (0, 60]",
         )
         _require(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs!r} is invalid: use >= 1")
         _require(

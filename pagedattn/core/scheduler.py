@@ -16,6 +16,7 @@ from pagedattn.core.scheduler_output import (
     SchedulerOutput,
     SchedulerStats,
 )
+from pagedattn.core.step_budget import DEFAULT_MAX_STEP_TOKENS, StepTokenBudget
 from pagedattn.core.stop import check_token_stop, derive_seed
 
 if TYPE_CHECKING:
@@ -66,6 +67,13 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_req_ids: set[str] = set()
         self.num_preemptions_total = 0
+        # NOTE: without chunked prefill a prompt must fit one step: the budget is then fixed.
+        fixed = scheduler_config.max_num_batched_tokens
+        if fixed is None and not scheduler_config.enable_chunked_prefill:
+            fixed = DEFAULT_MAX_STEP_TOKENS
+        self.step_budget = StepTokenBudget(
+            fixed, scheduler_config.target_step_time, min_tokens=scheduler_config.max_num_seqs
+        )
 
     # Requests in and out.
 
@@ -146,11 +154,11 @@ class Scheduler:
         Beam search needs this: its beams advance in lockstep.
         """
         config = self.scheduler_config
-        if num_seqs > config.max_num_seqs or num_seqs > config.max_num_batched_tokens:
+        min_budget = self.step_budget.min_tokens
+        if num_seqs > config.max_num_seqs or num_seqs > min_budget:
             raise RequestRejectedError(
                 f"{num_seqs} sequences in lockstep need max_num_seqs and max_num_batched_tokens "
-                f">= {num_seqs} (they are {config.max_num_seqs} and "
-                f"{config.max_num_batched_tokens})"
+                f">= {num_seqs} (they are {config.max_num_seqs} and {min_budget})"
             )
         # NOTE: one more block per sequence for the copy of a shared partial block.
         num_needed = num_seqs * (self._num_blocks_needed(num_tokens) + 1)
@@ -174,11 +182,15 @@ class Scheduler:
 
     # One step.
 
+    def observe_step_time(self, num_tokens: int, step_time_s: float) -> None:
+        """The engine measured a step: num_tokens computed in step_time_s (sizes later steps)."""
+        self.step_budget.observe(num_tokens, step_time_s)
+
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch: running requests first, then admit waiting ones."""
         start = time.perf_counter()
         config = self.scheduler_config
-        token_budget = config.max_num_batched_tokens
+        token_budget = self.step_budget.tokens
         num_scheduled: dict[str, int] = {}
         preempted: list[Request] = []
         loads: list[tuple[Request, int, int]] = []  # second-tier hits: (request, blocks [a, b))
@@ -231,7 +243,7 @@ class Scheduler:
             if num_new_tokens > token_budget:
                 # NOTE: without chunked prefill a prompt waits for a step with room for all of it;
                 # a resumed request longer than any step (prompt + outputs) is chunked anyway.
-                whole_fits = num_new_tokens <= config.max_num_batched_tokens
+                whole_fits = num_new_tokens <= self.step_budget.max_tokens
                 if not config.enable_chunked_prefill and whole_fits:
                     break
                 num_new_tokens = token_budget
@@ -453,16 +465,17 @@ class Scheduler:
                 " shorten the prompt or lower max_tokens"
             )
         config = self.scheduler_config
+        max_step_tokens = self.step_budget.max_tokens
         num_seqs = request.num_pending_forks + 1
         if num_seqs > config.max_num_seqs:
             raise RequestRejectedError(
                 f"request {request.request_id!r} asks for {num_seqs} sequences (n/best_of), more"
                 f" than max_num_seqs={config.max_num_seqs} can run at once: lower n or best_of"
             )
-        if not config.enable_chunked_prefill and num_prompt > config.max_num_batched_tokens:
+        if not config.enable_chunked_prefill and num_prompt > max_step_tokens:
             raise RequestRejectedError(
                 f"request {request.request_id!r} has {num_prompt} prompt tokens, more than"
-                f" max_num_batched_tokens={config.max_num_batched_tokens} with chunked prefill"
+                f" max_num_batched_tokens={max_step_tokens} with chunked prefill"
                 " off: enable chunked prefill or raise max_num_batched_tokens"
             )
         num_needed = self._num_blocks_needed(num_total)
@@ -475,6 +488,4 @@ class Scheduler:
             )
 
     def _num_blocks_needed(self, num_tokens: int) -> int:
-        return self.kv_cache_manager.num_blocks_needed(
-            num_tokens, self.scheduler_config.max_num_batched_tokens
-        )
+        return self.kv_cache_manager.num_blocks_needed(num_tokens, self.step_budget.max_tokens)

@@ -225,6 +225,8 @@ class LLMEngine:
             self.num_prompt_tokens += max(0, min(num_prompt - s.start_pos, len(s.token_ids)))
         runner_output = self._execute(sched)
         timings = self.runner.last_timings
+        step_time = timings.prepare + timings.forward + timings.sample
+        self.scheduler.observe_step_time(sched.total_num_scheduled_tokens, step_time)
         times.prepare += timings.prepare
         times.forward += timings.forward
         times.sample += timings.sample

@@ -20,7 +20,7 @@ BLOCK_SIZE = 4
 def make_scheduler(
     num_blocks: int = 64,
     *,
-    max_num_batched_tokens: int = 64,
+    max_num_batched_tokens: int | None = 64,
     max_num_seqs: int = 8,
     chunked: bool = True,
     policy: str = "fcfs",
@@ -104,9 +104,7 @@ class FakeEngine:
 
     def _check_runner_view(self, out: SchedulerOutput) -> None:
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
-        assert (
-            out.total_num_scheduled_tokens <= self.scheduler.scheduler_config.max_num_batched_tokens
-        )
+        assert out.total_num_scheduled_tokens <= self.scheduler.step_budget.max_tokens
         assert len(out.num_scheduled_tokens) <= self.scheduler.scheduler_config.max_num_seqs
         assert [s.req_id for s in out.scheduled] == list(out.num_scheduled_tokens)
         for s in out.scheduled:
@@ -469,3 +467,48 @@ def test_a_failed_step_leaves_no_uncomputed_block_in_the_prefix_cache():
     assert len(manager.block_pool.cached_block_hash_to_block) == 1  # c's one full block
     again = make_request("d", prompt, max_tokens=2)
     assert manager.get_computed_blocks(again)[1] == 0
+
+
+def test_the_step_budget_follows_measured_step_times():
+    from pagedattn.core.step_budget import INITIAL_STEP_TOKENS, StepTokenBudget
+
+    budget = StepTokenBudget(None, target_step_time_s=0.5, min_tokens=8)
+    assert budget.tokens == INITIAL_STEP_TOKENS
+    budget.observe(256, 256 * 0.005)  # a slow CPU: 5 ms per token
+    assert budget.tokens == 100
+    budget.observe(4, 0.4)  # a decode-only step is mostly overhead: not measured
+    assert budget.tokens == 100
+    for _ in range(12):  # the machine is fast now: 0.1 ms per token; the budget doubles at most
+        previous = budget.tokens
+        budget.observe(budget.tokens, budget.tokens * 0.0001)
+        assert budget.tokens <= 2 * previous
+    assert budget.tokens == 2048  # the cap
+    fixed = StepTokenBudget(512, target_step_time_s=0.5, min_tokens=8)
+    fixed.observe(512, 512 * 0.005)
+    assert fixed.tokens == 512 and not fixed.is_adaptive
+
+
+@pytest.mark.parametrize("max_num_batched_tokens", [None, 2048])
+def test_a_long_prompt_does_not_stall_decoders_for_seconds(max_num_batched_tokens):
+    # Synthetic timings of a 2-core CPU: a step costs 5 ms per token (a 2048-token chunk: 10 s).
+    seconds_per_token = 0.005
+    scheduler = make_scheduler(
+        num_blocks=2000, max_num_batched_tokens=max_num_batched_tokens, max_model_len=8192
+    )
+    engine = FakeEngine(scheduler)
+    engine.add(make_request("decoder", [1, 2, 3, 4]), max_tokens=200)
+    engine.step()  # the decoder's prompt
+    engine.add(make_request("long", list(range(5, 5005))), max_tokens=1)
+    step_times = []
+    while "long" in scheduler.requests:
+        out = engine.step()
+        assert "decoder" in out.num_scheduled_tokens  # it decodes every step
+        step_time = out.total_num_scheduled_tokens * seconds_per_token
+        scheduler.observe_step_time(out.total_num_scheduled_tokens, step_time)
+        step_times.append(step_time)
+    if max_num_batched_tokens is None:
+        # Only the first chunk (before any measurement) may pass the 0.5 s target.
+        assert max(step_times[1:]) <= 0.5 + seconds_per_token
+        assert step_times[0] <= 256 * seconds_per_token + seconds_per_token
+    else:  # the explicit budget is kept: 2048-token chunks, a 10 s stall each
+        assert max(step_times) > 10.0
