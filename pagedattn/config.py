@@ -108,12 +108,13 @@ class CacheConfig:
         None,
         "KV cache size: a number of bytes or a size with a unit (512MiB, 2GiB)",
         parse=parse_size,
-        default_text="--kv-cache-memory-fraction of free memory",
+        default_text="--kv-cache-memory-fraction of free memory, at most 1 GiB",
     )
-    kv_cache_memory_fraction: float = option(
-        0.2,
+    kv_cache_memory_fraction: float | None = option(
+        None,
         "without --num-blocks or --kv-cache-memory: this share of free memory, capped at what "
         "--max-num-seqs full-length sequences use",
+        default_text="0.2, and at most 1 GiB (or two --max-model-len sequences, where more)",
     )
     kv_cache_dtype: str = option(
         "auto",
@@ -159,7 +160,7 @@ class CacheConfig:
             f"kv_cache_memory={self.kv_cache_memory!r} is invalid: use a positive number of bytes",
         )
         _require(
-            0.0 < self.kv_cache_memory_fraction <= 0.95,
+            self.kv_cache_memory_fraction is None or 0.0 < self.kv_cache_memory_fraction <= 0.95,
             f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} is invalid: use (0, 0.95]",
         )
         _check_choices(self)

@@ -43,7 +43,7 @@ def _other_value(name: str):
     elif opt.value_type is int:
         value = 7 if default is None else default + 1
     elif opt.value_type is float:
-        value = default / 2
+        value = 0.125 if default is None else default / 2
     else:
         value = "somewhere/else"
     return value, [flag[0], str(value)]

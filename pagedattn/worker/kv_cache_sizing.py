@@ -14,6 +14,12 @@ if TYPE_CHECKING:
     from pagedattn.config import CacheConfig, SchedulerConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The default pool (no num_blocks, kv_cache_memory or fraction) takes this share of free memory,
+# at most DEFAULT_MAX_KV_CACHE_BYTES, or enough for MIN_FULL_LENGTH_SEQS sequences of
+# max_model_len where that is more.
+DEFAULT_KV_CACHE_MEMORY_FRACTION = 0.2
+DEFAULT_MAX_KV_CACHE_BYTES = 1 << 30
+MIN_FULL_LENGTH_SEQS = 2
 
 
 class KVCachePlan(NamedTuple):
@@ -68,7 +74,9 @@ def plan_kv_cache(
 ) -> KVCachePlan:
     """Blocks: explicit num_blocks, else a byte budget, else a share of free memory.
 
-    The share is capped at what max_num_seqs full-length sequences could ever hold.
+    The share is capped at what max_num_seqs full-length sequences could ever hold; the default
+    share (no fraction given) also at DEFAULT_MAX_KV_CACHE_BYTES (or MIN_FULL_LENGTH_SEQS
+    full-length sequences, where more).
     """
     dtype = kv_cache_dtype(cache, model_dtype, backend_name)
     per_block = bytes_per_block(
@@ -84,7 +92,13 @@ def plan_kv_cache(
                 f"{per_block} bytes: give the KV cache at least {2 * per_block} bytes"
             )
         return KVCachePlan(num_blocks, dtype, per_block)
-    budget = int(free_memory_bytes(device) * cache.kv_cache_memory_fraction)
-    per_seq = -(-max_model_len // cache.block_size)
+    per_seq = -(-max_model_len // cache.block_size)  # blocks of one full-length sequence
+    fraction = cache.kv_cache_memory_fraction
+    if fraction is None:
+        # NOTE: a small model's pool would otherwise be gigabytes (a share of a large host).
+        cap = max(DEFAULT_MAX_KV_CACHE_BYTES, MIN_FULL_LENGTH_SEQS * per_seq * per_block)
+        budget = min(int(free_memory_bytes(device) * DEFAULT_KV_CACHE_MEMORY_FRACTION), cap)
+    else:
+        budget = int(free_memory_bytes(device) * fraction)
     num_blocks = min(budget // per_block, scheduler.max_num_seqs * per_seq + 1)
     return KVCachePlan(max(2, num_blocks), dtype, per_block)
