@@ -24,6 +24,7 @@ class EnvVar(NamedTuple):
 
     read: Callable[[], Any]
     doc: str
+    secret: bool = False  # never printed
 
 
 def _flag(name: str) -> Callable[[], bool]:
@@ -90,6 +91,7 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "PAGEDATTN_API_KEY": EnvVar(
         _text("PAGEDATTN_API_KEY"),
         "Comma-separated API keys of the OpenAI server when --api-key is not given.",
+        secret=True,
     ),
 }
 
@@ -105,11 +107,13 @@ def __dir__() -> list[str]:
 
 
 def describe() -> list[tuple[str, str, str]]:
-    """(name, value now or "(unset)", meaning) for every variable."""
-    return [
-        (name, os.environ.get(name, "(unset)"), var.doc)
-        for name, var in ENVIRONMENT_VARIABLES.items()
-    ]
+    """(name, value now or "(unset)", meaning) for every variable (a secret shows as "(set)")."""
+    rows = []
+    for name, var in ENVIRONMENT_VARIABLES.items():
+        value = os.environ.get(name)
+        shown = "(unset)" if value is None else "(set)" if var.secret else value
+        rows.append((name, shown, var.doc))
+    return rows
 
 
 # PAGEDATTN_CPU_ISA level -> the variables that cap PyTorch, oneDNN and MKL at the same level.

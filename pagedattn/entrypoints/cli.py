@@ -260,6 +260,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return benchmarks.run(args.name, args.bench_args)
 
 
+def cmd_env(args: argparse.Namespace) -> int:
+    """The CPU as this process sees it, its ISA levels, and every environment variable."""
+    from pagedattn import envs
+    from pagedattn.cpu import features
+
+    print(f"cpu: {features.describe_cpu()}")
+    print(
+        f"vector ISA: {features.vector_isa()} (levels this CPU runs: "
+        f"{', '.join(features.isa_levels())}; PAGEDATTN_CPU_ISA caps it)"
+    )
+    print(f"auto dtype: {str(features.resolve_dtype('auto')).removeprefix('torch.')}")
+    print("environment variables:")
+    for name, value, doc in envs.describe():
+        print(f"  {name}={value}\n      {doc}")
+    return 0
+
+
 def _bench_epilog() -> str:
     from pagedattn import benchmarks
 
@@ -296,6 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     serve.set_defaults(func=cmd_serve)
 
+    env = add("env", "the CPU, its ISA levels and every PAGEDATTN_* environment variable")
+    env.set_defaults(func=cmd_env)
+
     bench = sub.add_parser(
         "bench",
         help="run a benchmark shipped in pagedattn.benchmarks",
@@ -320,11 +340,18 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         # NOTE: imported inside the try: Ctrl-C while torch loads must not print a traceback.
         from pagedattn.config import ConfigError
+        from pagedattn.cpu.plan import KernelChoiceError
         from pagedattn.engine.errors import InvalidRequestError
         from pagedattn.model.loader import ModelNotFoundError
         from pagedattn.sampling_params import InvalidSamplingParamsError
 
-        errors = (ConfigError, CliError, InvalidRequestError, InvalidSamplingParamsError)
+        errors = (
+            ConfigError,
+            CliError,
+            InvalidRequestError,
+            InvalidSamplingParamsError,
+            KernelChoiceError,
+        )
         try:
             return args.func(args)
         except (*errors, ModelNotFoundError) as e:

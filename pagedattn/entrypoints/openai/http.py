@@ -14,7 +14,6 @@ import hashlib
 import hmac
 import json
 import logging
-import os
 import re
 import secrets
 import uuid
@@ -26,6 +25,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedattn import envs
 from pagedattn.engine.async_engine import EngineDeadError, RequestFailedError
 from pagedattn.engine.errors import InvalidRequestError
 from pagedattn.entrypoints.openai.protocol import APIError, error_body
@@ -47,8 +47,7 @@ _SECRET_QUERY = re.compile(
 
 def keys_from_env() -> list[str]:
     """API keys from PAGEDATTN_API_KEY (comma-separated), used when `--api-key` is not given."""
-    raw = os.environ.get("PAGEDATTN_API_KEY", "")
-    return [k for k in raw.split(",") if k]
+    return [k for k in envs.PAGEDATTN_API_KEY.split(",") if k]
 
 
 def public_paths(metrics_public: bool) -> frozenset[str]:
