@@ -40,7 +40,9 @@ SOURCES = (
     CSRC / "step_ops_cpu.cpp",
     CSRC / "decode_stack_cpu.cpp",
 )
-COMMON_FLAGS = ["-O3", "-fopenmp"]
+# NOTE: -ffp-contract=off: the kernels fuse a multiply and an add only where they call fmadd, so
+# every ISA rounds at the same points (the rotation must round after each product, as PyTorch).
+COMMON_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off"]
 # ISA level -> compiler flags. CPU_CAPABILITY_* selects at::vec::Vectorized's implementation,
 # as PyTorch's own per-ISA builds of its CPU kernels do.
 BUILD_FLAGS = {
@@ -75,6 +77,30 @@ def build_flags(isa: str) -> list[str]:
         elif "avx2" in levels:
             flags.append("-DCPU_CAPABILITY_AVX2")
     return flags
+
+
+# Debian's cross compiler (g++-aarch64-linux-gnu), for checking that the sources compile for ARM.
+AARCH64_CROSS_COMPILER = "aarch64-linux-gnu-g++"
+
+
+def aarch64_syntax_check_command(source: Path, compiler: str = AARCH64_CROSS_COMPILER) -> list[str]:
+    """The command that compile-checks one source for aarch64 (NEON, at::vec's vec128) with this
+    torch's headers, without linking: the kernels must build on ARM, not only on x86."""
+    import sysconfig
+
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [*include_paths(), sysconfig.get_paths()["include"]]
+    return [
+        compiler,
+        "-std=c++17",
+        "-fsyntax-only",
+        *COMMON_FLAGS,
+        *AARCH64_FLAGS,
+        f"-DTORCH_EXTENSION_NAME={EXTENSION_NAME}",
+        *(f"-I{path}" for path in includes),
+        str(source),
+    ]
 
 
 class ExtensionBuildError(RuntimeError):

@@ -4,14 +4,16 @@
 // the 32 weights W[32p .. 32p+31, k] side by side, so one panel is one contiguous stream that is
 // read front to back. Storage is float32, or bfloat16 interleaved so that one 64-byte load gives
 // both halves of the panel in fp32 with one shift and one mask (even bf16 lanes = columns 0..15,
-// odd lanes = columns 16..31). Columns past N are zero.
+// odd lanes = columns 16..31; on narrower vectors each 32-byte or 16-byte part gives the matching
+// slice of both halves). Columns past N are zero.
 //
-// The micro-kernel keeps an MR x 32 block of y in 2 * MR zmm accumulators and, for each k, loads
-// the panel's 32 weights once and multiplies them with MR broadcast activations. Threads split the
-// panels; every thread runs all rows of a chunk (at least 128 rows, or as many as fit in 1 MB of
+// The micro-kernel is written on vec_cpu.h's vectors (one source for AVX2, AVX-512 and NEON). It
+// keeps an MR x 32 block of y in MR * 32 / kWidth accumulators and, for each k, loads the panel's
+// 32 weights once and multiplies them with MR broadcast activations. Threads split the panels;
+// every thread runs all rows of a chunk (at least 128 rows, or as many as fit in 1 MB of
 // activations) through its panels, so the weights of a decode step stream from memory once, a
-// prefill re-reads them once per chunk, and the activations stay in L2. The sum over k
-// runs in order, one fused multiply-add per term, in fp32 whatever the storage.
+// prefill re-reads them once per chunk, and the activations stay in L2. The sum over k runs in
+// order, one fused multiply-add per term, in fp32 whatever the storage.
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -24,14 +26,22 @@
 
 #include "vec_cpu.h"
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 namespace {
 
-constexpr int64_t kPanel = 32;      // output columns per panel
-constexpr int kMaxRows = 12;        // MR: rows per micro-kernel call (24 accumulators)
+using bf16 = c10::BFloat16;
+using pagedattn_vec::fVec;
+using pagedattn_vec::kWidth;
+
+constexpr int64_t kPanel = 32;  // output columns per panel
+constexpr int kPanelVecs = kPanel / kWidth;
+static_assert(kWidth <= 16 && kPanel % kWidth == 0, "a panel row must be whole vectors");
+// MR: rows per micro-kernel call, as many as leave registers for the weights' row and the
+// broadcast (at most 12): 12 on AVX-512 (24 accumulators), 2 on AVX2 and NEON (8).
+#ifndef PAGEDATTN_PANEL_ROWS
+#define PAGEDATTN_PANEL_ROWS \
+  std::min(12, (pagedattn_vec::kNumRegs - kPanelVecs - 1) / kPanelVecs)
+#endif
+constexpr int kMaxRows = PAGEDATTN_PANEL_ROWS;
 #ifndef PAGEDATTN_CHUNK_BYTES
 #define PAGEDATTN_CHUNK_BYTES (1 << 20)
 #endif
@@ -44,101 +54,67 @@ constexpr int64_t kChunkBytes = PAGEDATTN_CHUNK_BYTES;
 #endif
 constexpr int64_t kPrefetch = PAGEDATTN_PREFETCH;  // panel rows (k steps) to prefetch ahead
 
-using bf16 = c10::BFloat16;
-
-#ifdef __AVX512F__
-// The 32 weights of step k of a panel, as two 16-lane fp32 vectors.
-inline void load_panel_row(const float* w, __m512& lo, __m512& hi) {
-  lo = _mm512_loadu_ps(w);
-  hi = _mm512_loadu_ps(w + 16);
+// The 32 weights of step k of a panel as kPanelVecs fp32 vectors, columns in order.
+inline void load_panel_row(const float* w, fVec* out) {
+  for (int v = 0; v < kPanelVecs; ++v) out[v] = fVec::loadu(w + v * kWidth);
 }
 
-inline void load_panel_row(const bf16* w, __m512& lo, __m512& hi) {
-  __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(w));
-  lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
-  hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+// Interleaved bf16: 32-bit lane i holds columns i (low half) and 16 + i (high half).
+inline void load_panel_row(const bf16* w, fVec* out) {
+  constexpr int kHalf = kPanelVecs / 2;
+  for (int c = 0; c < kHalf; ++c) {
+    pagedattn_vec::widen_bf16_pairs(w + 2 * c * kWidth, out[c], out[kHalf + c]);
+  }
 }
 
-using pagedattn_vec::store16;
-
+// cols[v]: how many of the kWidth columns of vector v lie inside the weight (N's last panel).
 template <int MR, typename T, typename O>
 void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, O* y, int64_t ldy,
-                  __mmask16 mask_lo, __mmask16 mask_hi, const float* bias) {
-  __m512 acc[MR][2];
+                  const int* cols, const float* bias) {
+  fVec acc[MR][kPanelVecs];
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
-    acc[r][0] = _mm512_setzero_ps();
-    acc[r][1] = _mm512_setzero_ps();
+    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = fVec(0.0f);
   }
   for (int64_t k = 0; k < K; ++k) {
     if (kPrefetch > 0) {
       const char* ahead = reinterpret_cast<const char*>(w + (k + kPrefetch) * kPanel);
-      _mm_prefetch(ahead, _MM_HINT_T0);
-      if (sizeof(T) == 4) _mm_prefetch(ahead + 64, _MM_HINT_T0);
+      __builtin_prefetch(ahead, 0, 3);
+      if (sizeof(T) == 4) __builtin_prefetch(ahead + 64, 0, 3);
     }
-    __m512 w_lo, w_hi;
-    load_panel_row(w + k * kPanel, w_lo, w_hi);
+    fVec wv[kPanelVecs];
+    load_panel_row(w + k * kPanel, wv);
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) {
-      const __m512 xr = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(xr, w_lo, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(xr, w_hi, acc[r][1]);
+      const fVec xr(x[r * ldx + k]);
+      for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = at::vec::fmadd(xr, wv[v], acc[r][v]);
     }
   }
-  __m512 b_lo = _mm512_setzero_ps(), b_hi = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    b_lo = _mm512_maskz_loadu_ps(mask_lo, bias);
-    b_hi = _mm512_maskz_loadu_ps(mask_hi, bias + 16);
+  fVec b[kPanelVecs];
+  for (int v = 0; v < kPanelVecs; ++v) {
+    b[v] = bias != nullptr && cols[v] > 0 ? pagedattn_vec::load(bias + v * kWidth, cols[v])
+                                         : fVec(0.0f);
   }
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
-    store16(y + r * ldy, mask_lo, _mm512_add_ps(acc[r][0], b_lo));
-    store16(y + r * ldy + 16, mask_hi, _mm512_add_ps(acc[r][1], b_hi));
-  }
-}
-
-template <typename T, typename O>
-void rows_through_panel(int rows, const float* x, int64_t ldx, const T* w, int64_t K, O* y,
-                        int64_t ldy, __mmask16 mask_lo, __mmask16 mask_hi, const float* bias) {
-  switch (rows) {
-#define PAGEDATTN_MR_CASE(R)                                                         \
-  case R:                                                                            \
-    micro_kernel<R, T, O>(x, ldx, w, K, y, ldy, mask_lo, mask_hi, bias);             \
-    break;
-    PAGEDATTN_MR_CASE(1)
-    PAGEDATTN_MR_CASE(2)
-    PAGEDATTN_MR_CASE(3)
-    PAGEDATTN_MR_CASE(4)
-    PAGEDATTN_MR_CASE(5)
-    PAGEDATTN_MR_CASE(6)
-    PAGEDATTN_MR_CASE(7)
-    PAGEDATTN_MR_CASE(8)
-    PAGEDATTN_MR_CASE(9)
-    PAGEDATTN_MR_CASE(10)
-    PAGEDATTN_MR_CASE(11)
-    PAGEDATTN_MR_CASE(12)
-#undef PAGEDATTN_MR_CASE
-    default:
-      TORCH_CHECK(false, "rows per micro-kernel must be 1..", kMaxRows, ", got ", rows);
-  }
-}
-#endif  // __AVX512F__
-
-// Portable path: the same panel order and the same in-order fp32 sum, one output at a time.
-template <typename T, typename O>
-void panel_scalar(int64_t rows, const float* x, int64_t ldx, const T* w, int64_t K, O* y,
-                  int64_t ldy, int64_t cols, const float* bias, bool interleaved) {
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < cols; ++j) {
-      // Interleaved bf16 panels hold column j at lane 2j (j < 16) or 2(j - 16) + 1.
-      const int64_t lane = interleaved ? (j < 16 ? 2 * j : 2 * (j - 16) + 1) : j;
-      float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) {
-        acc += x[r * ldx + k] * static_cast<float>(w[k * kPanel + lane]);
-      }
-      y[r * ldy + j] = static_cast<O>(acc + (bias != nullptr ? bias[j] : 0.0f));
+    for (int v = 0; v < kPanelVecs; ++v) {
+      if (cols[v] > 0) pagedattn_vec::store(y + r * ldy + v * kWidth, acc[r][v] + b[v], cols[v]);
     }
   }
+}
+
+// The micro-kernel for 1..MR rows (MR a compile-time count, so the accumulators stay in
+// registers).
+template <typename T, typename O, int MR = kMaxRows>
+void rows_through_panel(int rows, const float* x, int64_t ldx, const T* w, int64_t K, O* y,
+                        int64_t ldy, const int* cols, const float* bias) {
+  if constexpr (MR > 1) {
+    if (rows < MR) {
+      rows_through_panel<T, O, MR - 1>(rows, x, ldx, w, K, y, ldy, cols, bias);
+      return;
+    }
+  }
+  micro_kernel<MR, T, O>(x, ldx, w, K, y, ldy, cols, bias);
 }
 
 template <typename T, typename O>
@@ -146,7 +122,6 @@ void run(const float* xp, int64_t M, int64_t K, const torch::Tensor& packed, con
          O* yp, int64_t N) {
   const int64_t P = packed.size(0);
   const T* wp = reinterpret_cast<const T*>(packed.data_ptr());
-  constexpr bool kInterleaved = std::is_same<T, bf16>::value;
   const int64_t fit = kChunkBytes / (K * static_cast<int64_t>(sizeof(float))) / kMaxRows * kMaxRows;
   const int64_t row_chunk = std::max(kMinRowChunk, fit);
   for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
@@ -156,19 +131,15 @@ void run(const float* xp, int64_t M, int64_t K, const torch::Tensor& packed, con
         const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
         const T* w = wp + p * K * kPanel;
         const float* b = bias != nullptr ? bias + p * kPanel : nullptr;
-#ifdef __AVX512F__
-        const __mmask16 mask_lo = cols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << cols) - 1);
-        const __mmask16 mask_hi =
-            cols >= 32 ? 0xFFFF : (cols > 16 ? static_cast<__mmask16>((1u << (cols - 16)) - 1) : 0);
+        int col_counts[kPanelVecs];
+        for (int v = 0; v < kPanelVecs; ++v) {
+          col_counts[v] = static_cast<int>(std::clamp<int64_t>(cols - v * kWidth, 0, kWidth));
+        }
         for (int64_t m = m0; m < m1; m += kMaxRows) {
           const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - m));
-          rows_through_panel<T, O>(rows, xp + m * K, K, w, K, yp + m * N + p * kPanel, N, mask_lo,
-                                mask_hi, b);
+          rows_through_panel<T, O>(rows, xp + m * K, K, w, K, yp + m * N + p * kPanel, N,
+                                   col_counts, b);
         }
-#else
-        panel_scalar<T, O>(m1 - m0, xp + m0 * K, K, w, K, yp + m0 * N + p * kPanel, N, cols, b,
-                        kInterleaved);
-#endif
       }
     });
   }
@@ -176,9 +147,10 @@ void run(const float* xp, int64_t M, int64_t K, const torch::Tensor& packed, con
 
 }  // namespace
 
-// Whether this build runs the AVX-512 micro-kernel (else the slow portable loop).
+// Whether this build's micro-kernel runs on vector instructions (AVX2, AVX-512, NEON/SVE); the
+// scalar build runs the same code on at::vec's portable arrays.
 bool linear_packed_vectorized() {
-#ifdef __AVX512F__
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512) || defined(__aarch64__)
   return true;
 #else
   return false;

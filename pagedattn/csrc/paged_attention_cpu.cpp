@@ -10,8 +10,9 @@
 // Work items (longest first) are handed out through an atomic counter inside at::parallel_for, so
 // uneven context lengths still balance across threads.
 //
-// bf16 caches accumulate in fp32 (AVX-512 BF16 dot products when the compiler targets them);
-// a scalar path keeps the file portable to CPUs without AVX-512.
+// Everything but the AMX path is written on the vector layer of vec_cpu.h (at::vec, so AVX2,
+// AVX-512 and NEON builds share one source); caches of any dtype accumulate in fp32. On builds
+// for AVX512-BF16 (the native build of such CPUs) bf16 scores use its dot products instead.
 //
 // On a CPU with AMX, bf16 caches can run on the tiles instead (amx = true; the kernel tuner
 // measures both): per kv head and block of 16 tokens, the scores are one tile product of the
@@ -37,9 +38,6 @@
 #include <memory>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
 #include "amx_cpu.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <xmmintrin.h>
@@ -53,197 +51,148 @@ constexpr int kMaxHeadsPerPass = 4;  // query heads whose accumulators stay in r
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using bf16 = c10::BFloat16;
-
-inline float to_float(float x) { return x; }
-inline float to_float(bf16 x) { return static_cast<float>(x); }
-
-// ---------------------------------------------------------------------------------------------
-// Vector primitives: 16 fp32 lanes from a row of T.
-// ---------------------------------------------------------------------------------------------
-#ifdef __AVX512F__
-using pagedattn_vec::load16;
-using pagedattn_vec::exp16;
-#endif
+using pagedattn_vec::fVec;
+using pagedattn_vec::kWidth;
+using pagedattn_vec::load;
+using pagedattn_vec::store;
 
 // x[i] = exp(x[i] - shift) for i < n; returns the sum.
 inline float exp_shifted_sum(float* x, int64_t n, float shift) {
+  const fVec vshift(shift);
+  fVec vsum(0.0f);
   int64_t i = 0;
-  float total = 0.0f;
-#ifdef __AVX512F__
-  __m512 vshift = _mm512_set1_ps(shift);
-  __m512 vsum = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x + i), vshift));
-    _mm512_storeu_ps(x + i, e);
-    vsum = _mm512_add_ps(vsum, e);
+  for (; i + kWidth <= n; i += kWidth) {
+    const fVec e = pagedattn_vec::exp_nonpos(load(x + i) - vshift);
+    store(x + i, e);
+    vsum = vsum + e;
   }
   if (i < n) {
-    __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
-    __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), vshift));
-    _mm512_mask_storeu_ps(x + i, mask, e);
-    vsum = _mm512_add_ps(vsum, _mm512_maskz_mov_ps(mask, e));
-    i = n;
+    const fVec e = pagedattn_vec::exp_nonpos(load(x + i, n - i) - vshift);
+    store(x + i, e, n - i);
+    vsum = vsum + fVec::set(fVec(0.0f), e, n - i);
   }
-  total = _mm512_reduce_add_ps(vsum);
-#endif
-  for (; i < n; ++i) {
-    x[i] = std::exp(x[i] - shift);
-    total += x[i];
-  }
-  return total;
+  return at::vec::vec_reduce_all([](const fVec& a, const fVec& b) { return a + b; }, vsum);
 }
 
-#ifdef __AVX512F__
-// Lane i of the result = sum of the 16 lanes of v[i] (a transpose-and-add tree: 45 ops for 16).
-inline __m512 hsum16(const __m512* v) {
-  __m512 s1[8], s2[4], s3[2];
-  for (int i = 0; i < 8; ++i) {
-    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                          _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {
-    __m512d a = _mm512_castps_pd(s1[2 * i]), b = _mm512_castps_pd(s1[2 * i + 1]);
-    s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  for (int i = 0; i < 2; ++i) {
-    s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
-                          _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
-  }
-  return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88),
-                       _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
-}
-
-// acc[j] += q[i:i+step] . row_j[i:i+step] for 16 rows; step = 32 for bf16 (dot products), else 16.
+// acc[j] += q[i : i + kWidth] . row_j[i : i + kWidth] for kWidth rows.
 template <typename T>
-inline void dot16_step(__m512* acc, const T* q, const T* const* rows, int64_t i, bool half) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, bf16>) {
-    auto load = [half](const T* ptr) {
-      const auto* half_ptr = reinterpret_cast<const __m256i*>(ptr);
-      return half ? _mm512_zextsi256_si512(_mm256_loadu_si256(half_ptr)) : _mm512_loadu_si512(ptr);
-    };
-    const __m512bh qv = (__m512bh)load(q + i);
+inline void dot_rows_step(fVec* acc, const T* q, const T* const* rows, int64_t i) {
+  const fVec qv = load(q + i);
 #pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)load(rows[j] + i));
-    return;
+  for (int j = 0; j < kWidth; ++j) acc[j] = at::vec::fmadd(qv, load(rows[j] + i), acc[j]);
+}
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// AVX512-BF16: 32 bf16 products per instruction (the 16-element tail zero-extended). The
+// products are exact and summed in fp32, as the generic path does after widening.
+inline void dot_rows_step_bf16(fVec* acc, const bf16* q, const bf16* const* rows, int64_t i,
+                               bool half) {
+  auto ld = [half](const bf16* ptr) {
+    const auto* half_ptr = reinterpret_cast<const __m256i*>(ptr);
+    return half ? _mm512_zextsi256_si512(_mm256_loadu_si256(half_ptr)) : _mm512_loadu_si512(ptr);
+  };
+  const __m512bh qv = (__m512bh)ld(q + i);
+#pragma GCC unroll 16
+  for (int j = 0; j < 16; ++j) {
+    acc[j] = _mm512_dpbf16_ps(acc[j], qv, (__m512bh)ld(rows[j] + i));
   }
-#endif
-  const __m512 qv = load16(q + i);
-#pragma GCC unroll 16
-  for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qv, load16(rows[j] + i), acc[j]);
 }
 #endif
 
-// scores[g * kChunk + t] = scale * dot(q[g], key row t) for num_heads heads. AVX-512: 16 rows at a
-// time per head, accumulators in registers, one reduction tree per 16 scores; the rows stay in L1
+// scores[g * kChunk + t] = scale * dot(q[g], key row t) for num_heads heads: kWidth rows at a
+// time per head, accumulators in registers, one hsum_rows per kWidth scores; the rows stay in L1
 // across the heads of the GQA group, so each K row comes from memory once.
 template <typename T>
 void score_rows(const T* q, int64_t num_heads, int64_t head_size, const T* const* krows,
                 int64_t count, float scale, float* scores) {
-#ifdef __AVX512F__
-#if defined(__AVX512BF16__)
-  constexpr int64_t step = std::is_same_v<T, bf16> ? 32 : 16;
-#else
-  constexpr int64_t step = 16;
-#endif
-  const __m512 vscale = _mm512_set1_ps(scale);
-  for (int64_t t0 = 0; t0 < count; t0 += 16) {
-    const int64_t n = std::min<int64_t>(16, count - t0);
-    const T* rows[16];
-    for (int64_t j = 0; j < 16; ++j) rows[j] = krows[t0 + std::min(j, n - 1)];  // pad: repeat
-    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+  const fVec vscale(scale);
+  for (int64_t t0 = 0; t0 < count; t0 += kWidth) {
+    const int64_t n = std::min<int64_t>(kWidth, count - t0);
+    const T* rows[kWidth];
+    for (int64_t j = 0; j < kWidth; ++j) rows[j] = krows[t0 + std::min(j, n - 1)];  // pad: repeat
     for (int64_t g = 0; g < num_heads; ++g) {
       const T* qg = q + g * head_size;
-      __m512 acc[16];
-      for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+      fVec acc[kWidth];
+      for (int j = 0; j < kWidth; ++j) acc[j] = fVec(0.0f);
       int64_t i = 0;
-      for (; i + step <= head_size; i += step) dot16_step<T>(acc, qg, rows, i, false);
-      if (i < head_size) dot16_step<T>(acc, qg, rows, i, true);  // bf16: a 16-element tail
-      _mm512_mask_storeu_ps(scores + g * kChunk + t0, mask, _mm512_mul_ps(hsum16(acc), vscale));
-    }
-  }
-#else
-  for (int64_t g = 0; g < num_heads; ++g) {
-    for (int64_t t = 0; t < count; ++t) {
-      const T* k = krows[t];
-      float acc = 0.0f;
-      for (int64_t i = 0; i < head_size; ++i) {
-        acc += to_float(q[g * head_size + i]) * to_float(k[i]);
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, bf16>) {
+        for (; i + 32 <= head_size; i += 32) dot_rows_step_bf16(acc, qg, rows, i, false);
+        if (i < head_size) dot_rows_step_bf16(acc, qg, rows, i, true);  // a 16-element tail
+        i = head_size;
       }
-      scores[g * kChunk + t] = scale * acc;
+#endif
+      for (; i < head_size; i += kWidth) dot_rows_step<T>(acc, qg, rows, i);
+      store(scores + g * kChunk + t0, pagedattn_vec::hsum_rows(acc) * vscale, n);
     }
   }
-#endif
 }
 
-#ifdef __AVX512F__
-// acc[g][i0 : i0 + 16 * NS] += sum_t probs[g * kChunk + t] * row_t[...]: NG * NS independent
+// acc[g][i0 : i0 + kWidth * NS] += sum_t probs[g * kChunk + t] * row_t[...]: NG * NS independent
 // accumulator chains, so the FMA latency is hidden.
 template <typename T, int NG, int NS>
 inline void accumulate_tile(const float* probs, const T* const* rows, int64_t count,
                             int64_t head_size, int64_t i0, float* acc) {
-  __m512 a[NG][NS];
+  fVec a[NG][NS];
   for (int g = 0; g < NG; ++g) {
-    for (int s = 0; s < NS; ++s) a[g][s] = _mm512_loadu_ps(acc + g * head_size + i0 + 16 * s);
+    for (int s = 0; s < NS; ++s) a[g][s] = load(acc + g * head_size + i0 + kWidth * s);
   }
   for (int64_t t = 0; t < count; ++t) {
-    __m512 v[NS];
-    for (int s = 0; s < NS; ++s) v[s] = load16(rows[t] + i0 + 16 * s);
+    fVec v[NS];
+    for (int s = 0; s < NS; ++s) v[s] = load(rows[t] + i0 + kWidth * s);
     for (int g = 0; g < NG; ++g) {
-      const __m512 pv = _mm512_set1_ps(probs[g * kChunk + t]);
-      for (int s = 0; s < NS; ++s) a[g][s] = _mm512_fmadd_ps(pv, v[s], a[g][s]);
+      const fVec pv(probs[g * kChunk + t]);
+      for (int s = 0; s < NS; ++s) a[g][s] = at::vec::fmadd(pv, v[s], a[g][s]);
     }
   }
   for (int g = 0; g < NG; ++g) {
-    for (int s = 0; s < NS; ++s) _mm512_storeu_ps(acc + g * head_size + i0 + 16 * s, a[g][s]);
+    for (int s = 0; s < NS; ++s) store(acc + g * head_size + i0 + kWidth * s, a[g][s]);
   }
 }
-#endif
+
+// The widest tile (vectors per head, NS in 8, 4, 2, 1) whose NG * NS accumulators, NS value
+// vectors and one broadcast fit in the vector registers.
+template <int NG>
+constexpr int widest_tile() {
+  for (int ns : {8, 4, 2}) {
+    if (NG * ns + ns + 1 <= pagedattn_vec::kNumRegs) return ns;
+  }
+  return 1;
+}
 
 // acc[g] += sum_t probs[g * kChunk + t] * value row t, for NG heads (acc: [NG, head_size] fp32).
 template <typename T, int NG>
 void accumulate_rows(const float* probs, const T* const* rows, int64_t count, int64_t head_size,
                      float* acc) {
-#ifdef __AVX512F__
+  constexpr int kNs = widest_tile<NG>();
   int64_t i = 0;
-  if constexpr (NG <= 2) {
-    for (; i + 128 <= head_size; i += 128) {
+  if constexpr (kNs >= 8) {
+    for (; i + 8 * kWidth <= head_size; i += 8 * kWidth) {
       accumulate_tile<T, NG, 8>(probs, rows, count, head_size, i, acc);
     }
   }
-  for (; i + 64 <= head_size; i += 64) {
-    accumulate_tile<T, NG, 4>(probs, rows, count, head_size, i, acc);
-  }
-  for (; i + 32 <= head_size; i += 32) {
-    accumulate_tile<T, NG, 2>(probs, rows, count, head_size, i, acc);
-  }
-  for (; i < head_size; i += 16) accumulate_tile<T, NG, 1>(probs, rows, count, head_size, i, acc);
-#else
-  for (int64_t t = 0; t < count; ++t) {
-    const T* v = rows[t];
-    for (int g = 0; g < NG; ++g) {
-      float p = probs[g * kChunk + t];
-      for (int64_t i = 0; i < head_size; ++i) acc[g * head_size + i] += p * to_float(v[i]);
+  if constexpr (kNs >= 4) {
+    for (; i + 4 * kWidth <= head_size; i += 4 * kWidth) {
+      accumulate_tile<T, NG, 4>(probs, rows, count, head_size, i, acc);
     }
   }
-#endif
+  if constexpr (kNs >= 2) {
+    for (; i + 2 * kWidth <= head_size; i += 2 * kWidth) {
+      accumulate_tile<T, NG, 2>(probs, rows, count, head_size, i, acc);
+    }
+  }
+  for (; i < head_size; i += kWidth) {
+    accumulate_tile<T, NG, 1>(probs, rows, count, head_size, i, acc);
+  }
 }
 
 // max(x[0..n)), n >= 1.
 inline float max_of(const float* x, int64_t n) {
+  fVec m(kNegInf);
   int64_t i = 0;
-  float result = kNegInf;
-#ifdef __AVX512F__
-  __m512 m = _mm512_set1_ps(kNegInf);
-  for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
-  if (i < n) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (n - i)) - 1);
-    m = _mm512_mask_max_ps(m, mask, m, _mm512_maskz_loadu_ps(mask, x + i));
-    i = n;
-  }
-  result = _mm512_reduce_max_ps(m);
-#endif
+  for (; i + kWidth <= n; i += kWidth) m = at::vec::maximum(m, load(x + i));
+  float result = at::vec::vec_reduce_all(
+      [](const fVec& a, const fVec& b) { return at::vec::maximum(a, b); }, m);
   for (; i < n; ++i) result = std::max(result, x[i]);
   return result;
 }
@@ -792,9 +741,13 @@ int64_t set_flush_denormal_all_threads(bool on) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &pagedattn_vec::isa_name,
+        "The vector ISA this build was compiled for: avx512, avx2, neon, sve or scalar");
+  m.def("vector_width", [] { return static_cast<int64_t>(pagedattn_vec::kWidth); },
+        "fp32 lanes of the build's vectors (16 AVX-512, 8 AVX2, 4 NEON)");
   m.def("linear_packed", &linear_packed, "y = x @ W^T (+ bias) over 32-column weight panels");
   m.def("linear_packed_vectorized", &linear_packed_vectorized,
-        "Whether linear_packed runs the AVX-512 micro-kernel");
+        "Whether linear_packed runs on vector instructions (AVX2, AVX-512, NEON)");
   m.def("linear_amx", &linear_amx, "y = x @ W^T (+ bias) in bf16 on AMX tiles (decode rows)",
         py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias"),
         py::arg("scale") = py::none());

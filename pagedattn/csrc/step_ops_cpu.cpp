@@ -8,6 +8,9 @@
 // rotation that rounds after every multiply and add, in the tensor's dtype, with no fused
 // multiply-add. The norms and the gated activations round where the PyTorch code rounds, but sum
 // squares and take exp/tanh in their own way, so they can differ from it in the last bits of fp32.
+// All of them are written on vec_cpu.h's vectors (one source for AVX2, AVX-512 and NEON); the
+// build passes -ffp-contract=off, so a multiply and an add are never fused behind the code's back
+// (the rotation rounds after each).
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -25,6 +28,11 @@
 namespace {
 
 using bf16 = c10::BFloat16;
+using pagedattn_vec::fVec;
+using pagedattn_vec::kWidth;
+using pagedattn_vec::load;
+using pagedattn_vec::round_as;
+using pagedattn_vec::store;
 
 // The slot value the engine uses for padding tokens (pagedattn.attention.layout.PAD_SLOT_ID).
 constexpr int64_t kPadSlot = -1;
@@ -50,9 +58,18 @@ void write_rows(const torch::Tensor& src, torch::Tensor& cache, const S* slots, 
 // Neox rotation of one [D] row: out[i] = x[i] cos[i] - x[i+h] sin[i],
 // out[i+h] = x[i+h] cos[i+h] + x[i] sin[i+h]; each product and the sum rounded to T.
 template <typename T>
-__attribute__((optimize("fp-contract=off"))) void rotate_row(T* x, const T* cos, const T* sin,
-                                                              int64_t half) {
-  for (int64_t i = 0; i < half; ++i) {
+void rotate_row(T* x, const T* cos, const T* sin, int64_t half) {
+  using pagedattn_vec::round_as;
+  int64_t i = 0;
+  for (; i + kWidth <= half; i += kWidth) {
+    const fVec x1 = load(x + i), x2 = load(x + i + half);
+    const fVec a1 = round_as(x1 * load(cos + i), x), b1 = round_as(fVec(-0.0f) - x2 * load(sin + i), x);
+    const fVec a2 = round_as(x2 * load(cos + i + half), x);
+    const fVec b2 = round_as(x1 * load(sin + i + half), x);
+    store(x + i, a1 + b1);
+    store(x + i + half, a2 + b2);
+  }
+  for (; i < half; ++i) {
     const float x1 = static_cast<float>(x[i]), x2 = static_cast<float>(x[i + half]);
     const T a1 = static_cast<T>(x1 * static_cast<float>(cos[i]));
     const T b1 = static_cast<T>(-x2 * static_cast<float>(sin[i]));
@@ -85,34 +102,6 @@ inline T round_to(float v) {
   return static_cast<T>(v);
 }
 
-// Full 16-lane stores, and vround(v): v rounded to bf16 and widened back (a no-op for fp32).
-// Vector bf16 needs AVX512-BF16.
-#if defined(__AVX512F__)
-#define PAGEDATTN_VEC_F32 1
-using pagedattn_vec::load16;
-inline void store16(float* p, __m512 v) { pagedattn_vec::store16(p, 0xFFFF, v); }
-inline __m512 vround(__m512 v, const float*) { return v; }
-#if defined(__AVX512BF16__)
-#define PAGEDATTN_VEC_BF16 1
-inline void store16(bf16* p, __m512 v) { pagedattn_vec::store16(p, 0xFFFF, v); }
-inline __m512 vround(__m512 v, const bf16*) {
-  const __m256i r = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
-}
-#endif
-#endif
-
-template <typename T>
-constexpr bool vectorized() {
-#if defined(PAGEDATTN_VEC_BF16)
-  return true;
-#elif defined(PAGEDATTN_VEC_F32)
-  return std::is_same<T, float>::value;
-#else
-  return false;
-#endif
-}
-
 // out = weight * T(x * rsqrt(mean(x^2) + eps)), with x = T(x + residual) stored back into
 // residual first when residual is given. Llama's RMSNorm, in fp32 between the roundings.
 template <typename T>
@@ -126,15 +115,11 @@ void rms_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
       int64_t i0 = 0;
       if (residual != nullptr) {
         T* res = residual + r * H;
-#if defined(PAGEDATTN_VEC_F32)
-        if constexpr (vectorized<T>()) {
-          for (; i0 + 16 <= H; i0 += 16) {
-            const __m512 sum = _mm512_add_ps(load16(xr + i0), load16(res + i0));
-            store16(res + i0, sum);
-            _mm512_storeu_ps(row.data() + i0, vround(sum, xr));
-          }
+        for (; i0 + kWidth <= H; i0 += kWidth) {
+          const fVec sum = load(xr + i0) + load(res + i0);
+          store(res + i0, sum);
+          store(row.data() + i0, round_as(sum, xr));
         }
-#endif
         for (int64_t i = i0; i < H; ++i) {
           const T sum = round_to<T>(static_cast<float>(xr[i]) + static_cast<float>(res[i]));
           res[i] = sum;
@@ -148,15 +133,11 @@ void rms_rows(const T* x, T* residual, const T* weight, T* out, int64_t rows, in
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
       T* o = out + r * H;
       int64_t j0 = 0;
-#if defined(PAGEDATTN_VEC_F32)
-      if constexpr (vectorized<T>()) {
-        const __m512 vinv = _mm512_set1_ps(inv);
-        for (; j0 + 16 <= H; j0 += 16) {
-          const __m512 normed = vround(_mm512_mul_ps(_mm512_loadu_ps(row.data() + j0), vinv), o);
-          store16(o + j0, _mm512_mul_ps(load16(weight + j0), normed));
-        }
+      const fVec vinv(inv);
+      for (; j0 + kWidth <= H; j0 += kWidth) {
+        const fVec normed = round_as(load(row.data() + j0) * vinv, o);
+        store(o + j0, load(weight + j0) * normed);
       }
-#endif
       for (int64_t i = j0; i < H; ++i) {
         const float normed = static_cast<float>(round_to<T>(row[i] * inv));
         o[i] = round_to<T>(static_cast<float>(weight[i]) * normed);
@@ -179,23 +160,16 @@ void silu_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
       const T* u = g + I;
       T* o = out + r * I;
       int64_t i = 0;
-#if defined(PAGEDATTN_VEC_F32)
-      if constexpr (vectorized<T>()) {
-        const __m512 one = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= I; i += 16) {
-          const __m512 gv = load16(g + i);
-          // silu(g) = g / (1 + exp(-g)); exp16 takes arguments <= 0, so use exp(-|g|):
-          // for g < 0, g / (1 + exp(-g)) = g * e / (1 + e) with e = exp(g).
-          const __m512 e = pagedattn_vec::exp16(_mm512_sub_ps(_mm512_setzero_ps(),
-                                                              _mm512_abs_ps(gv)));
-          const __m512 denom = _mm512_add_ps(one, e);
-          const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
-          const __m512 numer = _mm512_mask_mul_ps(gv, neg, gv, e);
-          const __m512 silu = vround(_mm512_div_ps(numer, denom), g);
-          store16(o + i, _mm512_mul_ps(silu, load16(u + i)));
-        }
+      const fVec one(1.0f), zero(0.0f);
+      for (; i + kWidth <= I; i += kWidth) {
+        const fVec gv = load(g + i);
+        // silu(g) = g / (1 + exp(-g)); exp_nonpos takes arguments <= 0, so use exp(-|g|):
+        // for g < 0, g / (1 + exp(-g)) = g * e / (1 + e) with e = exp(g).
+        const fVec e = pagedattn_vec::exp_nonpos(zero - gv.abs());
+        const fVec numer = fVec::blendv(gv, gv * e, gv < zero);
+        const fVec silu = round_as(numer / (one + e), g);
+        store(o + i, silu * load(u + i));
       }
-#endif
       for (; i < I; ++i) {
         const float gv = static_cast<float>(g[i]);
         const T silu = round_to<T>(gv / (1.0f + std::exp(-gv)));
@@ -226,15 +200,10 @@ void gemma_rms_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t H
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(H) + eps);
       T* o = out + r * H;
       int64_t i = 0;
-#if defined(PAGEDATTN_VEC_F32)
-      if constexpr (vectorized<T>()) {
-        const __m512 vinv = _mm512_set1_ps(inv), one = _mm512_set1_ps(1.0f);
-        for (; i + 16 <= H; i += 16) {
-          const __m512 scale = _mm512_add_ps(one, load16(weight + i));
-          store16(o + i, _mm512_mul_ps(_mm512_mul_ps(load16(xr + i), vinv), scale));
-        }
+      const fVec vinv(inv), one(1.0f);
+      for (; i + kWidth <= H; i += kWidth) {
+        store(o + i, (load(xr + i) * vinv) * (one + load(weight + i)));
       }
-#endif
       for (; i < H; ++i) {
         const float scale = 1.0f + static_cast<float>(weight[i]);
         o[i] = round_to<T>(static_cast<float>(xr[i]) * inv * scale);
@@ -260,25 +229,18 @@ void gelu_tanh_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
       const T* u = g + I;
       T* o = out + r * I;
       int64_t i = 0;
-#if defined(PAGEDATTN_VEC_F32)
-      if constexpr (vectorized<T>()) {
-        const __m512 half = _mm512_set1_ps(0.5f), one = _mm512_set1_ps(1.0f);
-        const __m512 c = _mm512_set1_ps(kGeluC), a = _mm512_set1_ps(kGeluA);
-        const __m512 minus_two = _mm512_set1_ps(-2.0f);
-        for (; i + 16 <= I; i += 16) {
-          const __m512 gv = load16(g + i);
-          const __m512 y = _mm512_mul_ps(c, _mm512_fmadd_ps(_mm512_mul_ps(a, gv),
-                                                            _mm512_mul_ps(gv, gv), gv));
-          // tanh(|y|) = (1 - e) / (1 + e) with e = exp(-2 |y|) <= 1, then y's sign.
-          const __m512 e = pagedattn_vec::exp16(_mm512_mul_ps(minus_two, _mm512_abs_ps(y)));
-          __m512 t = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
-          const __mmask16 neg = _mm512_cmp_ps_mask(y, _mm512_setzero_ps(), _CMP_LT_OQ);
-          t = _mm512_mask_sub_ps(t, neg, _mm512_setzero_ps(), t);
-          const __m512 gelu = vround(_mm512_mul_ps(_mm512_mul_ps(half, gv), _mm512_add_ps(one, t)), g);
-          store16(o + i, _mm512_mul_ps(gelu, load16(u + i)));
-        }
+      const fVec half(0.5f), one(1.0f), zero(0.0f), minus_two(-2.0f);
+      const fVec c(kGeluC), a(kGeluA);
+      for (; i + kWidth <= I; i += kWidth) {
+        const fVec gv = load(g + i);
+        const fVec y = c * at::vec::fmadd(a * gv, gv * gv, gv);
+        // tanh(|y|) = (1 - e) / (1 + e) with e = exp(-2 |y|) <= 1, then y's sign.
+        const fVec e = pagedattn_vec::exp_nonpos(minus_two * y.abs());
+        fVec t = (one - e) / (one + e);
+        t = fVec::blendv(t, zero - t, y < zero);
+        const fVec gelu = round_as((half * gv) * (one + t), g);
+        store(o + i, gelu * load(u + i));
       }
-#endif
       for (; i < I; ++i) {
         const float gv = static_cast<float>(g[i]);
         const float t = std::tanh(kGeluC * (gv + kGeluA * gv * gv * gv));
@@ -303,17 +265,15 @@ void argmax_rows(const float* x, int64_t* out, int64_t rows, int64_t V) {
       float best = -std::numeric_limits<float>::infinity();
       bool has_nan = false;
       int64_t i = 0;
-#ifdef __AVX512F__
-      __m512 vmax = _mm512_set1_ps(best);
-      __mmask16 nan_lanes = 0;
-      for (; i + 16 <= V; i += 16) {
-        const __m512 v = _mm512_loadu_ps(row + i);
-        nan_lanes |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        vmax = _mm512_max_ps(vmax, v);
+      fVec vmax(best), nan_lanes(0.0f);
+      for (; i + kWidth <= V; i += kWidth) {
+        const fVec v = load(row + i);
+        nan_lanes = nan_lanes | v.isnan();
+        vmax = at::vec::maximum(vmax, v);  // NOTE: NaN lanes propagate; has_nan covers them
       }
-      best = _mm512_reduce_max_ps(vmax);
-      has_nan = nan_lanes != 0;
-#endif
+      best = at::vec::vec_reduce_all(
+          [](const fVec& a, const fVec& b) { return at::vec::maximum(a, b); }, vmax);
+      has_nan = nan_lanes.zero_mask() != (1 << kWidth) - 1;
       for (; i < V; ++i) {
         const float v = row[i];
         has_nan |= std::isnan(v);
@@ -321,18 +281,17 @@ void argmax_rows(const float* x, int64_t* out, int64_t rows, int64_t V) {
       }
       int64_t idx = -1;
       i = 0;
-#ifdef __AVX512F__
       if (!has_nan) {
-        const __m512 target = _mm512_set1_ps(best);
-        for (; i + 16 <= V; i += 16) {
-          const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + i), target, _CMP_EQ_OQ);
+        const fVec target(best);
+        for (; i + kWidth <= V; i += kWidth) {
+          // zero_mask: a bit per lane that is not the maximum.
+          const int hit = ~(load(row + i) == target).zero_mask() & ((1 << kWidth) - 1);
           if (hit != 0) {
             idx = i + __builtin_ctz(static_cast<unsigned>(hit));
             break;
           }
         }
       }
-#endif
       for (; idx < 0 && i < V; ++i) {
         if (has_nan ? std::isnan(row[i]) : row[i] == best) idx = i;
       }

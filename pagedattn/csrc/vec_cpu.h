@@ -1,51 +1,172 @@
-// Vector helpers shared by the CPU kernels (AVX-512 only).
+// The vector layer every CPU kernel is written on: ATen's at::vec::Vectorized<float> (AVX2,
+// AVX-512, NEON or SVE, picked by the build's CPU_CAPABILITY_* define, see
+// pagedattn/cpu/extension.py), plus the few operations it lacks, each written once per ISA:
+//
+// - load/store of kWidth fp32 lanes from/to float or bf16 (bf16 widens exactly; stores round to
+//   nearest even, as torch's float -> bfloat16 does);
+// - exp_nonpos(x): exp for softmax arguments (x <= 0), the Cephes polynomial the AVX-512 kernels
+//   used before, so results on AVX-512 are the same bits as before and AVX2/NEON match them;
+// - hsum_rows(v): lane i = sum of the lanes of v[i] (a transpose-and-add tree on x86);
+// - widen_bf16_pairs: the two fp32 vectors of a run of bf16 pairs (the panel GEMM's layout).
+//
+// kWidth is 16 on AVX-512, 8 on AVX2 (and the scalar build's generic vectors), 4 on NEON.
 #pragma once
 
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 
-#ifdef __AVX512F__
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
+#endif
 
 namespace pagedattn_vec {
 
-// 16 fp32 lanes from 16 floats or 16 bf16 values (bf16 widens exactly: a 16-bit shift).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using bf16 = c10::BFloat16;
+using fVec = at::vec::Vectorized<float>;
 
-// Store the lanes of mask; bf16 rounds to nearest even, as torch's float -> bfloat16 does.
-inline void store16(float* p, __mmask16 mask, __m512 v) { _mm512_mask_storeu_ps(p, mask, v); }
-inline void store16(c10::BFloat16* p, __mmask16 mask, __m512 v) {
-#ifdef __AVX512BF16__
-  _mm256_mask_storeu_epi16(p, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+constexpr int kWidth = fVec::size();
+// Architectural vector registers, for sizing register-blocked accumulators.
+#if defined(CPU_CAPABILITY_AVX512) || defined(__aarch64__)
+constexpr int kNumRegs = 32;
 #else
-  alignas(64) float tmp[16];
-  _mm512_store_ps(tmp, v);
-  for (int i = 0; i < 16; ++i) {
-    if (mask & (1u << i)) p[i] = static_cast<c10::BFloat16>(tmp[i]);
-  }
+constexpr int kNumRegs = 16;
+#endif
+
+// The level this file was compiled for (pagedattn's ISA level names, "neon"/"sve" on ARM).
+inline const char* isa_name() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return "avx512";
+#elif defined(CPU_CAPABILITY_AVX2)
+  return "avx2";
+#elif defined(CPU_CAPABILITY_SVE256) || defined(CPU_CAPABILITY_SVE)
+  return "sve";
+#elif defined(__aarch64__)
+  return "neon";
+#else
+  return "scalar";
 #endif
 }
 
-// exp(x) for x <= 0 (softmax arguments); Cephes-style range reduction and degree-6 polynomial.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                  _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
+// kWidth fp32 lanes from p (n lanes, the rest zero, for the partial forms).
+inline fVec load(const float* p) { return fVec::loadu(p); }
+inline fVec load(const float* p, int64_t n) { return fVec::loadu(p, n); }
+inline fVec load(const bf16* p) {
+  fVec out;
+  at::vec::load_to_float<bf16>(p, out);
+  return out;
+}
+inline fVec load(const bf16* p, int64_t n) {
+  __at_align__ bf16 tmp[kWidth] = {};
+  std::memcpy(tmp, p, n * sizeof(bf16));
+  return load(tmp);
+}
+
+inline void store(float* p, const fVec& v) { v.store(p); }
+inline void store(float* p, const fVec& v, int64_t n) { v.store(p, static_cast<int>(n)); }
+inline void store(bf16* p, const fVec& v, int64_t n = kWidth) {
+  at::vec::convert_from_float<bf16>(v, v).store(p, static_cast<int>(n));
+}
+
+// v rounded to T and widened back (a no-op for fp32): the rounding points of a bf16 kernel.
+inline fVec round_as(const fVec& v, const float*) { return v; }
+inline fVec round_as(const fVec& v, const bf16*) {
+  return std::get<0>(at::vec::convert_to_float<bf16>(at::vec::convert_from_float<bf16>(v, v)));
+}
+
+// 2^n for integer-valued n in [-126, 127].
+inline fVec pow2n(const fVec& n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i e = _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(e, 23));
+#else
+  using iVec = at::vec::Vectorized<int32_t>;
+  const iVec e = at::vec::convert_to_int_of_same_size(n) + iVec(127);
+  return at::vec::cast<float>(e * iVec(1 << 23));  // (n + 127) << 23, never overflows
+#endif
+}
+
+// exp(x) for x <= 0 (softmax arguments; x < -87 gives exp(-87)): Cephes-style range reduction
+// and a degree-6 polynomial, about 1 ulp.
+inline fVec exp_nonpos(fVec x) {
+  x = at::vec::maximum(x, fVec(-87.0f));
+  const fVec n = (x * fVec(1.44269504088896341f)).round();
+  const fVec neg_n = fVec(0.0f) - n;
+  fVec r = at::vec::fmadd(neg_n, fVec(0.693359375f), x);
+  r = at::vec::fmadd(neg_n, fVec(-2.12194440e-4f), r);
+  fVec p(1.9875691500e-4f);
+  p = at::vec::fmadd(p, r, fVec(1.3981999507e-3f));
+  p = at::vec::fmadd(p, r, fVec(8.3334519073e-3f));
+  p = at::vec::fmadd(p, r, fVec(4.1665795894e-2f));
+  p = at::vec::fmadd(p, r, fVec(1.6666665459e-1f));
+  p = at::vec::fmadd(p, r, fVec(5.0000001201e-1f));
+  p = at::vec::fmadd(p, r * r, r + fVec(1.0f));
+  return p * pow2n(n);
+}
+
+// Lane i of the result = sum of the lanes of v[i], i < kWidth.
+inline fVec hsum_rows(const fVec* v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // A transpose-and-add tree: 45 ops for 16 sums.
+  __m512 s1[8], s2[4], s3[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 a = v[2 * i], b = v[2 * i + 1];
+    s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  }
+  for (int i = 0; i < 4; ++i) {
+    __m512d a = _mm512_castps_pd(s1[2 * i]), b = _mm512_castps_pd(s1[2 * i + 1]);
+    s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i) {
+    s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                          _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
+  }
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88),
+                       _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+#elif defined(CPU_CAPABILITY_AVX2)
+  // Horizontal adds pairwise, then the two 128-bit halves: 9 ops for 8 sums.
+  const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 t0 = _mm256_hadd_ps(s01, s23), t1 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+#else
+  __at_align__ float sums[kWidth];
+  for (int i = 0; i < kWidth; ++i) {
+    sums[i] = at::vec::vec_reduce_all([](const fVec& a, const fVec& b) { return a + b; }, v[i]);
+  }
+  return fVec::loadu(sums);
+#endif
+}
+
+// kWidth 32-bit lanes of bf16 pairs (2 * kWidth values from p): lo = the even values, hi = the
+// odd ones, both widened to fp32.
+inline void widen_bf16_pairs(const bf16* p, fVec& lo, fVec& hi) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i v = _mm512_loadu_si512(reinterpret_cast<const void*>(p));
+  lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  hi = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  lo = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  hi = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+#else
+  uint32_t raw[kWidth], even[kWidth], odd[kWidth];
+  std::memcpy(raw, p, sizeof(raw));
+  for (int i = 0; i < kWidth; ++i) {
+    even[i] = raw[i] << 16;
+    odd[i] = raw[i] & 0xFFFF0000u;
+  }
+  lo = fVec::loadu(even);
+  hi = fVec::loadu(odd);
+#endif
 }
 
 }  // namespace pagedattn_vec
-
-#endif  // __AVX512F__
