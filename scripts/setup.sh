@@ -25,7 +25,18 @@ if ! command -v redis-server >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v
     (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null) \
         || { echo "setup: redis-server could not be installed"; exit 1; }
 fi
-# Build the CPU paged-attention kernel now (about a minute, once; cached in ~/.cache/pagedattn).
+# Debian's aarch64 cross compiler: tests/cpu/test_aarch64_compile.py checks that the kernels
+# compile for ARM (it skips without it).
+if ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -qq && apt-get install -y -qq g++-aarch64-linux-gnu >/dev/null) \
+        || echo "setup: g++-aarch64-linux-gnu could not be installed; the aarch64 check will skip"
+fi
+# Build the CPU kernels now (about a minute each, once; cached in ~/.cache/pagedattn/ext): the
+# native build, and the avx2 one that tests/cpu/test_kernels_per_isa.py runs where the CPU has it.
 .venv/bin/python -c "from pagedattn.cpu.extension import load_extension; load_extension()" \
     || echo "setup: the C++ attention kernel did not build; the PyTorch CPU path will be used"
+if .venv/bin/python -c "import sys; from pagedattn.cpu import features; sys.exit('avx2' not in features.isa_levels())"; then
+    PAGEDATTN_CPU_ISA=avx2 .venv/bin/python -c "from pagedattn.cpu.extension import load_extension; load_extension()" \
+        || echo "setup: the avx2 build of the C++ kernels failed"
+fi
 .venv/bin/python -c "import torch, pagedattn; print('setup ok: torch', torch.__version__)"
