@@ -7,7 +7,8 @@ is `PagedRequestRouter` (prefix-aware, pow2 or round robin). Replicas and the in
 server secret, so a tenant's salt, and so its block hashes, are the same everywhere.
 """
 
-from __future__ import annotations
+# NOTE: no postponed annotations here: the endpoint functions may reach a Ray replica pickled by
+# value, where FastAPI could not resolve a string annotation (the body became a query parameter).
 
 import asyncio
 import json
