@@ -1,5 +1,5 @@
 # `make demo`: set up and run the main job on the default model. `make test`: set up, lint, test.
-.PHONY: setup demo test lint bench bench-peers
+.PHONY: setup demo test test-isa lint bench bench-peers
 
 setup:
 	bash scripts/setup.sh
@@ -13,6 +13,12 @@ lint:
 
 test: setup lint
 	.venv/bin/python -m pytest -q
+
+# The whole suite as a smaller CPU would run it: `make test-isa ISA=avx2` caps this process, its
+# extension build, PyTorch, oneDNN and MKL to x86-64-v3 (PAGEDATTN_CPU_ISA; see `pagedattn env`).
+ISA ?= avx2
+test-isa: setup
+	PAGEDATTN_CPU_ISA=$(ISA) .venv/bin/python -m pytest -q
 
 bench: setup
 	.venv/bin/python -m pagedattn.benchmarks.bench_allocator
