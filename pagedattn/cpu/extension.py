@@ -15,12 +15,15 @@ level, CPU and source hash; later processes load the cached library in well unde
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import logging
 import os
 import platform
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -140,6 +143,38 @@ def _import_library(path: Path) -> ModuleType:
     return module
 
 
+@contextlib.contextmanager
+def _build_lock(root: Path) -> Iterator[None]:
+    """One build of a folder at a time, across processes (an flock the kernel releases when its
+    holder dies)."""
+    with open(root / ".build.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _build(isa: str, work_dir: Path, verbose: bool) -> ModuleType:
+    """Compile the sources for ``isa`` in ``work_dir`` and load the result (the caller holds the
+    build lock)."""
+    # NOTE: imported only to build: it pulls in setuptools (40-110 ms of a start).
+    from torch.utils.cpp_extension import load
+
+    # NOTE: torch's own build lock is a plain file: a build killed midway (a Ray replica shut
+    # down while it compiled) leaves it behind, and every later build waits on it forever. Under
+    # our flock nobody else is building here, so one left over is stale.
+    (work_dir / "lock").unlink(missing_ok=True)
+    return load(
+        name=EXTENSION_NAME,
+        sources=[str(s) for s in SOURCES],
+        extra_cflags=build_flags(isa),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(work_dir),
+        verbose=verbose,
+    )
+
+
 def load_extension(verbose: bool = False, isa: str | None = None) -> ModuleType:
     """Compile (or load the cached build of) the extension for ``isa`` (default: this process's
     level, ``features.isa_level()``); raise ExtensionBuildError on failure."""
@@ -165,23 +200,16 @@ def load_extension(verbose: bool = False, isa: str | None = None) -> ModuleType:
         if published.is_file():
             _module, _module_isa = _import_library(published), isa
             return _module
-        # NOTE: imported only to build: it pulls in setuptools (40-110 ms of a start).
-        from torch.utils.cpp_extension import load
-
         work_dir.mkdir(parents=True, exist_ok=True)
-        _module = load(
-            name=EXTENSION_NAME,
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=build_flags(isa),
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(work_dir),
-            verbose=verbose,
-        )
-        _module_isa = isa
-        # NOTE: copy then rename, so that another process never imports a half-written file.
-        tmp = root / f".{EXTENSION_NAME}.{os.getpid()}.so"
-        shutil.copyfile(work_dir / f"{EXTENSION_NAME}.so", tmp)
-        os.replace(tmp, published)
+        with _build_lock(root):
+            if published.is_file():  # another process built it while this one waited
+                _module, _module_isa = _import_library(published), isa
+                return _module
+            _module, _module_isa = _build(isa, work_dir, verbose), isa
+            # NOTE: copy then rename, so that another process never imports a half-written file.
+            tmp = root / f".{EXTENSION_NAME}.{os.getpid()}.so"
+            shutil.copyfile(work_dir / f"{EXTENSION_NAME}.so", tmp)
+            os.replace(tmp, published)
     except Exception as exc:  # NOTE: any compiler or loader failure means "no extension".
         _error = f"{type(exc).__name__}: {exc}"
         raise ExtensionBuildError(

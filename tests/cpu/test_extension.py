@@ -7,6 +7,7 @@ failed build fails these tests: this machine and CI have g++ and ninja.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,3 +241,27 @@ def test_amx_decode_falls_back_where_the_tiles_do_not_fit(block_size, head_size,
     )
     amx = run_decode(case, scale=0.125, amx=True, **options)
     assert torch.equal(amx, run_decode(case, scale=0.125, **options))  # the vector path, exactly
+
+
+def test_a_build_killed_midway_does_not_block_the_next(tmp_path, monkeypatch):
+    # torch's build lock is a plain file: a build killed midway left it, and every later build
+    # waited on it forever.
+    monkeypatch.setenv("PAGEDATTN_EXT_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_ext, "_module", None)
+    monkeypatch.setattr(cpu_ext, "_error", None)
+    built = []
+
+    def fake_load(name, sources, extra_cflags, extra_ldflags, build_directory, verbose):
+        assert not (tmp_path / build_directory / "lock").exists()
+        built.append(build_directory)
+        (Path(build_directory) / f"{name}.so").write_bytes(b"")
+        return "module"
+
+    import torch.utils.cpp_extension
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
+    work_dir = cpu_ext.build_dir("native") / "build"
+    work_dir.mkdir(parents=True)
+    (work_dir / "lock").touch()  # left by a killed build
+    assert cpu_ext.load_extension(isa="native") == "module"
+    assert built == [str(work_dir)] and (work_dir.parent / f"{cpu_ext.EXTENSION_NAME}.so").exists()
