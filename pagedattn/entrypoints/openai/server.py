@@ -199,7 +199,8 @@ def build_app(
     @app.get("/debug/kv")
     async def debug_kv(raw: Request) -> dict:
         snapshot, own_ids = await engine.kv_snapshot_with_owned(tenant(raw))
-        return scope_kv_snapshot(snapshot, own_ids)
+        # NOTE: without keys there is one tenant, whose dashboard shows the whole pool.
+        return scope_kv_snapshot(snapshot, own_ids) if auth.api_keys else snapshot
 
     @app.get("/dashboard")
     async def dashboard() -> Response:
