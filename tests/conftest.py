@@ -16,3 +16,18 @@ def smollm2_hf_tokenizer():
     except ModelNotFoundError as exc:  # pragma: no cover - the package is a test dependency
         pytest.skip(f"SmolLM2 is not installed: {exc}")
     return GGUFCheckpoint(path).hf_tokenizer()
+
+
+def pytest_sessionstart(session) -> None:
+    """In CI the compiled CPU extension must build: a broken build would otherwise turn every
+    kernel test into a skip (they skip where the extension cannot be built, e.g. no compiler)."""
+    import os
+
+    if os.environ.get("CI", "").lower() not in ("1", "true", "yes"):
+        return
+    from pagedattn.cpu import extension
+
+    try:
+        extension.load_extension()
+    except extension.ExtensionBuildError as exc:
+        raise pytest.UsageError(f"CI: the compiled CPU extension did not build: {exc}") from exc
