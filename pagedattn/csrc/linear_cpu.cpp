@@ -35,11 +35,13 @@ using pagedattn_vec::kWidth;
 constexpr int64_t kPanel = 32;  // output columns per panel
 constexpr int kPanelVecs = kPanel / kWidth;
 static_assert(kWidth <= 16 && kPanel % kWidth == 0, "a panel row must be whole vectors");
-// MR: rows per micro-kernel call, as many as leave registers for the weights' row and the
-// broadcast (at most 12): 12 on AVX-512 (24 accumulators), 2 on AVX2 and NEON (8).
+// MR: rows per micro-kernel call: accumulators in all registers but two (the broadcast and one
+// weight vector; the other weight vectors feed the FMAs from L1), at most 12: 12 on AVX-512
+// (24 accumulators), 3 on AVX2 and NEON. NOTE: on AVX2 (x86-64-v3 build on the AVX-512 Xeon,
+// 2 threads, SmolLM2-135M's 30 layers, fp32, 32 rows) MR 3 took 76.8-79.4 ms against MR 2's
+// 96.5-104 ms (which keeps the whole weight row in registers); at 1 row both stream ~20 GB/s.
 #ifndef PAGEDATTN_PANEL_ROWS
-#define PAGEDATTN_PANEL_ROWS \
-  std::min(12, (pagedattn_vec::kNumRegs - kPanelVecs - 1) / kPanelVecs)
+#define PAGEDATTN_PANEL_ROWS std::min(12, (pagedattn_vec::kNumRegs - 2) / kPanelVecs)
 #endif
 constexpr int kMaxRows = PAGEDATTN_PANEL_ROWS;
 #ifndef PAGEDATTN_CHUNK_BYTES

@@ -248,6 +248,7 @@ def test_a_build_killed_midway_does_not_block_the_next(tmp_path, monkeypatch):
     # waited on it forever.
     monkeypatch.setenv("PAGEDATTN_EXT_DIR", str(tmp_path))
     monkeypatch.setattr(cpu_ext, "_module", None)
+    monkeypatch.setattr(cpu_ext, "_module_isa", None)  # NOTE: restored, for the next tests' level
     monkeypatch.setattr(cpu_ext, "_error", None)
     built = []
 
