@@ -41,16 +41,23 @@ def make_model_dir(tmp_dir: Path, **overrides: Any) -> Path:
     return path
 
 
-class ServerProcess:
-    """`python -m pagedattn.entrypoints.openai.server` on 127.0.0.1, killed on `stop()`."""
+SERVER_COMMAND = ("-m", "pagedattn.entrypoints.openai.server")
+# `pagedattn serve` (with --data-parallel-size N: the Ray Serve ingress in front of N replicas).
+CLI_SERVE_COMMAND = ("-m", "pagedattn.entrypoints.cli", "serve")
 
-    def __init__(self, model_dir: Path, log_file: Path, *args: str) -> None:
+
+class ServerProcess:
+    """`python -m pagedattn.entrypoints.openai.server` (or `command`) on 127.0.0.1, stopped on
+    `stop()`."""
+
+    def __init__(
+        self, model_dir: Path, log_file: Path, *args: str, command: tuple[str, ...] = SERVER_COMMAND
+    ) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_file = log_file
-        cmd = [sys.executable, "-m", "pagedattn.entrypoints.openai.server", "--model",
-               str(model_dir), "--port", str(self.port), "--dtype", "float32", "--threads", "1",
-               "--log-level", "warning", *args]  # fmt: skip
+        cmd = [sys.executable, *command, "--model", str(model_dir), "--port", str(self.port),
+               "--dtype", "float32", "--threads", "1", "--log-level", "warning", *args]  # fmt: skip
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self._log = open(log_file, "w")  # noqa: SIM115 (closed in stop())
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
