@@ -44,7 +44,11 @@ def _cache_dir() -> Path:
 
 def _ext_dir() -> Path:
     root = os.environ.get("PAGEDATTN_EXT_DIR")
-    return Path(root) if root else _cache_dir() / "ext"
+    if root:
+        return Path(root)
+    # NOTE: not under PAGEDATTN_CACHE_DIR: a private cache of plans and metadata (as tests give
+    # each process) must not cost a minute-long rebuild of the same extension.
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "pagedattn", "ext")
 
 
 def _cpu_isa() -> str:
@@ -64,8 +68,8 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     ),
     "PAGEDATTN_EXT_DIR": EnvVar(
         _ext_dir,
-        "Where the compiled CPU extension is built and cached, one folder per ISA level and CPU "
-        "(default: <PAGEDATTN_CACHE_DIR>/ext).",
+        "Where the compiled CPU extension is built and cached, one folder per ISA level, CPU and "
+        "source hash (default: $XDG_CACHE_HOME/pagedattn/ext, else ~/.cache/pagedattn/ext).",
     ),
     "PAGEDATTN_CPU_ISA": EnvVar(
         _cpu_isa,

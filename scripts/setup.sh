@@ -32,11 +32,14 @@ if ! command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && c
         || echo "setup: g++-aarch64-linux-gnu could not be installed; the aarch64 check will skip"
 fi
 # Build the CPU kernels now (about a minute each, once; cached in ~/.cache/pagedattn/ext): the
-# native build, and the avx2 one that tests/cpu/test_kernels_per_isa.py runs where the CPU has it.
+# native build, and the avx2 and avx512 ones that tests/cpu/test_kernels_per_isa.py runs where the
+# CPU executes them.
 .venv/bin/python -c "from pagedattn.cpu.extension import load_extension; load_extension()" \
     || echo "setup: the C++ attention kernel did not build; the PyTorch CPU path will be used"
-if .venv/bin/python -c "import sys; from pagedattn.cpu import features; sys.exit('avx2' not in features.isa_levels())"; then
-    PAGEDATTN_CPU_ISA=avx2 .venv/bin/python -c "from pagedattn.cpu.extension import load_extension; load_extension()" \
-        || echo "setup: the avx2 build of the C++ kernels failed"
-fi
+for level in avx2 avx512; do
+    if .venv/bin/python -c "import sys; from pagedattn.cpu import features; sys.exit('$level' not in features.isa_levels())"; then
+        PAGEDATTN_CPU_ISA=$level .venv/bin/python -c "from pagedattn.cpu.extension import load_extension; load_extension()" \
+            || echo "setup: the $level build of the C++ kernels failed"
+    fi
+done
 .venv/bin/python -c "import torch, pagedattn; print('setup ok: torch', torch.__version__)"

@@ -296,7 +296,30 @@ def build_ingress_app(ingress: OpenAIIngress) -> FastAPI:
         await ingress.ensure_router()
         return JSONResponse({"routers": [r.policy_counters() for r in _routers()]})
 
+    api.add_middleware(RayDisconnectMiddleware)
     return api
+
+
+class RayDisconnectMiddleware:
+    """Ray Serve's proxy cancels a replica's `receive()` when the client goes
+    (`TaskCancelledError`); to the app that is a disconnect, not an internal error."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        from ray.exceptions import TaskCancelledError
+
+        async def receive_or_disconnect():
+            try:
+                return await receive()
+            except TaskCancelledError:
+                return {"type": "http.disconnect"}
+
+        await self.app(scope, receive_or_disconnect, send)
 
 
 def build_app(

@@ -158,7 +158,10 @@ class LLMEngine:
         try:
             self.scheduler.add_request(core)
         except RequestRejectedError as exc:
-            param = "max_tokens" if params.max_tokens is not None else "prompt"
+            if num_seqs > 1 and "lower n or best_of" in str(exc):
+                param = "n" if num_seqs == params.n else "best_of"
+            else:
+                param = "max_tokens" if params.max_tokens is not None else "prompt"
             raise InvalidRequestError(str(exc), param=param) from exc
         self.output_processor.add(ereq, core)
 

@@ -35,10 +35,12 @@ def test_a_wide_beam_search_runs(llm):
 
 
 def test_more_siblings_than_the_engine_runs_at_once_are_refused(llm):
-    with pytest.raises(InvalidRequestError, match="max_num_seqs=64"):
+    with pytest.raises(InvalidRequestError, match="max_num_seqs=64") as exc:
         llm.generate([PROMPT], SamplingParams(n=65, max_tokens=2))
-    with pytest.raises(InvalidRequestError, match="max_num_seqs=64"):
+    assert exc.value.param == "n"
+    with pytest.raises(InvalidRequestError, match="max_num_seqs=64") as exc:
         llm.generate([PROMPT], SamplingParams(n=2, best_of=65, max_tokens=2))
+    assert exc.value.param == "best_of"
     _assert_idle(llm)
 
 
