@@ -20,7 +20,9 @@ flags\t\t: fpu sse2 avx2 avx512f {extra}
 
 @pytest.fixture
 def fake_cpu(monkeypatch, tmp_path):
-    """Point cpu_features at a written cpuinfo file; returns a function that sets its flags."""
+    """Point cpu_features at a written cpuinfo file; returns a function that sets its flags.
+    The fake CPU runs uncapped (a PAGEDATTN_CPU_ISA of the whole run would hide its flags)."""
+    monkeypatch.delenv("PAGEDATTN_CPU_ISA", raising=False)
 
     def write(extra: str) -> None:
         path = tmp_path / "cpuinfo"
