@@ -57,6 +57,7 @@ def test_kernel_choices_of_the_config_are_the_registries():
 
 
 def test_isa_cap_hides_the_flags_past_its_level(monkeypatch):
+    monkeypatch.delenv("PAGEDATTN_CPU_ISA", raising=False)  # the fake CPU starts uncapped
     monkeypatch.setattr(
         features,
         "hardware_flags",
