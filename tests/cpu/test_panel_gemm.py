@@ -1,8 +1,7 @@
 """The compiled panel GEMM (linear_packed) against F.linear, on the build this process loaded.
 
-The panels are packed here, independently of pagedattn.cpu.linear, so the test pins the C++
-kernel's layout: panel p, row k holds W[32p + j, k] (zero past N); bf16 rows interleave columns
-j and 16 + j in lanes 2j and 2j + 1.
+The panels come from pagedattn.cpu.linear.pack_panels, whose layout tests/cpu/test_linear.py pins
+(panel p, row k holds W[32p + j, k], zero past N; bf16 rows interleave columns j and 16 + j).
 """
 
 from __future__ import annotations
@@ -12,25 +11,12 @@ import torch
 import torch.nn.functional as F
 
 from pagedattn.cpu import extension as cpu_ext
-
-PANEL = 32
+from pagedattn.cpu.linear import pack_panels as pack
 
 
 @pytest.fixture(scope="module")
 def ext():
     return cpu_ext.load_extension()
-
-
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    n, k = weight.shape
-    num_panels = -(-n // PANEL)
-    padded = torch.zeros(num_panels * PANEL, k, dtype=weight.dtype)
-    padded[:n] = weight
-    panels = padded.view(num_panels, PANEL, k).transpose(1, 2)  # [P, K, 32]
-    if weight.dtype == torch.bfloat16:
-        pairs = torch.stack((panels[..., : PANEL // 2], panels[..., PANEL // 2 :]), dim=-1)
-        panels = pairs.reshape(num_panels, k, PANEL)  # [P, K, 16 pairs x 2]
-    return panels.contiguous()
 
 
 def test_build_reports_its_vectors(ext):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import contextlib
 import importlib.util
 import sys
 import threading
@@ -64,6 +65,22 @@ def _post(server, body: dict, key: str = KEY_A) -> httpx.Response:
     return httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=60)
 
 
+@contextlib.contextmanager
+def held(make_jobs):
+    """Run ``make_jobs(release)`` (a coroutine whose jobs wait on ``release``) on an event loop
+    of its own in a thread while the block runs; then release them and wait for it to end."""
+    release = threading.Event()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_until_complete, args=(make_jobs(release),))
+    thread.start()
+    try:
+        yield
+    finally:
+        release.set()
+        thread.join()
+        loop.close()
+
+
 def test_adversarial_probes_hold_on_the_single_server(server):
     probes = load_probes()
     results = probes.run_probes(server.base_url, KEY_A, MODEL, KEY_B)
@@ -76,15 +93,10 @@ def test_adversarial_probes_hold_on_the_single_server(server):
 
 
 def test_grammars_compile_on_their_own_pool_so_text_prompts_go_on(server):
-    release = threading.Event()
-
-    async def occupy() -> None:
+    async def occupy(release) -> None:
         await server.serving.grammar_pool.run(release.wait, 30)
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(occupy(),))
-    thread.start()
-    try:
+    with held(occupy):
         time.sleep(0.2)
         t0 = time.monotonic()
         assert _post(server, {"prompt": "hello"}).status_code == 200
@@ -92,10 +104,6 @@ def test_grammars_compile_on_their_own_pool_so_text_prompts_go_on(server):
         # NOTE: the compile queued behind the stuck one passes its deadline: 400, not a hang.
         r = _post(server, {"prompt": "pick", "guided_choice": ["yes", "no"]})
         assert r.status_code == 400 and r.json()["error"]["code"] == "constraint_timeout", r.text
-    finally:
-        release.set()
-        thread.join()
-        loop.close()
     # NOTE: the compile itself (the engine's run of a grammar is the sampler's business).
     from pagedattn.structured_output.params import StructuredOutputsParams
 
@@ -195,67 +203,42 @@ def test_default_prompt_cap_is_near_what_fits():
 
 def test_a_small_prompt_has_its_own_lane(server):
     pool = server.serving.preprocessor.pool
-    release = threading.Event()
 
-    async def occupy() -> None:
+    async def occupy(release) -> None:
         await asyncio.gather(*(pool.run(release.wait, 30) for _ in range(4)))
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(occupy(),))
-    thread.start()
-    try:
+    with held(occupy):
         time.sleep(0.2)
         t0 = time.monotonic()
         assert _post(server, {"prompt": "hello"}).status_code == 200
         assert time.monotonic() - t0 < 5.0
-    finally:
-        release.set()
-        thread.join()
-        loop.close()
 
 
 # ---- /health, errors, layering ----------------------------------------------------------------
 
 
 def test_health_is_degraded_while_a_front_end_job_is_stuck(server):
-    release = threading.Event()
-
-    async def stuck() -> None:
+    async def stuck(release) -> None:
         await server.serving.preprocessor.pool.run(release.wait, 30)
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(stuck(),))
-    thread.start()
-    try:
+    with held(stuck):
         time.sleep(STALL_S + 0.5)
         r = httpx.get(f"{server.base_url}/health")
         assert r.status_code == 503 and r.json()["status"] == "degraded", r.text
         assert "pagedattn-tokenize" in r.json()["reasons"][0]
-    finally:
-        release.set()
-        thread.join()
-        loop.close()
     assert httpx.get(f"{server.base_url}/health").status_code == 200
 
 
 def test_health_is_degraded_while_an_engine_step_is_stuck(server):
     engine = server.serving.engine
-    release = threading.Event()
 
-    async def stuck_step() -> None:
+    async def stuck_step(release) -> None:
         await engine.call(lambda _: release.wait(30))
 
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_until_complete, args=(stuck_step(),))
-    thread.start()
-    try:
+    with held(stuck_step):
         time.sleep(STALL_S + 0.5)
         r = httpx.get(f"{server.base_url}/health")
         assert r.status_code == 503 and "engine step" in r.json()["reasons"][0], r.text
-    finally:
-        release.set()
-        thread.join()
-        loop.close()
     assert httpx.get(f"{server.base_url}/health").status_code == 200
 
 
