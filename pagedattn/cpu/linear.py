@@ -154,17 +154,11 @@ def _amx_shape(weight: torch.Tensor) -> bool:
     return n % AMX_TILE_N == 0 and k % AMX_TILE_K == 0
 
 
-def amx_available() -> bool:
-    """Whether the extension was built for AMX-BF16 and the OS granted this process the tiles."""
-    ext = extension.get_extension()
-    return ext is not None and ext.linear_amx_available()
-
-
 class AmxLinear(LinearKernel):
     name, cpp_id = "amx", 5
 
     def available(self, dtype):
-        return dtype == torch.bfloat16 and amx_available()
+        return dtype == torch.bfloat16 and extension.amx_available()
 
     def fits(self, weight):
         return weight.dtype == torch.bfloat16 and _amx_shape(weight)

@@ -27,7 +27,7 @@ import torch
 
 from pagedattn import disk_cache, envs
 from pagedattn.cpu import extension, features, tuner
-from pagedattn.cpu.linear import INT8_KERNELS, KERNELS, QUANTIZATIONS, amx_available, candidates
+from pagedattn.cpu.linear import INT8_KERNELS, KERNELS, QUANTIZATIONS, candidates
 from pagedattn.cpu.linear import get_kernel as get_linear_kernel
 
 AUTO = "auto"
@@ -158,7 +158,7 @@ def attention_available(kernel: str, dtype: torch.dtype) -> bool:
         return True
     if extension.get_extension() is None or dtype not in extension.SUPPORTED_DTYPES:
         return False
-    return kernel == "compiled" or (dtype == torch.bfloat16 and amx_available())
+    return kernel == "compiled" or (dtype == torch.bfloat16 and extension.amx_available())
 
 
 class KernelChoiceError(ValueError):
@@ -209,7 +209,7 @@ def choose_plan(
         isa=features.vector_isa(),
     )
     pool = INT8_KERNELS if options.quantization else KERNELS
-    linear = [k for k in candidates(dtype, pool)] or ["torch"]
+    linear = candidates(dtype, pool) or ["torch"]
     if options.linear_kernel != AUTO:
         linear = [options.linear_kernel]
     attention = [k for k in ATTENTION_KERNELS if attention_available(k, dtype)]
