@@ -60,7 +60,12 @@ def test_dashboard_of_a_running_server_follows_requests(live_server):
     for t in senders:
         t.start()
     try:
-        busy = DomSummary(chromium(url, "--dump-dom", budget_ms=5000))
+        # NOTE: a loaded machine can let one page load fall between two requests' lifetimes;
+        # the page must show a running request's table in one of a few loads while they run.
+        for _ in range(3):
+            busy = DomSummary(chromium(url, "--dump-dom", budget_ms=5000))
+            if busy.tables:
+                break
     finally:
         stop.set()
         for t in senders:
