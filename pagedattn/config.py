@@ -305,9 +305,26 @@ class EngineConfig:
         flags=("--threads", "--num-threads"),
         default_text="torch's default",
     )
+    # Tensor parallelism (worker.tp_executor): one model's shards on N ranks of this machine.
+    tensor_parallel_size: int = option(
+        1,
+        "ranks that each hold a shard of the model (gloo on CPU, NCCL on CUDA); rank 0 runs in "
+        "the engine's process, the others are worker processes it starts; --threads is per rank",
+        flags=("--tensor-parallel-size", "-tp"),
+    )
+    tp_timeout_s: float = option(
+        60.0,
+        "seconds a tensor-parallel collective (or a worker's start) may wait for its peers "
+        "before the engine fails",
+    )
 
     def __post_init__(self) -> None:
         _check_choices(self)
+        _require(
+            isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+            f"tensor_parallel_size={self.tensor_parallel_size!r} is invalid: use an integer >= 1",
+        )
+        _require(self.tp_timeout_s > 0, f"tp_timeout_s={self.tp_timeout_s!r} is invalid: use > 0")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

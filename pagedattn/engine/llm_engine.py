@@ -22,7 +22,8 @@ from pagedattn.engine.outputs import RequestOutput
 from pagedattn.engine.request_state import EngineRequest
 from pagedattn.engine.stats import EngineStats, StepTimes
 from pagedattn.sampling_params import InvalidSamplingParamsError, SamplingParams
-from pagedattn.worker.model_runner import BlockCopyError, ModelRunner
+from pagedattn.worker.model_runner import BlockCopyError
+from pagedattn.worker.tp_executor import WorkerFaultError, make_model_runner
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, verbose: bool = False) -> None:
         self.config = config
         cache = config.cache
-        self.runner = runner = ModelRunner(config)
+        self.runner = runner = make_model_runner(config)
         self.model = runner.model
         self.tokenizer = runner.tokenizer
         self.model_name = runner.model_name
@@ -259,6 +260,8 @@ class LLMEngine:
             return output
         except BlockCopyError as exc:
             raise EngineFaultError(f"copy-on-write of KV blocks failed: {exc!r}") from exc
+        except WorkerFaultError as exc:
+            raise EngineFaultError(str(exc)) from exc
         except Exception as exc:
             batch_error = exc
         logger.warning(
@@ -286,7 +289,8 @@ class LLMEngine:
     # The second KV tier.
 
     def close(self) -> None:
-        """Flush and close the KV store and the event publisher, if any."""
+        """Flush and close the KV store and the event publisher, if any; stop TP workers."""
+        self.runner.close()
         if self.kv_connector is not None:
             self.kv_connector.close()
         if self.kv_event_publisher is not None:

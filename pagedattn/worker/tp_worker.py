@@ -1,0 +1,80 @@
+"""A tensor-parallel worker process: ``python -m pagedattn.worker.tp_worker HOST PORT``.
+
+It connects back to the engine (rank 0), receives (config, rank, world_size, group port), loads
+its shard, then runs each step it is sent until told to close or until the engine goes away.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import pickle
+import signal
+import sys
+from multiprocessing.connection import Client
+
+import torch
+
+logger = logging.getLogger("pagedattn.worker.tp_worker")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when the engine's process dies (no orphan rank)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def serve(host: str, port: int, authkey: bytes) -> int:
+    from pagedattn.distributed.parallel_state import TensorParallelGroup
+    from pagedattn.worker.tp_executor import CLOSE, OK, TPWorkerRunner, rank_placement
+
+    parent = os.getppid()
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # NOTE: Ctrl-C reaches the engine; it closes us
+    conn = Client((host, port), authkey=authkey)
+    config, rank, world_size, group_port = conn.recv()
+    try:
+        cpus, threads = rank_placement(rank, world_size, config.num_threads)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        torch.set_num_threads(threads)
+        group = TensorParallelGroup(
+            rank, world_size, group_port, timeout_s=config.tp_timeout_s, device=config.model.device
+        )
+        runner = TPWorkerRunner(config, group)
+    except Exception as exc:
+        logger.exception("tensor-parallel rank %d failed to start", rank)
+        conn.send_bytes(pickle.dumps(f"{exc!r}"))
+        return 1
+    conn.send_bytes(OK)
+    while True:
+        if not conn.poll(1.0):
+            if os.getppid() != parent:
+                return 0
+            continue
+        try:
+            data = conn.recv_bytes()
+        except (EOFError, OSError):
+            return 0
+        if data == CLOSE:
+            runner.close()
+            group.close()
+            return 0
+        try:
+            runner.execute(pickle.loads(data))
+            reply = OK
+        except Exception as exc:
+            logger.exception("tensor-parallel rank %d: the step failed", rank)
+            reply = pickle.dumps(f"{exc!r}")
+        conn.send_bytes(reply)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
+    key = bytes.fromhex(os.environ.pop("PAGEDATTN_TP_AUTHKEY"))
+    sys.exit(serve(sys.argv[1], int(sys.argv[2]), key))
