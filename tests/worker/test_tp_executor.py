@@ -1,0 +1,128 @@
+"""Tensor parallelism on 2 ranks x 1 thread (gloo): parity with 1 rank, shared blocks, faults."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from pagedattn import LLM, SamplingParams
+from pagedattn.engine.errors import EngineFaultError
+from tests.model.tiny import make_tiny_gemma3, make_tiny_llama
+
+NUM_NEW = 12
+TOP_K = 5
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=TOP_K)
+
+
+def _prompts(vocab: int = 128) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(5, vocab, (n,), generator=g).tolist() for n in (3, 9, 17, 30)]
+
+
+def check_logprobs_close(ref, other) -> None:
+    """vLLM's rule: equal greedy tokens, or at the first divergence each side's token is among
+    the other side's top-k logprobs."""
+    for a, b in zip(ref, other, strict=True):
+        ids_a, ids_b = a.outputs[0].token_ids, b.outputs[0].token_ids
+        for i, (x, y) in enumerate(zip(ids_a, ids_b, strict=True)):
+            if x != y:
+                assert x in b.outputs[0].logprobs[i] and y in a.outputs[0].logprobs[i], (i, x, y)
+                break
+
+
+def _generate(path, tp: int, prompts, params=GREEDY, **kwargs):
+    llm = LLM(path, dtype="float32", tensor_parallel_size=tp, num_threads=1, **kwargs)
+    try:
+        return llm.generate(prompts, params), llm.engine.get_stats()
+    finally:
+        llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    return make_tiny_llama(tmp_path_factory.mktemp("tp-llama"))
+
+
+@pytest.mark.parametrize("model", ["llama", "gemma3-one-kv-head"])
+def test_greedy_output_matches_one_rank(model, tiny_llama, tmp_path):
+    if model == "llama":
+        path = tiny_llama
+    else:  # NOTE: one KV head on 2 ranks: the KV head is replicated on both
+        path = make_tiny_gemma3(tmp_path, num_key_value_heads=1)
+    prompts = _prompts()
+    ref, _ = _generate(path, 1, prompts)
+    out, stats = _generate(path, 2, prompts)
+    check_logprobs_close(ref, out)
+    assert [o.outputs[0].token_ids for o in out] == [o.outputs[0].token_ids for o in ref]
+    assert stats.kv_cache_usage == 0.0
+
+
+def test_preemption_forks_and_abort_share_block_ids_on_every_rank(tiny_llama):
+    """A pool too small for the batch (preemption, recompute), n=2 siblings sharing prompt
+    blocks (copy-on-write on every rank) and an abort mid-run: every rank must read the blocks
+    rank 0's manager handed out, so the tokens equal one rank's and every block comes back."""
+    prompts = _prompts()
+    params = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=NUM_NEW, ignore_eos=True)
+    results = {}
+    for tp in (1, 2):
+        llm = LLM(
+            tiny_llama,
+            dtype="float32",
+            tensor_parallel_size=tp,
+            num_threads=1,
+            num_blocks=14,
+            block_size=4,
+        )
+        engine = llm.engine
+        try:
+            for i, p in enumerate(prompts):
+                engine.add_request(f"r{i}", p, params)
+            engine.add_request("aborted", prompts[3], params)
+            finished, steps = {}, 0
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = [c.token_ids for c in out.outputs]
+                steps += 1
+                if steps == 3:
+                    engine.abort_request("aborted")
+            stats = engine.get_stats()
+            assert stats.num_preemptions > 0
+            assert stats.kv_cache_usage == 0.0
+            results[tp] = finished
+        finally:
+            engine.close()
+    assert "aborted" not in results[2]
+    assert results[2] == results[1]
+
+
+def test_a_killed_worker_fails_the_engine_within_seconds(tiny_llama):
+    llm = LLM(tiny_llama, dtype="float32", tensor_parallel_size=2, num_threads=1, tp_timeout_s=30)
+    engine = llm.engine
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        engine.add_request("a", _prompts()[1], params)
+        engine.step()
+        (pid,) = engine.runner.worker_pids()
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(EngineFaultError, match="rank 1"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - t0 < 5
+    finally:
+        engine.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
+def test_packaged_models_match_one_rank(model):
+    prompts = ["The capital of France is", "Write a haiku about the sea.", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=TOP_K)
+    ref, _ = _generate(model, 1, prompts, params)
+    out, _ = _generate(model, 2, prompts, params)
+    check_logprobs_close(ref, out)
