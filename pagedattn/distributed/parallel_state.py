@@ -13,6 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from pagedattn.distributed.shm_all_reduce import ShmAllReduce
+
 # Gloo cannot all-reduce bfloat16 (nor float16): such tensors are reduced in float32.
 _GLOO_REDUCE_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
 
@@ -37,13 +39,20 @@ class TensorParallelGroup:
         host: str = "127.0.0.1",
         timeout_s: float = 60.0,
         device: torch.device | str = "cpu",
+        shm_path: str | None = None,
     ) -> None:
+        """``shm_path``: all-reduce through this shared-memory file (ranks on one x86 machine,
+        CPU tensors; distributed.shm_all_reduce) instead of gloo; rank 0 creates it."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank={rank} is not in [0, {world_size})")
         self.rank, self.world_size = rank, world_size
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
+        self._abort_reason: str | None = None
+        self.shm: ShmAllReduce | None = None
+        if shm_path is not None and rank == 0:
+            self.shm = self._open_shm(shm_path, create=True)
         # NOTE: rank 0 hosts the rendezvous store; the others connect to it (until timeout).
         self.store = dist.TCPStore(
             host, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=True
@@ -57,6 +66,35 @@ class TensorParallelGroup:
             self.pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
         self.collective_seconds = 0.0
         self.num_collectives = 0
+        if shm_path is not None:
+            if rank != 0:  # NOTE: rank 0 made the file before the store let anyone through
+                self.shm = self._open_shm(shm_path, create=False)
+            self.barrier()
+            if rank == 0:
+                self.shm.unlink()  # every rank has it mapped: nothing to leak from here on
+
+    def _open_shm(self, path: str, create: bool) -> ShmAllReduce:
+        return ShmAllReduce(
+            path,
+            self.rank,
+            self.world_size,
+            create=create,
+            timeout_s=self.timeout_s,
+            check=self._check_abort,
+        )
+
+    @property
+    def all_reduce_kind(self) -> str:
+        """How all-reduces travel: "shm" or the process group's backend."""
+        return "shm" if self.shm is not None else self.backend
+
+    def abort(self, reason: str) -> None:
+        """Make every wait of this rank raise CollectiveError (a peer is known dead)."""
+        self._abort_reason = reason
+
+    def _check_abort(self) -> None:
+        if self._abort_reason is not None:
+            raise CollectiveError(self._abort_reason)
 
     @property
     def is_first(self) -> bool:
@@ -83,6 +121,16 @@ class TensorParallelGroup:
         """The elementwise sum of ``x`` over the ranks (in place where the dtype allows)."""
         if self.world_size == 1:
             return x
+        if self.shm is not None and x.device.type == "cpu":
+            t0 = time.perf_counter()
+            try:
+                return self.shm.all_reduce(x if x.is_contiguous() else x.contiguous())
+            except TimeoutError as exc:
+                msg = f"tensor-parallel all-reduce on rank {self.rank}: {exc}"
+                raise CollectiveError(msg) from exc
+            finally:
+                self.collective_seconds += time.perf_counter() - t0
+                self.num_collectives += 1
         t = x.contiguous()
         if self.backend == "gloo" and t.dtype not in _GLOO_REDUCE_DTYPES:
             t = t.float()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import platform
 import secrets
 import socket
 import subprocess
@@ -32,6 +33,7 @@ import torch
 from pagedattn.config import EngineConfig
 from pagedattn.core.scheduler_output import RunnerOutput, SchedulerOutput
 from pagedattn.distributed.parallel_state import TensorParallelGroup
+from pagedattn.distributed.shm_all_reduce import new_shm_path
 from pagedattn.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -90,6 +92,7 @@ class TPDriverRunner(ModelRunner):
         world_size = config.tensor_parallel_size
         self.timeout_s = config.tp_timeout_s
         port = free_port()
+        shm_path = group_shm_path(config)
         authkey = secrets.token_bytes(16)
         self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
         self._procs: list[subprocess.Popen] = []
@@ -101,14 +104,19 @@ class TPDriverRunner(ModelRunner):
             for rank in range(1, world_size):
                 self._procs.append(_start_worker(self._listener.address, authkey))
                 conn = self._accept()
-                conn.send((config, rank, world_size, port))
+                conn.send((config, rank, world_size, port, shm_path))
                 self._conns.append(conn)
             cpus, threads = rank_placement(0, world_size, config.num_threads)
             if cpus:
                 os.sched_setaffinity(0, cpus)
             torch.set_num_threads(threads)
             group = TensorParallelGroup(
-                0, world_size, port, timeout_s=self.timeout_s, device=config.model.device
+                0,
+                world_size,
+                port,
+                timeout_s=self.timeout_s,
+                device=config.model.device,
+                shm_path=shm_path,
             )
             super().__init__(config, group)
             for rank, conn in enumerate(self._conns, start=1):
@@ -157,6 +165,8 @@ class TPDriverRunner(ModelRunner):
                 if proc.poll() is not None and not self._closed and self._fault is None:
                     self._fault = f"tensor-parallel rank {rank} exited with code {proc.returncode}"
                     logger.error("%s: the engine cannot run the model any more", self._fault)
+                    if getattr(self, "parallel", None) is not None:
+                        self.parallel.abort(self._fault)
             time.sleep(0.2)
 
     @property
@@ -220,6 +230,14 @@ class TPDriverRunner(ModelRunner):
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+
+def group_shm_path(config: EngineConfig) -> str | None:
+    """A new shared-memory file for the all-reduce, or None where gloo (or NCCL) does it."""
+    use = config.tp_all_reduce == "shm" and config.model.device == "cpu"
+    if not use or platform.machine().lower() not in ("x86_64", "amd64"):
+        return None  # NOTE: the flag protocol relies on x86's ordered stores
+    return str(new_shm_path())
 
 
 def _start_worker(address: tuple[str, int], authkey: bytes) -> subprocess.Popen:

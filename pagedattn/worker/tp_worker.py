@@ -37,14 +37,19 @@ def serve(host: str, port: int, authkey: bytes) -> int:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # NOTE: Ctrl-C reaches the engine; it closes us
     conn = Client((host, port), authkey=authkey)
-    config, rank, world_size, group_port = conn.recv()
+    config, rank, world_size, group_port, shm_path = conn.recv()
     try:
         cpus, threads = rank_placement(rank, world_size, config.num_threads)
         if cpus:
             os.sched_setaffinity(0, cpus)
         torch.set_num_threads(threads)
         group = TensorParallelGroup(
-            rank, world_size, group_port, timeout_s=config.tp_timeout_s, device=config.model.device
+            rank,
+            world_size,
+            group_port,
+            timeout_s=config.tp_timeout_s,
+            device=config.model.device,
+            shm_path=shm_path,
         )
         runner = TPWorkerRunner(config, group)
     except Exception as exc:

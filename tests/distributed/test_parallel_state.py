@@ -1,0 +1,54 @@
+"""The tensor-parallel group's collectives on 2 local ranks: gloo and the shared-memory path."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+
+import pytest
+import torch
+
+from pagedattn.distributed.parallel_state import TensorParallelGroup
+from pagedattn.distributed.shm_all_reduce import new_shm_path
+from pagedattn.worker.tp_executor import free_port
+
+
+def _rank_data(rank: int, rows: int) -> torch.Tensor:
+    return torch.randn(rows, 40, generator=torch.Generator().manual_seed(rank))
+
+
+def _collectives(rank: int, port: int, shm_path: str | None, queue) -> None:
+    torch.set_num_threads(1)
+    group = TensorParallelGroup(rank, 2, port, timeout_s=30, shm_path=shm_path)
+    # NOTE: a slot of 4 MiB holds 26214 rows of 40 floats: 30000 rows take two chunks.
+    sums = [group.all_reduce(_rank_data(rank, rows)) for rows in (1, 7, 30000)]
+    gathered = group.gather_first(torch.full((2, 3), float(rank)))
+    result = (rank, sums, gathered, group.min_int(10 - rank), group.all_reduce_kind)
+    # NOTE: plain pickle: a queue would share the tensors through fds the exiting peer closes.
+    queue.put(pickle.dumps(result))
+    group.close()
+
+
+@pytest.mark.parametrize("kind", ["gloo", "shm"])
+def test_all_reduce_gather_and_min_across_two_processes(kind):
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    path = str(new_shm_path()) if kind == "shm" else None
+    peer = ctx.Process(target=_collectives, args=(1, port, path, queue))
+    peer.start()
+    _collectives(0, port, path, queue)
+    results = dict((r[0], r[1:]) for r in (pickle.loads(queue.get(timeout=60)) for _ in range(2)))
+    peer.join(timeout=30)
+    for rank, (sums, gathered, minimum, used) in results.items():
+        assert used == kind and minimum == 9
+        for total, rows in zip(sums, (1, 7, 30000), strict=True):
+            expected = _rank_data(0, rows) + _rank_data(1, rows)
+            torch.testing.assert_close(total, expected)
+        if rank == 0:
+            assert gathered.tolist() == [[0.0] * 3 + [1.0] * 3] * 2
+    # NOTE: both ranks sum in rank order: the same bits on every rank.
+    assert all(torch.equal(a, b) for a, b in zip(results[0][0], results[1][0], strict=True))
+    if path is not None:
+        assert not os.path.exists(path)  # unlinked once both ranks mapped it
