@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from pagedattn import LLM, SamplingParams
-from pagedattn.engine.errors import EngineFaultError
+from pagedattn.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from tests.model.tiny import make_tiny_gemma3, make_tiny_llama
 
 NUM_NEW = 12
@@ -100,22 +101,30 @@ def test_preemption_forks_and_abort_share_block_ids_on_every_rank(tiny_llama):
     assert results[2] == results[1]
 
 
-def test_a_killed_worker_fails_the_engine_within_seconds(tiny_llama):
+def test_a_killed_worker_ends_requests_with_an_error_within_seconds(tiny_llama):
+    """The request in flight gets an error, the loop stops with the fault (what /health reads
+    to answer 503), and rank 0 does not wait out the collective timeout."""
     llm = LLM(tiny_llama, dtype="float32", tensor_parallel_size=2, num_threads=1, tp_timeout_s=30)
-    engine = llm.engine
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        engine.add_request("a", _prompts()[1], params)
-        engine.step()
-        (pid,) = engine.runner.worker_pids()
+    engine = AsyncLLMEngine(llm.engine)
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def main() -> float:
+        stream = await engine.add_request("a", _prompts()[1], params)
+        await anext(stream)
+        (pid,) = llm.engine.runner.worker_pids()
         os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
-        with pytest.raises(EngineFaultError, match="rank 1"):
-            while engine.has_unfinished_requests():
-                engine.step()
-        assert time.monotonic() - t0 < 5
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            async for _ in stream:
+                pass
+        return time.monotonic() - t0
+
+    try:
+        assert asyncio.run(main()) < 5
+        assert engine.fault is not None and not engine.is_running
     finally:
-        engine.close()
+        engine.shutdown()
+        llm.engine.close()
 
 
 @pytest.mark.slow
