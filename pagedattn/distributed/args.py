@@ -47,7 +47,8 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "--replica-cpus",
         type=float,
         default=1.0,
-        help="Ray CPUs reserved per replica (placement only; --threads sets torch threads)",
+        help="Ray CPUs reserved per replica, per rank with --tensor-parallel-size (placement "
+        "only; --threads sets torch threads)",
     )
     g.add_argument(
         "--kv-events-replay-endpoint",

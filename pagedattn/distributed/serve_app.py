@@ -364,6 +364,7 @@ def build_app(
         num_replicas=num_replicas,
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": replica_num_cpus},
+        **tensor_parallel_placement(engine_config.tensor_parallel_size, replica_num_cpus),
         request_router_config=router_config,
         graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
         health_check_period_s=health_check_period_s,
@@ -398,6 +399,21 @@ def build_app(
     )
 
 
+def tensor_parallel_placement(tensor_parallel_size: int, num_cpus: float) -> dict:
+    """Deployment options that reserve a replica's tensor-parallel ranks on one node.
+
+    NOTE: one bundle per rank, STRICT_PACK: Ray puts a replica's bundles on one node (the
+    replica actor takes the first); its rank processes (worker.tp_executor) start there and use
+    the others' CPUs. Replicas land on whichever nodes have room for all their bundles.
+    """
+    if tensor_parallel_size == 1:
+        return {}
+    return {
+        "placement_group_bundles": [{"CPU": num_cpus}] * tensor_parallel_size,
+        "placement_group_strategy": "STRICT_PACK",
+    }
+
+
 def run_replicas(args, engine_config) -> int:
     """`pagedattn serve --data-parallel-size N`: serve until SIGTERM/SIGINT, drain, return 0.
 
@@ -420,7 +436,8 @@ def run_replicas(args, engine_config) -> int:
     env = {k: v for k, v in os.environ.items() if k.startswith(("PAGEDATTN_", "HF_"))}
     env.update({k: os.environ[k] for k in ("TRANSFORMERS_OFFLINE",) if k in os.environ})
     if args.ray_address is None:
-        num_cpus = max(os.cpu_count() or 1, int(num_replicas * args.replica_cpus + 0.999))
+        ranks = num_replicas * engine_config.tensor_parallel_size
+        num_cpus = max(os.cpu_count() or 1, int(ranks * args.replica_cpus + 0.999))
         ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env})
     else:
         ray.init(address=args.ray_address, runtime_env={"env_vars": env})

@@ -6,27 +6,35 @@ its shard, then runs each step it is sent until told to close or until the engin
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import pickle
 import signal
 import sys
+import threading
+import time
 from multiprocessing.connection import Client
 
 import torch
 
 logger = logging.getLogger("pagedattn.worker.tp_worker")
 
-_PR_SET_PDEATHSIG = 1
+PARENT_POLL_S = 0.5
 
 
-def _die_with_parent() -> None:
-    """Linux: SIGKILL this process when the engine's process dies (no orphan rank)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    except OSError:
-        pass
+def _exit_with_parent(parent: int) -> None:
+    """Leave at once when the engine's process is gone, wherever this process is waiting.
+
+    NOTE: not prctl(PR_SET_PDEATHSIG): that fires when the *thread* that started us exits, and
+    an engine built on a pool thread (a Ray Serve replica) would lose its ranks.
+    """
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="tp-parent-watch", daemon=True).start()
 
 
 def serve(host: str, port: int, authkey: bytes) -> int:
@@ -34,7 +42,7 @@ def serve(host: str, port: int, authkey: bytes) -> int:
     from pagedattn.worker.tp_executor import CLOSE, OK, TPWorkerRunner, rank_placement
 
     parent = os.getppid()
-    _die_with_parent()
+    _exit_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # NOTE: Ctrl-C reaches the engine; it closes us
     conn = Client((host, port), authkey=authkey)
     config, rank, world_size, group_port, shm_path = conn.recv()
