@@ -135,3 +135,24 @@ def test_packaged_models_match_one_rank(model):
     ref, _ = _generate(model, 1, prompts, params)
     out, _ = _generate(model, 2, prompts, params)
     check_logprobs_close(ref, out)
+
+
+def test_each_rank_saves_and_loads_its_shard_of_the_kv_store(tiny_llama, tmp_path):
+    """Blocks written by 2 ranks are loaded back by 2 new ranks (each its own shard, under keys
+    that name the rank and the size); a 1-rank engine never loads a shard."""
+    url = f"file://{tmp_path}/kv"
+    prompt = list(range(5, 5 + 70))  # 17 full blocks of 4
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kwargs = {"dtype": "float32", "num_threads": 1, "num_blocks": 64, "block_size": 4}
+    cold = LLM(tiny_llama, **kwargs).generate([prompt], params)[0].outputs[0].token_ids
+    for expect_loaded in (0, 17):
+        llm = LLM(tiny_llama, tensor_parallel_size=2, kv_store=url, **kwargs)
+        try:
+            assert llm.generate([prompt], params)[0].outputs[0].token_ids == cold
+            assert llm.engine.get_stats().kv_store.num_loaded_blocks == expect_loaded
+        finally:
+            llm.engine.close()
+    single = LLM(tiny_llama, kv_store=url, **kwargs)
+    assert single.generate([prompt], params)[0].outputs[0].token_ids == cold
+    assert single.engine.get_stats().kv_store.num_loaded_blocks == 0
+    single.engine.close()
