@@ -15,6 +15,7 @@ collective timeout.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -115,10 +116,10 @@ class TPDriverRunner(ModelRunner):
                 world_size,
                 port,
                 timeout_s=self.timeout_s,
-                device=config.model.device,
+                device=rank_config(config, 0).model.device,
                 shm_path=shm_path,
             )
-            super().__init__(config, group)
+            super().__init__(rank_config(config, 0), group)
             for rank, conn in enumerate(self._conns, start=1):
                 reply = self._recv(conn, rank, self.timeout_s)
                 if reply != OK:
@@ -230,6 +231,16 @@ class TPDriverRunner(ModelRunner):
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """The config of ``rank``: on CUDA, its own device (cuda:0 + rank); on CPU, unchanged."""
+    device = config.model.device
+    if not device.startswith("cuda"):
+        return config
+    first = int(device.partition(":")[2] or 0)
+    model = dataclasses.replace(config.model, device=f"cuda:{first + rank}")
+    return dataclasses.replace(config, model=model)
 
 
 def group_shm_path(config: EngineConfig) -> str | None:

@@ -39,7 +39,13 @@ def _exit_with_parent(parent: int) -> None:
 
 def serve(host: str, port: int, authkey: bytes) -> int:
     from pagedattn.distributed.parallel_state import TensorParallelGroup
-    from pagedattn.worker.tp_executor import CLOSE, OK, TPWorkerRunner, rank_placement
+    from pagedattn.worker.tp_executor import (
+        CLOSE,
+        OK,
+        TPWorkerRunner,
+        rank_config,
+        rank_placement,
+    )
 
     parent = os.getppid()
     _exit_with_parent(parent)
@@ -51,6 +57,9 @@ def serve(host: str, port: int, authkey: bytes) -> int:
         if cpus:
             os.sched_setaffinity(0, cpus)
         torch.set_num_threads(threads)
+        config = rank_config(config, rank)
+        if config.model.device.startswith("cuda"):
+            torch.cuda.set_device(config.model.device)
         group = TensorParallelGroup(
             rank,
             world_size,
