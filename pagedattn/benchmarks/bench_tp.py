@@ -32,6 +32,7 @@ class TPResult:
     output_tok_s: float
     decode_step_ms: float
     collective_ms: float  # per decode step, on rank 0
+    wait_ms: float  # of collective_ms: waiting for the last peer (shm only)
     num_collectives: float  # per decode step
     contract_ms: float  # pickling + sending the SchedulerOutput per decode step
     same_tokens: bool | None = None
@@ -91,6 +92,7 @@ def run_config(args: argparse.Namespace, tp: int, all_reduce: str) -> tuple[TPRe
             output_tok_s=len(prompts) * args.max_tokens / (t_end - t_start),
             decode_step_ms=decode_ms,
             collective_ms=0.0 if group is None else group.collective_seconds * per_step,
+            wait_ms=0.0 if group is None else group.wait_seconds * per_step,
             num_collectives=0.0 if group is None else group.num_collectives / max(num_steps, 1),
             contract_ms=0.0 if group is None else runner.pickle_seconds * per_step,
         )
@@ -104,15 +106,17 @@ def render(results: list[TPResult], header: str) -> str:
         header,
         "",
         "| config | threads/rank | output tok/s | decode step ms | collectives/step | "
-        "collective ms/step | share of step | contract ms/step | tokens = TP=1 |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "collective ms/step | share of step | of which waiting for the peer ms | "
+        "contract ms/step | tokens = TP=1 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         same = "-" if r.same_tokens is None else ("yes" if r.same_tokens else "no")
         lines.append(
             f"| {r.label} | {r.threads_per_rank} | {r.output_tok_s:.1f} | "
             f"{r.decode_step_ms:.1f} | {r.num_collectives:.0f} | {r.collective_ms:.2f} | "
-            f"{r.collective_share:.1%} | {r.contract_ms:.3f} | {same} |"
+            f"{r.collective_share:.1%} | {f'{r.wait_ms:.2f}' if r.all_reduce == 'shm' else '-'} | "
+            f"{r.contract_ms:.3f} | {same} |"
         )
     return "\n".join(lines)
 
@@ -147,7 +151,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{result.label}: {result.output_tok_s:.1f} output tok/s, decode step "
             f"{result.decode_step_ms:.1f} ms, collectives {result.collective_ms:.2f} ms/step "
-            f"({result.collective_share:.1%}), contract {result.contract_ms:.3f} ms/step",
+            f"({result.collective_share:.1%}; waiting for the peer {result.wait_ms:.2f}), "
+            f"contract {result.contract_ms:.3f} ms/step",
             flush=True,
         )
         results.append(result)

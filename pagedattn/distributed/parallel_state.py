@@ -103,6 +103,14 @@ class TensorParallelGroup:
 
     def reset_counters(self) -> None:
         self.collective_seconds, self.num_collectives = 0.0, 0
+        if self.shm is not None:
+            self.shm.wait_seconds = 0.0
+
+    @property
+    def wait_seconds(self) -> float:
+        """Of ``collective_seconds``, the shared-memory all-reduces' wait for the last peer
+        (load imbalance and preemption, not data movement); 0.0 for gloo, which cannot say."""
+        return 0.0 if self.shm is None else self.shm.wait_seconds
 
     def _wait(self, work, what: str) -> None:
         t0 = time.perf_counter()
@@ -145,6 +153,16 @@ class TensorParallelGroup:
         other ranks: ``x`` itself (they send it and need nothing back)."""
         if self.world_size == 1:
             return x
+        if self.shm is not None and x.device.type == "cpu" and x.dim() == 2:
+            t0 = time.perf_counter()
+            try:
+                out = self.shm.gather_first(x)
+            except TimeoutError as exc:
+                raise CollectiveError(f"tensor-parallel gather on rank {self.rank}: {exc}") from exc
+            finally:
+                self.collective_seconds += time.perf_counter() - t0
+                self.num_collectives += 1
+            return x if out is None else out
         t = x.contiguous()
         if self.backend == "nccl":
             # NOTE: NCCL has no gather in ProcessGroupNCCL's python binding of old; all-gather.

@@ -21,7 +21,7 @@ import torch
 
 # One sequence number per rank, each on its own cache line.
 _FLAG_STRIDE = 8  # int64s
-DEFAULT_SLOT_BYTES = 4 << 20
+DEFAULT_SLOT_BYTES = 8 << 20
 _SPINS_BEFORE_YIELD = 64
 
 
@@ -71,6 +71,7 @@ class ShmAllReduce:
             for p in range(2)
         ]
         self._seq = 0
+        self.wait_seconds = 0.0  # of the calls' time: waiting for the last peer to arrive
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -96,21 +97,40 @@ class ShmAllReduce:
                             f"{self.timeout_s:.0f} s"
                         )
 
+    def _exchange(self, chunk: torch.Tensor) -> list[torch.Tensor]:
+        """Publish ``chunk`` and wait for every rank's; returns every rank's (slot views)."""
+        self._seq += 1
+        seq, parity = self._seq, self._seq & 1
+        n_bytes = chunk.numel() * chunk.element_size()
+        slots = [s[:n_bytes].view(chunk.dtype).view(chunk.shape) for s in self._slots[parity]]
+        slots[self.rank].copy_(chunk)
+        # NOTE: x86 keeps stores in order: peers that see the flag see the data.
+        self._flags[self.rank * _FLAG_STRIDE] = seq
+        t0 = time.perf_counter()
+        self._wait_for(seq)
+        self.wait_seconds += time.perf_counter() - t0
+        return slots
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of ``x`` over the ranks, written into ``x`` (contiguous)."""
         flat = x.view(-1)
         step = self.slot_bytes // x.element_size()
         for start in range(0, flat.numel(), step):
             chunk = flat[start : start + step]
-            self._seq += 1
-            seq, parity = self._seq, self._seq & 1
-            n_bytes = chunk.numel() * chunk.element_size()
-            slots = [s[:n_bytes].view(x.dtype) for s in self._slots[parity]]
-            slots[self.rank].copy_(chunk)
-            # NOTE: x86 keeps stores in order: peers that see the flag see the data.
-            self._flags[self.rank * _FLAG_STRIDE] = seq
-            self._wait_for(seq)
+            slots = self._exchange(chunk)
             chunk.copy_(slots[0])
             for s in slots[1:]:
                 chunk.add_(s)
         return x
+
+    def gather_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Rank 0: the ranks' ``x`` [N, D] side by side [N, world_size * D]; others: None."""
+        x = x.contiguous()
+        rows = max(1, self.slot_bytes // max(1, x[0].numel() * x.element_size()))
+        out = torch.empty(x.shape[0], self.world_size * x.shape[1], dtype=x.dtype)
+        for start in range(0, x.shape[0], rows):
+            chunk = x[start : start + rows]
+            slots = self._exchange(chunk)
+            if self.rank == 0:
+                torch.cat(slots, dim=-1, out=out[start : start + rows])
+        return out if self.rank == 0 else None

@@ -21,10 +21,14 @@ def _rank_data(rank: int, rows: int) -> torch.Tensor:
 def _collectives(rank: int, port: int, shm_path: str | None, queue) -> None:
     torch.set_num_threads(1)
     group = TensorParallelGroup(rank, 2, port, timeout_s=30, shm_path=shm_path)
-    # NOTE: a slot of 4 MiB holds 26214 rows of 40 floats: 30000 rows take two chunks.
-    sums = [group.all_reduce(_rank_data(rank, rows)) for rows in (1, 7, 30000)]
+    # NOTE: a slot of 8 MiB holds 52428 rows of 40 floats: 60000 rows take two chunks.
+    sums = [group.all_reduce(_rank_data(rank, rows)) for rows in (1, 7, 60000)]
     gathered = group.gather_first(torch.full((2, 3), float(rank)))
-    result = (rank, sums, gathered, group.min_int(10 - rank), group.all_reduce_kind)
+    # 30 rows of 100000 floats (12 MB): two chunks of rows.
+    wide = torch.arange(30 * 100_000, dtype=torch.float32).reshape(30, 100_000) + rank
+    wide_gathered = group.gather_first(wide)
+    wide_ok = rank != 0 or torch.equal(wide_gathered, torch.cat([wide - rank, wide - rank + 1], 1))
+    result = (rank, sums, gathered, group.min_int(10 - rank), group.all_reduce_kind, wide_ok)
     # NOTE: plain pickle: a queue would share the tensors through fds the exiting peer closes.
     queue.put(pickle.dumps(result))
     group.close()
@@ -41,9 +45,9 @@ def test_all_reduce_gather_and_min_across_two_processes(kind):
     _collectives(0, port, path, queue)
     results = dict((r[0], r[1:]) for r in (pickle.loads(queue.get(timeout=60)) for _ in range(2)))
     peer.join(timeout=30)
-    for rank, (sums, gathered, minimum, used) in results.items():
-        assert used == kind and minimum == 9
-        for total, rows in zip(sums, (1, 7, 30000), strict=True):
+    for rank, (sums, gathered, minimum, used, wide_ok) in results.items():
+        assert used == kind and minimum == 9 and wide_ok
+        for total, rows in zip(sums, (1, 7, 60000), strict=True):
             expected = _rank_data(0, rows) + _rank_data(1, rows)
             torch.testing.assert_close(total, expected)
         if rank == 0:
