@@ -23,7 +23,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from pagedattn.benchmarks import bench_tp
+from pagedattn.benchmarks import tp_compare
 from pagedattn.benchmarks.pagedattn_runner import (
     PeerUnavailableError,
     RunOptions,
@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run every engine in this process (faster start; peak RSS is then shared)",
     )
-    bench_tp.add_args(p)
+    tp_compare.add_args(p)
     p.add_argument("--_child", nargs=2, metavar=("ENGINE", "WORKLOAD"), help=argparse.SUPPRESS)
     p.add_argument("--_workload-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--_result", type=Path, help=argparse.SUPPRESS)
@@ -375,7 +375,7 @@ def parent_main(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.tensor_parallel_size > 1:
-        return bench_tp.run(args)
+        return tp_compare.run(args)
     return child_main(args) if args._child else parent_main(args)
 
 
