@@ -93,7 +93,7 @@ class MemoryKVStore(KVStore):
 class TieredKVStore(KVStore):
     """Reads the primary store first and the fallback (the shared file/Redis store) for misses.
 
-    Writes go to the fallback only; the primary is filled by transfers.
+    Writes go to both (a prefill replica's outbox and the shared store).
     """
 
     def __init__(self, primary: KVStore, fallback: KVStore) -> None:
@@ -120,7 +120,11 @@ class TieredKVStore(KVStore):
         return lengths
 
     def put(self, key: str, value: bytes) -> None:
-        self.fallback.put(key, value)
+        self.primary.put(key, value)
+        try:
+            self.fallback.put(key, value)
+        except Exception:  # NOTE: the shared store is a fallback: its outage must not cost
+            pass  # the primary the rest of the writer's batch (its breaker logs the outage)
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         present = self.primary.exists_many(keys)

@@ -70,9 +70,24 @@ def decode_params(params: SamplingParams) -> SamplingParams:
     )
 
 
+def can_disaggregate(params: SamplingParams) -> bool:
+    """True when a request's decode half, started from prompt + first token, samples exactly
+    as one engine would: one sequence, no logprobs, no penalties or grammar over its output."""
+    return (
+        params.n == 1
+        and (params.best_of or 1) == 1
+        and params.logprobs is None
+        and params.prompt_logprobs is None
+        and params.structured_outputs is None
+        and params.presence_penalty == 0.0
+        and params.frequency_penalty == 0.0
+        and params.repetition_penalty == 1.0
+    )
+
+
 def needs_decode(params: SamplingParams, finish_reason: str | None) -> bool:
     """True when a prefill half that ended with finish_reason leaves tokens to generate."""
-    if params.n != 1 or (params.best_of or 1) != 1:
+    if not can_disaggregate(params):
         return False
     return finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1)
 
@@ -100,15 +115,22 @@ def _kv_cache_bytes(engine) -> int:
 
 
 class PrefillRole:
-    """Makes an LLMEngine a prefill engine: an outbox of its blocks and a server for pulls."""
+    """Makes an LLMEngine a prefill engine: an outbox of its blocks and a server for pulls;
+    with ``fallback`` (the shared file/Redis store) its blocks are saved there too."""
 
     def __init__(
-        self, engine, *, outbox_bytes: int | None = None, endpoint: str = "tcp://127.0.0.1:*"
+        self,
+        engine,
+        *,
+        outbox_bytes: int | None = None,
+        endpoint: str = "tcp://127.0.0.1:*",
+        fallback: KVStore | None = None,
     ) -> None:
         self.engine = engine
         size = outbox_bytes or _kv_cache_bytes(engine) + (64 << 20)
         self.outbox = MemoryKVStore(size)
-        self.connector = _connector(ExportConnector, engine, self.outbox, size)
+        store = self.outbox if fallback is None else TieredKVStore(self.outbox, fallback)
+        self.connector = _connector(ExportConnector, engine, store, size)
         attach_connector(engine, self.connector)
         self.server = BlockServer(self.outbox, endpoint)
         self.endpoint = self.server.endpoint
