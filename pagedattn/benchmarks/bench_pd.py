@@ -156,7 +156,9 @@ def deploy(layout: str, args) -> None:
 
     common = dict(api_keys=[KEY], events_host="127.0.0.1", replica_num_cpus=0.5, seed=args.seed)
     if layout == "pd":
-        app = build_pd_app(_config(args), 1, 1, **common)
+        app = build_pd_app(
+            _config(args), 1, 1, min_prompt_tokens=args.pd_min_prompt_tokens, **common
+        )
     else:
         app = build_app(_config(args), 2, router="prefix", **common)
     serve.run(app, name=APP, route_prefix="/")
@@ -246,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-tokens", type=int, default=8)
     p.add_argument("--long-start", type=float, default=5.0)
     p.add_argument("--long-interval", type=float, default=20.0)
+    p.add_argument("--pd-min-prompt-tokens", type=int, default=256)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=640, help="KV blocks per replica")
     p.add_argument("--max-num-seqs", type=int, default=16)

@@ -38,6 +38,14 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         help="with --prefill-replicas: D replicas that decode (chosen by load)",
     )
     g.add_argument(
+        "--pd-min-prompt-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="with --prefill-replicas: prompts shorter than N tokens are computed on the decode "
+        "replica (0: every prompt goes to a prefill replica)",
+    )
+    g.add_argument(
         "--ray-address",
         default=None,
         metavar="ADDR",
@@ -97,6 +105,10 @@ def validate_distributed_args(args: argparse.Namespace) -> None:
             raise ValueError(
                 "--data-parallel-size and --prefill-replicas/--decode-replicas are two layouts: "
                 "use one"
+            )
+        if args.pd_min_prompt_tokens < 0:
+            raise ValueError(
+                f"--pd-min-prompt-tokens={args.pd_min_prompt_tokens} is invalid: use >= 0"
             )
     if args.replica_cpus < 0:
         raise ValueError(f"--replica-cpus={args.replica_cpus} is invalid: use >= 0")

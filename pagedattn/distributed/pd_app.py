@@ -25,6 +25,9 @@ from pagedattn.distributed.serve_app import ROUTER_CLASS, OpenAIIngress
 
 logger = logging.getLogger(__name__)
 
+# Prompts shorter than this are computed on the decode replica (--pd-min-prompt-tokens).
+DEFAULT_PD_MIN_PROMPT_TOKENS = 256
+
 
 def _split_store(engine_config):
     """(engine config without kv_store, the shared store or None): PD owns the connector.
@@ -91,7 +94,14 @@ class PrefillReplica(EngineReplica):
 class DecodeReplica(EngineReplica):
     """An engine replica that continues prefilled requests from their pulled blocks."""
 
-    def __init__(self, engine_config, prefill, served_model_name=None, events_host=None) -> None:
+    def __init__(
+        self,
+        engine_config,
+        prefill,
+        served_model_name=None,
+        events_host=None,
+        min_prompt_tokens=DEFAULT_PD_MIN_PROMPT_TOKENS,
+    ) -> None:
         from pagedattn.distributed.pd_engine import DisaggregatedEngine
         from pagedattn.kv_transfer.pd import DecodeRole
 
@@ -100,7 +110,7 @@ class DecodeReplica(EngineReplica):
         self.role = DecodeRole(self.llm_engine, fallback=shared)
         cache = engine_config.cache
         self.pd_engine = DisaggregatedEngine(
-            self.engine, self.role, prefill, cache.block_size, cache.hash_seed
+            self.engine, self.role, prefill, cache.block_size, cache.hash_seed, min_prompt_tokens
         )
         self.serving.engine = self.pd_engine  # NOTE: the OpenAI layer's only engine seam
 
@@ -141,6 +151,7 @@ def build_pd_app(
     graceful_shutdown_timeout_s: float = 30.0,
     health_check_period_s: float = 2.0,
     seed: int | None = None,
+    min_prompt_tokens: int = DEFAULT_PD_MIN_PROMPT_TOKENS,
     **ingress_options,
 ):
     """The PD application: `serve.run(build_pd_app(...))`."""
@@ -172,7 +183,7 @@ def build_pd_app(
         num_replicas=num_decode,
         request_router_config=_router_config("pow2", routing_stats_period_s, seed),
         **common,
-    ).bind(engine_config, prefill, served_model_name, events_host)
+    ).bind(engine_config, prefill, served_model_name, events_host, min_prompt_tokens)
     ingress = serve.deployment(
         OpenAIIngress,
         name="OpenAIIngress",
@@ -192,7 +203,7 @@ def build_pd_app(
     )
 
 
-def pd_app_builder(num_prefill: int, num_decode: int):
+def pd_app_builder(num_prefill: int, num_decode: int, min_prompt_tokens: int):
     """A builder with serve_app.build_app's signature, for run_replicas (`pagedattn serve`).
 
     The routers are fixed (prefill: prefix, decode: pow2); --router and the external KV event
@@ -201,6 +212,8 @@ def pd_app_builder(num_prefill: int, num_decode: int):
 
     def build(engine_config, num_replicas, *, router=None, imbalance_threshold=None,
               kv_events_endpoint=None, kv_events_replay_endpoint=None, **options):  # fmt: skip
-        return build_pd_app(engine_config, num_prefill, num_decode, **options)
+        return build_pd_app(
+            engine_config, num_prefill, num_decode, min_prompt_tokens=min_prompt_tokens, **options
+        )
 
     return build

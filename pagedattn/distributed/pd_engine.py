@@ -10,7 +10,7 @@ original prompt, the first token and its text in front of the decode tokens.
 Failure: a prefill call that fails (the replica died) is retried once, then the request runs
 wholly on this replica; a pull that fails loads nothing and the local engine recomputes. Requests
 whose decode half could not sample as one engine would (n > 1, logprobs, penalties, grammar) run
-wholly here.
+wholly here, as do prompts shorter than ``min_prompt_tokens``.
 """
 
 from __future__ import annotations
@@ -49,8 +49,19 @@ def _user_error(exc: BaseException) -> bool:
 class DisaggregatedEngine:
     """Wraps the decode replica's AsyncLLMEngine; everything but add_request passes through."""
 
-    def __init__(self, engine, role: DecodeRole, prefill, block_size: int, hash_seed: str):
+    def __init__(
+        self,
+        engine,
+        role: DecodeRole,
+        prefill,
+        block_size: int,
+        hash_seed: str,
+        min_prompt_tokens: int = 0,
+    ) -> None:
         self.engine = engine
+        # Shorter prompts are computed here: a short prefill costs a decode step little, and it
+        # never waits behind long prompts on the prefill replicas.
+        self.min_prompt_tokens = min_prompt_tokens
         self.role = role
         self.prefill = prefill
         self.block_size = block_size
@@ -74,7 +85,11 @@ class DisaggregatedEngine:
         owner: str | None = None,
     ):
         """Prefill elsewhere, then a stream that yields the first token and continues here."""
-        if can_disaggregate(params) and isinstance(prompt, list):
+        if (
+            can_disaggregate(params)
+            and isinstance(prompt, list)
+            and len(prompt) >= self.min_prompt_tokens
+        ):
             self._check_fits(prompt, params)
             result = await self._prefill(request_id, prompt, params, priority, cache_salt)
             if result is not None:

@@ -437,7 +437,9 @@ def run_replicas(args, engine_config) -> int:
         if num_pd:  # prefill/decode disaggregation (pd_app.py)
             from pagedattn.distributed.pd_app import pd_app_builder
 
-            build = pd_app_builder(args.prefill_replicas, args.decode_replicas)
+            build = pd_app_builder(
+                args.prefill_replicas, args.decode_replicas, args.pd_min_prompt_tokens
+            )
         app = build(
             engine_config,
             num_replicas,

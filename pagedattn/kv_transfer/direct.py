@@ -13,10 +13,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import zmq
 
+from pagedattn.kv_transfer.codec import HEADER_BYTES, BlockFormat
 from pagedattn.kv_transfer.connector import KVConnector
 from pagedattn.kv_transfer.store import KVStore
 
@@ -36,10 +37,33 @@ class ExportConnector(KVConnector):
 
 
 class ImportConnector(KVConnector):
-    """The decode side: loads transferred blocks, never saves (its inbox is not a cache)."""
+    """The decode side: loads transferred blocks, never saves (its inbox is not a cache).
+
+    Values in ``verified`` (the inbox) passed the checksum when they were pulled, off the engine
+    step; loading them checks only their length and header. Anything else (the fallback store)
+    is verified as it loads.
+    """
+
+    def __init__(self, *args, verified: KVStore | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.verified = verified
 
     def save_blocks(self, kv_caches, block_ids, block_hashes) -> int:
         return 0
+
+    def _fetch(self, keys, rows, fmt: BlockFormat, staging) -> tuple[int, int]:
+        chunk = [keys[row] for row in rows]
+        if self.verified is None or not all(self.verified.exists_many(chunk)):
+            return super()._fetch(keys, rows, fmt, staging)
+        lengths = self.verified.get_many_into(chunk, [staging[row] for row in rows])
+        header = fmt.header()
+        num_good = num_bytes = 0
+        for row, length in zip(rows, lengths, strict=True):
+            if length != fmt.value_bytes or staging[row][:HEADER_BYTES].tobytes() != header:
+                break
+            num_good += 1
+            num_bytes += length
+        return num_good, num_bytes
 
 
 def attach_connector(engine, connector: KVConnector) -> None:
@@ -133,11 +157,17 @@ def fetch_blocks(endpoint: str, keys: Sequence[str], timeout_s: float) -> list[m
 
 
 def pull_into(
-    inbox: KVStore, endpoint: str, keys: Sequence[str], timeout_s: float
+    inbox: KVStore,
+    endpoint: str,
+    keys: Sequence[str],
+    timeout_s: float,
+    verify: Callable[[str, memoryview], bool] | None = None,
 ) -> tuple[int, int, float]:
-    """fetch_blocks, then put the leading present values in the inbox: (blocks, bytes, seconds).
+    """fetch_blocks, then put the leading present (and verified) values in the inbox:
+    (blocks, bytes, seconds).
 
-    A failed pull puts nothing (the decode side recomputes); it is logged, not raised.
+    A failed pull puts nothing (the decode side recomputes); it is logged, not raised. A value
+    that fails ``verify`` ends the run of blocks put (loads are contiguous).
     """
     start = time.perf_counter()
     try:
@@ -147,7 +177,7 @@ def pull_into(
         return 0, 0, time.perf_counter() - start
     num_blocks = num_bytes = 0
     for key, value in zip(keys, values, strict=True):
-        if value is None:
+        if value is None or (verify is not None and not verify(key, value)):
             break  # NOTE: blocks after a gap cannot load (loads are contiguous)
         inbox.put(key, value)
         num_blocks += 1

@@ -13,11 +13,13 @@ fails the checksum leaves blocks out of the inbox, and the decode engine compute
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagedattn.attention.layout import block_size_of, layout_of
 from pagedattn.core.kv_cache_utils import hash_request_tokens, make_block_hash_with_group_id
+from pagedattn.kv_transfer.codec import decode_block
 from pagedattn.kv_transfer.direct import (
     BlockServer,
     ExportConnector,
@@ -28,6 +30,8 @@ from pagedattn.kv_transfer.direct import (
 from pagedattn.kv_transfer.memory_store import MemoryKVStore, TieredKVStore
 from pagedattn.kv_transfer.store import KVStore
 from pagedattn.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 # Default deadline of one block pull; past it the decode side recomputes the prompt.
 DEFAULT_TRANSFER_TIMEOUT_S = 10.0
@@ -92,7 +96,7 @@ def needs_decode(params: SamplingParams, finish_reason: str | None) -> bool:
     return finish_reason == "length" and (params.max_tokens is None or params.max_tokens > 1)
 
 
-def _connector(cls, engine, store: KVStore, max_pending_bytes: int):
+def _connector(cls, engine, store: KVStore, max_pending_bytes: int, **kwargs):
     runner = engine.runner
     if runner.num_groups != 1:
         raise ValueError(
@@ -107,6 +111,7 @@ def _connector(cls, engine, store: KVStore, max_pending_bytes: int):
         dtype=runner.kv_cache_dtype,
         block_size=block_size_of(key_cache),
         max_pending_bytes=max_pending_bytes,
+        **kwargs,
     )
 
 
@@ -159,7 +164,11 @@ class PrefillRole:
 
 class DecodeRole:
     """Makes an LLMEngine a decode engine: pulled blocks load from its inbox before its first
-    step; ``fallback`` (the shared file/Redis store) is read for blocks the pull lacked."""
+    step; ``fallback`` (the shared file/Redis store) is read for blocks the pull lacked.
+
+    Pulled values are verified (checksum over key and payload) in the pulling thread, so the
+    engine step that loads them only copies.
+    """
 
     def __init__(
         self,
@@ -174,8 +183,18 @@ class DecodeRole:
         size = inbox_bytes or _kv_cache_bytes(engine) + (64 << 20)
         self.inbox = MemoryKVStore(size, pop_on_read=True)
         store = self.inbox if fallback is None else TieredKVStore(self.inbox, fallback)
-        self.connector = _connector(ImportConnector, engine, store, 0)
+        self.connector = _connector(ImportConnector, engine, store, 0, verified=self.inbox)
         attach_connector(engine, self.connector)
+        self._format = self.connector.block_format(engine.runner.kv_caches)
+        self.num_corrupt = 0
+
+    def _verify(self, key: str, value: memoryview) -> bool:
+        """The codec's check (header, BLAKE2b over key and payload), in the pulling thread."""
+        if decode_block(value, self._format, key) is not None:
+            return True
+        self.num_corrupt += 1
+        logger.warning("pulled block %s failed verification; recomputing from it", key)
+        return False
 
     def num_local_blocks(self, block_hashes: Sequence[bytes]) -> int:
         """Leading blocks of the prompt this engine's prefix cache holds now (not pulled)."""
@@ -192,7 +211,7 @@ class DecodeRole:
         num_local = self.num_local_blocks(tp.block_hashes)
         keys = tp.block_keys[num_local:]
         num_blocks, num_bytes, seconds = pull_into(
-            self.inbox, tp.remote_endpoint, keys, self.timeout_s
+            self.inbox, tp.remote_endpoint, keys, self.timeout_s, self._verify
         )
         return TransferResult(num_local, num_blocks, num_bytes, seconds)
 

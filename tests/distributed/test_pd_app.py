@@ -56,6 +56,7 @@ def app(model):
             health_check_period_s=1.0,
             graceful_shutdown_timeout_s=5.0,
             seed=0,
+            min_prompt_tokens=0,  # NOTE: these prompts are short; every one goes through PD
         )
         serve.run(application, name="pagedattn", route_prefix="/")
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0)

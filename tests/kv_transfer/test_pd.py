@@ -129,12 +129,13 @@ def test_corrupt_blocks_fail_the_checksum_and_are_recomputed(pair, single):
         value = bytearray(prefill.outbox.get(tp.block_keys[i]))
         value[len(value) // 2] ^= 0xFF
         prefill.outbox.put(tp.block_keys[i], bytes(value))
-    assert decode.pull(tp).num_blocks == 17
+    # The pull verifies each value and stops at the first bad one (blocks load contiguously).
+    assert decode.pull(tp).num_blocks == 5 and decode.num_corrupt == 1
     rest = _run(decode.engine, "d", decode_prompt(tp), decode_params(PARAMS))
     decode.release(tp)
     assert out.outputs[0].token_ids + rest.outputs[0].token_ids == single
     stats = decode.engine.get_stats().kv_store
-    assert stats.num_loaded_blocks == 5 and stats.num_corrupt_entries >= 1
+    assert stats.num_loaded_blocks == 5 and stats.num_hit_tokens == 5 * 4
     assert len(decode.inbox) == 0
     _assert_no_leaks(prefill.engine, decode.engine)
 
@@ -192,3 +193,18 @@ def test_default_model_continues_token_for_token():
     _assert_no_leaks(prefill.engine, decode.engine)
     prefill.close()
     decode.close()
+
+
+def test_inbox_values_that_are_not_whole_blocks_never_load(pair, single):
+    prefill, decode = pair
+    out = _run(prefill.engine, "p", PROMPT, prefill_params(PARAMS))
+    tp = prefill.transfer_params(out.prompt_token_ids, out.outputs[0].token_ids[0], None)
+    good = prefill.outbox.get(tp.block_keys[0])
+    decode.inbox.put(tp.block_keys[0], b"\0" * len(good))  # right length, wrong header
+    for key in tp.block_keys[1:]:
+        decode.inbox.put(key, good[:100])  # truncated
+    rest = _run(decode.engine, "d", decode_prompt(tp), decode_params(PARAMS))
+    decode.release(tp)
+    assert out.outputs[0].token_ids + rest.outputs[0].token_ids == single
+    assert decode.engine.get_stats().kv_store.num_loaded_blocks == 0
+    _assert_no_leaks(prefill.engine, decode.engine)
