@@ -12,7 +12,6 @@ stall the decode replicas' streams.
 
 # NOTE: no postponed annotations (see serve_app.py): replicas may be pickled by value.
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -71,20 +70,11 @@ class PrefillReplica(EngineReplica):
         self, request_id, prompt, params, cache_salt=None, priority=0, routing_hashes=None
     ):
         """(the first output, KVTransferParams or None when the first token ended the request)."""
-        from pagedattn.kv_transfer.pd import needs_decode, prefill_params
+        from pagedattn.distributed.pd_engine import run_prefill
 
-        last = None
-        async for out in self.engine.generate(
-            prompt, prefill_params(params), request_id, priority=priority, cache_salt=cache_salt
-        ):
-            last = out
-        comp = last.outputs[0]
-        if not needs_decode(params, comp.finish_reason):
-            return last, None
-        tp = await asyncio.to_thread(
-            self.role.transfer_params, last.prompt_token_ids, comp.token_ids[0], cache_salt
+        return await run_prefill(
+            self.engine, self.role, request_id, prompt, params, cache_salt, priority
         )
-        return last, tp
 
     async def kv_usage(self) -> dict[str, Any]:
         """Blocks free and held now (no request in flight: all usable blocks free)."""

@@ -26,9 +26,12 @@ from pagedattn.engine.outputs import CompletionOutput, RequestOutput
 from pagedattn.kv_transfer.pd import (
     DecodeRole,
     KVTransferParams,
+    PrefillRole,
     can_disaggregate,
     decode_params,
     decode_prompt,
+    needs_decode,
+    prefill_params,
 )
 from pagedattn.sampling_params import SamplingParams
 
@@ -44,6 +47,26 @@ def _user_error(exc: BaseException) -> bool:
 
     cause = getattr(exc, "cause", None)
     return any(isinstance(e, InvalidRequestError | APIError | ValueError) for e in (exc, cause))
+
+
+async def run_prefill(
+    engine, role: PrefillRole, request_id, prompt, params, cache_salt=None, priority=0
+) -> tuple[RequestOutput, KVTransferParams | None]:
+    """A prefill replica's half of a request on its AsyncLLMEngine: the first output, and the
+    transfer params of its blocks (None when the first token ended the request)."""
+    last = None
+    async for out in engine.generate(
+        prompt, prefill_params(params), request_id, priority=priority, cache_salt=cache_salt
+    ):
+        last = out
+    comp = last.outputs[0]
+    if not needs_decode(params, comp.finish_reason):
+        return last, None
+    # NOTE: waits for the writer to put the blocks in the outbox: off the event loop.
+    tp = await asyncio.to_thread(
+        role.transfer_params, last.prompt_token_ids, comp.token_ids[0], cache_salt
+    )
+    return last, tp
 
 
 class DisaggregatedEngine:
