@@ -25,6 +25,7 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,6 +231,11 @@ def _deploy(args, num_replicas: int, router: str, port: int):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--layouts" or a.startswith("--layouts=") for a in argv):
+        from pagedattn.benchmarks.bench_pd import main as bench_pd  # co-located vs PD
+
+        return bench_pd(argv)
     parser = argparse.ArgumentParser(
         prog="pagedattn bench replicas",
         description=__doc__,

@@ -23,6 +23,29 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "with --ray-address); needs the `ray` extra",
     )
     g.add_argument(
+        "--prefill-replicas",
+        type=int,
+        default=0,
+        metavar="P",
+        help="prefill/decode disaggregation: P replicas compute prompts (first token + KV "
+        "blocks) for --decode-replicas, which pull the blocks over ZMQ and stream the rest",
+    )
+    g.add_argument(
+        "--decode-replicas",
+        type=int,
+        default=0,
+        metavar="D",
+        help="with --prefill-replicas: D replicas that decode (chosen by load)",
+    )
+    g.add_argument(
+        "--pd-min-prompt-tokens",
+        type=int,
+        default=256,
+        metavar="N",
+        help="with --prefill-replicas: prompts shorter than N tokens are computed on the decode "
+        "replica (0: every prompt goes to a prefill replica)",
+    )
+    g.add_argument(
         "--ray-address",
         default=None,
         metavar="ADDR",
@@ -61,13 +84,33 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
 
 def uses_replicas(args: argparse.Namespace) -> bool:
     """True when `pagedattn serve` should run the Ray Serve application."""
-    return args.data_parallel_size > 1 or args.ray_address is not None
+    num_pd = getattr(args, "prefill_replicas", 0) + getattr(args, "decode_replicas", 0)
+    return args.data_parallel_size > 1 or args.ray_address is not None or num_pd > 0
 
 
 def validate_distributed_args(args: argparse.Namespace) -> None:
     """Raise ValueError naming the bad option."""
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size={args.data_parallel_size} is invalid: use >= 1")
+    num_prefill, num_decode = (
+        getattr(args, "prefill_replicas", 0),
+        getattr(args, "decode_replicas", 0),
+    )
+    if num_prefill or num_decode:
+        if num_prefill < 1 or num_decode < 1:
+            raise ValueError(
+                f"--prefill-replicas={num_prefill} --decode-replicas={num_decode} is invalid: "
+                "give both, each >= 1"
+            )
+        if args.data_parallel_size > 1:
+            raise ValueError(
+                "--data-parallel-size and --prefill-replicas/--decode-replicas are two layouts: "
+                "use one"
+            )
+        if args.pd_min_prompt_tokens < 0:
+            raise ValueError(
+                f"--pd-min-prompt-tokens={args.pd_min_prompt_tokens} is invalid: use >= 0"
+            )
     if args.replica_cpus < 0:
         raise ValueError(f"--replica-cpus={args.replica_cpus} is invalid: use >= 0")
     for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):

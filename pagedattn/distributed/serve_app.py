@@ -432,7 +432,8 @@ def run_replicas(args, engine_config) -> int:
 
     validate_distributed_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    num_replicas = args.data_parallel_size
+    num_pd = getattr(args, "prefill_replicas", 0) + getattr(args, "decode_replicas", 0)
+    num_replicas = num_pd or args.data_parallel_size
     env = {k: v for k, v in os.environ.items() if k.startswith(("PAGEDATTN_", "HF_"))}
     env.update({k: os.environ[k] for k in ("TRANSFORMERS_OFFLINE",) if k in os.environ})
     if args.ray_address is None:
@@ -449,7 +450,14 @@ def run_replicas(args, engine_config) -> int:
         # NOTE: one HTTP proxy, on the head node: the endpoint is --host:--port of the head (a
         # proxy on every node would also collide on the port when two nodes share a machine).
         serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
-        app = build_app(
+        build = build_app
+        if num_pd:  # prefill/decode disaggregation (pd_app.py)
+            from pagedattn.distributed.pd_app import pd_app_builder
+
+            build = pd_app_builder(
+                args.prefill_replicas, args.decode_replicas, args.pd_min_prompt_tokens
+            )
+        app = build(
             engine_config,
             num_replicas,
             router=args.router,

@@ -1,0 +1,298 @@
+"""PD benchmark: 2 co-located replicas against 1 prefill + 1 decode replica, mixed traffic.
+
+    pagedattn bench pd --layouts colocated,pd [--duration 90] [--num-short 4] [--short-len 64]
+                       [--short-tokens 32] [--long-len 4096] [--long-interval 20] [--long-tokens 8]
+    (also: pagedattn bench replicas --layouts colocated,pd ...)
+
+Both layouts run on one local Ray instance, in turn, on the same cores (one torch thread per
+replica). Traffic: --num-short closed-loop clients stream short chat-sized completions back to
+back, and a long prompt (--long-len tokens) arrives every --long-interval seconds. Greedy
+(temperature 0, ignore_eos), so outputs are comparable across layouts. Prints per layout: ITL
+p50/p99 of the short streams, TTFT p50/p99 of both classes, output tokens/s, lost requests,
+leaked blocks (idle replicas that hold blocks), and for PD the bytes and seconds per transfer;
+then ratios and how many requests of both layouts gave identical text. Results merge into --out,
+so layouts may also run in separate invocations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+KEY = "bench-key"
+APP = "pagedattn"
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def _stream(client, base, model, prompt, max_tokens, timeout) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+            "ignore_eos": True, "temperature": 0.0}  # fmt: skip
+    start = time.perf_counter()
+    times, text, error = [], [], ""
+    try:
+        async with client.stream(
+            "POST", f"{base}/v1/completions", json=body,
+            headers={"Authorization": f"Bearer {KEY}"}, timeout=timeout,
+        ) as r:  # fmt: skip
+            if r.status_code != 200:
+                return {"ok": False, "error": f"HTTP {r.status_code}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = str(chunk["error"].get("message", ""))[:160]
+                    break
+                piece = chunk["choices"][0]["text"] if chunk.get("choices") else ""
+                if piece:
+                    times.append(time.perf_counter() - start)
+                    text.append(piece)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    ok = not error and bool(times)
+    return {"ok": ok, "error": error, "times": times, "text": "".join(text),
+            "end": time.perf_counter()}  # fmt: skip
+
+
+async def run_traffic(base: str, model: str, args) -> tuple[dict, dict, float]:
+    """Short closed-loop streams and periodic long prompts for --duration seconds."""
+    rng = random.Random(args.seed)
+    long_prompts = [[rng.randrange(100, 30000) for _ in range(args.long_len)] for _ in range(64)]
+    shorts: dict[str, dict] = {}
+    longs: dict[str, dict] = {}
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=0)
+    async with httpx.AsyncClient(limits=limits) as client:
+        t0 = time.perf_counter()
+        stop_at = t0 + args.duration
+
+        async def user(u: int) -> None:
+            urng = random.Random(args.seed * 1000 + u)
+            i = 0
+            while time.perf_counter() < stop_at:
+                prompt = [urng.randrange(100, 30000) for _ in range(args.short_len)]
+                shorts[f"s{u}-{i}"] = await _stream(
+                    client, base, model, prompt, args.short_tokens, args.timeout
+                )
+                i += 1
+
+        async def long_sender() -> None:
+            tasks, j = [], 0
+            while True:
+                at = t0 + args.long_start + j * args.long_interval
+                if at >= stop_at:
+                    break
+                await asyncio.sleep(max(0.0, at - time.perf_counter()))
+                key = f"l{j}"
+                prompt = long_prompts[j % len(long_prompts)]
+                coro = _stream(client, base, model, prompt, args.long_tokens, args.timeout)
+                tasks.append((key, asyncio.ensure_future(coro)))
+                j += 1
+            for key, task in tasks:
+                longs[key] = await task
+
+        await asyncio.gather(long_sender(), *(user(u) for u in range(args.num_short)))
+        ends = [r["end"] for r in [*shorts.values(), *longs.values()] if r.get("end")]
+        makespan = max(ends) - t0 if ends else float("nan")
+    return shorts, longs, makespan
+
+
+def summarize(layout: str, shorts: dict, longs: dict, makespan: float) -> dict:
+    def ok(rs):
+        return [r for r in rs.values() if r["ok"]]
+
+    itls = [b - a for r in ok(shorts) for a, b in zip(r["times"], r["times"][1:], strict=False)]
+    num_out = sum(len(r["times"]) for r in [*ok(shorts), *ok(longs)])
+    return {
+        "layout": layout,
+        "num_short": len(ok(shorts)),
+        "num_long": len(ok(longs)),
+        "num_failed": len(shorts) + len(longs) - len(ok(shorts)) - len(ok(longs)),
+        "itl_p50_ms": 1000 * _pct(itls, 0.5),
+        "itl_p99_ms": 1000 * _pct(itls, 0.99),
+        "itl_max_ms": 1000 * max(itls, default=float("nan")),
+        "short_ttft_p50_s": _pct([r["times"][0] for r in ok(shorts)], 0.5),
+        "short_ttft_p99_s": _pct([r["times"][0] for r in ok(shorts)], 0.99),
+        "long_ttft_p50_s": _pct([r["times"][0] for r in ok(longs)], 0.5),
+        "long_ttft_p99_s": _pct([r["times"][0] for r in ok(longs)], 0.99),
+        "output_tok_s": num_out / makespan,
+        "makespan_s": makespan,
+        "errors": sorted({r["error"] for r in [*shorts.values(), *longs.values()] if r["error"]})[
+            :3
+        ],
+        "texts": {k: r["text"] for k, r in [*shorts.items(), *longs.items()] if r["ok"]},
+    }
+
+
+def _config(args):
+    from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, seed=args.seed),
+        cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
+        num_threads=1,
+    )
+
+
+def deploy(layout: str, args) -> None:
+    from ray import serve
+
+    from pagedattn.distributed.pd_app import build_pd_app
+    from pagedattn.distributed.serve_app import build_app
+
+    common = dict(api_keys=[KEY], events_host="127.0.0.1", replica_num_cpus=0.5, seed=args.seed)
+    if layout == "pd":
+        app = build_pd_app(
+            _config(args), 1, 1, min_prompt_tokens=args.pd_min_prompt_tokens, **common
+        )
+    else:
+        app = build_app(_config(args), 2, router="prefix", **common)
+    serve.run(app, name=APP, route_prefix="/")
+
+
+def replica_check(layout: str, base: str, timeout_s: float = 120.0) -> dict:
+    """Once idle: blocks each replica still holds (leaks), and for PD the transfers."""
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if layout == "pd":
+            usages = [
+                serve.get_deployment_handle(name, app_name=APP).kv_usage.remote().result()
+                for name in ("PrefillReplica", "DecodeReplica")
+            ]
+        else:
+            stats = httpx.get(
+                f"{base}/debug/replicas", headers={"Authorization": f"Bearer {KEY}"}, timeout=10
+            ).json()
+            usages = list(stats.values())
+        busy = any(u["num_requests"] for u in usages)
+        if not busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    out = {"leaked_blocks": sum(u["num_usable_blocks"] - u["num_free_blocks"] for u in usages)}
+    if layout == "pd":
+        transfers = [t for t in usages[1]["transfers"] if t["num_blocks"]]
+        out.update(
+            num_transfers=len(transfers),
+            transfer_mb_mean=statistics.mean([t["num_bytes"] / 1e6 for t in transfers] or [0]),
+            transfer_ms_mean=statistics.mean([1000 * t["seconds"] for t in transfers] or [0]),
+            transfer_ms_max=max([1000 * t["seconds"] for t in transfers] or [0]),
+            num_local=usages[1]["num_local"],
+            num_prefill_retries=usages[1]["num_prefill_retries"],
+        )
+    return out
+
+
+COLUMNS = ["layout", "num_short", "num_long", "num_failed", "itl_p50_ms", "itl_p99_ms",
+           "itl_max_ms", "short_ttft_p50_s", "short_ttft_p99_s", "long_ttft_p50_s",
+           "long_ttft_p99_s", "output_tok_s", "leaked_blocks"]  # fmt: skip
+
+
+def print_report(rows: dict[str, dict]) -> None:
+    print("| " + " | ".join(COLUMNS) + " |")
+    print("|" + "---|" * len(COLUMNS))
+    for row in rows.values():
+        cells = [row.get(c, row.get("check", {}).get(c)) for c in COLUMNS]
+        print("| " + " | ".join(f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells))
+    pd = rows.get("pd")
+    if pd and pd.get("check", {}).get("num_transfers"):
+        c = pd["check"]
+        print(
+            f"pd transfers: {c['num_transfers']}, {c['transfer_mb_mean']:.1f} MB and "
+            f"{c['transfer_ms_mean']:.0f} ms mean (max {c['transfer_ms_max']:.0f} ms); "
+            f"{c['num_local']} requests computed wholly on decode, "
+            f"{c['num_prefill_retries']} prefill retries"
+        )
+    co = rows.get("colocated")
+    if co and pd:
+        print(
+            f"ratios: ITL p99 colocated/pd = {co['itl_p99_ms'] / pd['itl_p99_ms']:.2f}x "
+            f"(target >= 5x); throughput pd/colocated = "
+            f"{pd['output_tok_s'] / co['output_tok_s']:.2f}x (target >= 0.8x)"
+        )
+        same = [k for k in pd["texts"] if k in co["texts"]]
+        equal = sum(pd["texts"][k] == co["texts"][k] for k in same)
+        print(f"greedy identity: {equal}/{len(same)} requests served by both gave the same text")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="pagedattn bench pd",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--layouts", default="colocated,pd")
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--duration", type=float, default=90.0, help="seconds of traffic")
+    p.add_argument("--num-short", type=int, default=4, help="closed-loop short streams")
+    p.add_argument("--short-len", type=int, default=64)
+    p.add_argument("--short-tokens", type=int, default=32)
+    p.add_argument("--long-len", type=int, default=4096)
+    p.add_argument("--long-tokens", type=int, default=8)
+    p.add_argument("--long-start", type=float, default=5.0)
+    p.add_argument("--long-interval", type=float, default=20.0)
+    p.add_argument("--pd-min-prompt-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=640, help="KV blocks per replica")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--out", default="bench_out/pd.json")
+    args = p.parse_args(argv)
+
+    import ray
+    from ray import serve
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    out = Path(args.out)
+    rows: dict[str, dict] = json.loads(out.read_text())["rows"] if out.exists() else {}
+    print(f"load before: {open('/proc/loadavg').read().strip()}", flush=True)
+    ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    try:
+        port = 8766
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        base = f"http://127.0.0.1:{port}"
+        for layout in [x for x in args.layouts.split(",") if x]:
+            if layout not in ("colocated", "pd"):
+                raise SystemExit(f"--layouts: {layout!r} is unknown: use colocated and/or pd")
+            deploy(layout, args)
+            models = httpx.get(f"{base}/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+            model = models.json()["data"][0]["id"]
+            warm = argparse.Namespace(**{**vars(args), "duration": 3.0, "long_start": 1e9})
+            asyncio.run(run_traffic(base, model, warm))
+            shorts, longs, makespan = asyncio.run(run_traffic(base, model, args))
+            row = summarize(layout, shorts, longs, makespan)
+            row["check"] = replica_check(layout, base)
+            row["load"] = open("/proc/loadavg").read().strip()
+            rows[layout] = row
+            print(json.dumps({k: v for k, v in row.items() if k != "texts"}), flush=True)
+            serve.delete(APP)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
+    print_report(rows)
+    failed = any(r["num_failed"] or r["check"]["leaked_blocks"] for r in rows.values())
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

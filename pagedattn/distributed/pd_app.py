@@ -1,0 +1,209 @@
+"""`pagedattn serve --prefill-replicas P --decode-replicas D`: PD disaggregation on Ray Serve.
+
+Layout: the `OpenAIIngress` (the hardened front door of `--data-parallel-size`) sends each request
+to a `DecodeReplica` chosen by load (pow2). Its `DisaggregatedEngine` sends the prompt to a
+`PrefillReplica` chosen by the prefix router (from the prefill replicas' KV events), which
+computes the prompt's KV and the first token with ``max_tokens=1`` and returns that token with the
+``KVTransferParams`` of its blocks; the decode replica streams the token to the client at once,
+pulls the blocks its prefix cache lacks from the prefill replica's BlockServer (ZMQ) and decodes
+the rest. A prefill replica never holds a request past its first token, so long prompts never
+stall the decode replicas' streams.
+"""
+
+# NOTE: no postponed annotations (see serve_app.py): replicas may be pickled by value.
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from pagedattn.distributed.replica import EngineReplica, _node_ip
+from pagedattn.distributed.serve_app import ROUTER_CLASS, OpenAIIngress
+
+logger = logging.getLogger(__name__)
+
+# Prompts shorter than this are computed on the decode replica (--pd-min-prompt-tokens).
+DEFAULT_PD_MIN_PROMPT_TOKENS = 256
+
+
+def _split_store(engine_config):
+    """(engine config without kv_store, the shared store or None): PD owns the connector.
+
+    NOTE: --kv-events-endpoint is dropped too: prefill and decode replicas of the same rank
+    would bind the same port (the router's own event feeds are unaffected).
+    """
+    import dataclasses
+
+    from pagedattn.kv_transfer.store import make_store
+
+    url = engine_config.cache.kv_store
+    cache = dataclasses.replace(engine_config.cache, kv_store=None, kv_events_endpoint=None)
+    config = dataclasses.replace(engine_config, cache=cache)
+    return config, None if url is None else make_store(url)
+
+
+def _kv_usage(replica: EngineReplica) -> dict[str, Any]:
+    manager = replica.kv_cache_manager
+    return {
+        "replica_id": replica.replica_id,
+        "num_free_blocks": manager.num_free_blocks,
+        "num_usable_blocks": manager.num_usable_blocks,
+        "num_requests": len(replica.llm_engine.requests),
+    }
+
+
+class PrefillReplica(EngineReplica):
+    """An engine replica that computes prompts: their first token, and blocks to pull."""
+
+    def __init__(self, engine_config, served_model_name=None, events_host=None) -> None:
+        from pagedattn.kv_transfer.pd import PrefillRole
+
+        engine_config, shared = _split_store(engine_config)
+        super().__init__(engine_config, served_model_name, events_host)
+        host = events_host or _node_ip()
+        # NOTE: attached before any request: the engine loop is idle.
+        self.role = PrefillRole(self.llm_engine, endpoint=f"tcp://{host}:*", fallback=shared)
+
+    async def prefill(
+        self, request_id, prompt, params, cache_salt=None, priority=0, routing_hashes=None
+    ):
+        """(the first output, KVTransferParams or None when the first token ended the request)."""
+        from pagedattn.distributed.pd_engine import run_prefill
+
+        return await run_prefill(
+            self.engine, self.role, request_id, prompt, params, cache_salt, priority
+        )
+
+    async def kv_usage(self) -> dict[str, Any]:
+        """Blocks free and held now (no request in flight: all usable blocks free)."""
+        return _kv_usage(self)
+
+
+class DecodeReplica(EngineReplica):
+    """An engine replica that continues prefilled requests from their pulled blocks."""
+
+    def __init__(
+        self,
+        engine_config,
+        prefill,
+        served_model_name=None,
+        events_host=None,
+        min_prompt_tokens=DEFAULT_PD_MIN_PROMPT_TOKENS,
+    ) -> None:
+        from pagedattn.distributed.pd_engine import DisaggregatedEngine
+        from pagedattn.kv_transfer.pd import DecodeRole
+
+        engine_config, shared = _split_store(engine_config)
+        super().__init__(engine_config, served_model_name, events_host)
+        self.role = DecodeRole(self.llm_engine, fallback=shared)
+        cache = engine_config.cache
+        self.pd_engine = DisaggregatedEngine(
+            self.engine, self.role, prefill, cache.block_size, cache.hash_seed, min_prompt_tokens
+        )
+        self.serving.engine = self.pd_engine  # NOTE: the OpenAI layer's only engine seam
+
+    async def kv_usage(self) -> dict[str, Any]:
+        """Blocks free and held now, and the transfers this replica pulled."""
+        out = _kv_usage(self)
+        pd = self.pd_engine
+        out.update(
+            num_disaggregated=pd.num_disaggregated,
+            num_local=pd.num_local,
+            num_prefill_retries=pd.num_prefill_retries,
+            num_inbox_entries=len(self.role.inbox),
+            transfers=list(pd.transfers),
+        )
+        return out
+
+
+def _router_config(policy: str, period_s: float, seed) -> RequestRouterConfig:
+    return RequestRouterConfig(
+        request_router_class=ROUTER_CLASS,
+        request_router_kwargs={"policy": policy, "seed": seed},
+        request_routing_stats_period_s=period_s,
+        request_routing_stats_timeout_s=max(5.0, 2 * period_s),
+    )
+
+
+def build_pd_app(
+    engine_config,
+    num_prefill: int,
+    num_decode: int,
+    api_keys: Sequence[str] | None = None,
+    secret: bytes | None = None,
+    served_model_name: str | None = None,
+    events_host: str | None = None,
+    replica_num_cpus: float = 1.0,
+    max_ongoing_requests: int = 256,
+    routing_stats_period_s: float = 1.0,
+    graceful_shutdown_timeout_s: float = 30.0,
+    health_check_period_s: float = 2.0,
+    seed: int | None = None,
+    min_prompt_tokens: int = DEFAULT_PD_MIN_PROMPT_TOKENS,
+    **ingress_options,
+):
+    """The PD application: `serve.run(build_pd_app(...))`."""
+    import secrets
+
+    if num_prefill < 1 or num_decode < 1:
+        raise ValueError(
+            f"--prefill-replicas={num_prefill} --decode-replicas={num_decode} is invalid: "
+            "use at least one of each"
+        )
+    secret = secret if secret is not None else secrets.token_bytes(32)
+    common = dict(
+        max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": replica_num_cpus},
+        graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
+        health_check_period_s=health_check_period_s,
+        health_check_timeout_s=30.0,
+    )
+    prefill = serve.deployment(
+        PrefillReplica,
+        name="PrefillReplica",
+        num_replicas=num_prefill,
+        request_router_config=_router_config("prefix", routing_stats_period_s, seed),
+        **common,
+    ).bind(engine_config, served_model_name, events_host)
+    decode = serve.deployment(
+        DecodeReplica,
+        name="DecodeReplica",
+        num_replicas=num_decode,
+        request_router_config=_router_config("pow2", routing_stats_period_s, seed),
+        **common,
+    ).bind(engine_config, prefill, served_model_name, events_host, min_prompt_tokens)
+    ingress = serve.deployment(
+        OpenAIIngress,
+        name="OpenAIIngress",
+        num_replicas=1,
+        max_ongoing_requests=4 * max_ongoing_requests,
+        ray_actor_options={"num_cpus": 0},
+        graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
+    )
+    return ingress.bind(
+        decode,
+        engine_config.model.model,
+        engine_config.cache.block_size,
+        engine_config.cache.hash_seed,
+        list(api_keys or []),
+        secret,
+        **ingress_options,
+    )
+
+
+def pd_app_builder(num_prefill: int, num_decode: int, min_prompt_tokens: int):
+    """A builder with serve_app.build_app's signature, for run_replicas (`pagedattn serve`).
+
+    The routers are fixed (prefill: prefix, decode: pow2); --router and the external KV event
+    endpoints do not apply.
+    """
+
+    def build(engine_config, num_replicas, *, router=None, imbalance_threshold=None,
+              kv_events_endpoint=None, kv_events_replay_endpoint=None, **options):  # fmt: skip
+        return build_pd_app(
+            engine_config, num_prefill, num_decode, min_prompt_tokens=min_prompt_tokens, **options
+        )
+
+    return build

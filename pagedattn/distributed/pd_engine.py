@@ -1,0 +1,255 @@
+"""DisaggregatedEngine: a decode replica's engine as the OpenAI layer sees it.
+
+``add_request`` sends the prompt to a prefill replica (through a handle whose router ranks the
+prefill replicas by cached prefix) and waits for its first token and ``KVTransferParams``; the
+stream it returns yields that token at once (TTFT is the prefill's), then pulls the blocks this
+replica's prefix cache lacks from the prefill replica's BlockServer and continues the request on
+the local engine as ``prompt + [first token]``. Outputs are rewritten to read as one request: the
+original prompt, the first token and its text in front of the decode tokens.
+
+Failure: a prefill call that fails (the replica died) is retried once, then the request runs
+wholly on this replica; a pull that fails loads nothing and the local engine recomputes. Requests
+whose decode half could not sample as one engine would (n > 1, logprobs, penalties, grammar) run
+wholly here, as do prompts shorter than ``min_prompt_tokens``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+from pagedattn.core.kv_cache_utils import hash_request_tokens
+from pagedattn.engine.errors import InvalidRequestError
+from pagedattn.engine.outputs import CompletionOutput, RequestOutput
+from pagedattn.kv_transfer.pd import (
+    DecodeRole,
+    KVTransferParams,
+    PrefillRole,
+    can_disaggregate,
+    decode_params,
+    decode_prompt,
+    needs_decode,
+    prefill_params,
+)
+from pagedattn.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Prefill calls per request before the request runs wholly on the decode replica.
+MAX_PREFILL_ATTEMPTS = 2
+
+
+def _user_error(exc: BaseException) -> bool:
+    """An error about the request itself (so no retry): the engine's own or the API's."""
+    from pagedattn.entrypoints.openai.protocol import APIError
+
+    cause = getattr(exc, "cause", None)
+    return any(isinstance(e, InvalidRequestError | APIError | ValueError) for e in (exc, cause))
+
+
+async def run_prefill(
+    engine, role: PrefillRole, request_id, prompt, params, cache_salt=None, priority=0
+) -> tuple[RequestOutput, KVTransferParams | None]:
+    """A prefill replica's half of a request on its AsyncLLMEngine: the first output, and the
+    transfer params of its blocks (None when the first token ended the request)."""
+    last = None
+    async for out in engine.generate(
+        prompt, prefill_params(params), request_id, priority=priority, cache_salt=cache_salt
+    ):
+        last = out
+    comp = last.outputs[0]
+    if not needs_decode(params, comp.finish_reason):
+        return last, None
+    # NOTE: waits for the writer to put the blocks in the outbox: off the event loop.
+    tp = await asyncio.to_thread(
+        role.transfer_params, last.prompt_token_ids, comp.token_ids[0], cache_salt
+    )
+    return last, tp
+
+
+class DisaggregatedEngine:
+    """Wraps the decode replica's AsyncLLMEngine; everything but add_request passes through."""
+
+    def __init__(
+        self,
+        engine,
+        role: DecodeRole,
+        prefill,
+        block_size: int,
+        hash_seed: str,
+        min_prompt_tokens: int = 0,
+    ) -> None:
+        self.engine = engine
+        # Shorter prompts are computed here: a short prefill costs a decode step little, and it
+        # never waits behind long prompts on the prefill replicas.
+        self.min_prompt_tokens = min_prompt_tokens
+        self.role = role
+        self.prefill = prefill
+        self.block_size = block_size
+        self.hash_seed = hash_seed
+        self.num_disaggregated = 0
+        self.num_local = 0
+        self.num_prefill_retries = 0
+        self.transfers: list[dict[str, float]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        owner: str | None = None,
+    ):
+        """Prefill elsewhere, then a stream that yields the first token and continues here."""
+        if (
+            can_disaggregate(params)
+            and isinstance(prompt, list)
+            and len(prompt) >= self.min_prompt_tokens
+        ):
+            self._check_fits(prompt, params)
+            result = await self._prefill(request_id, prompt, params, priority, cache_salt)
+            if result is not None:
+                self.num_disaggregated += 1
+                first, tp = result
+                return PDStream(self, request_id, first, tp, params, priority, owner)
+        self.num_local += 1
+        return await self.engine.add_request(
+            request_id, prompt, params, priority=priority, cache_salt=cache_salt, owner=owner
+        )
+
+    def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
+        """Refuse here, before the prefill, a request the decode engine could never hold."""
+        llm = self.engine.engine
+        # NOTE: reads only the engine's fixed limits: safe beside its loop thread.
+        room = llm.scheduler.max_tokens_that_fit(len(prompt))
+        if room < 1 or (params.max_tokens is not None and params.max_tokens > room):
+            param = "prompt" if room < 1 else "max_tokens"
+            raise InvalidRequestError(
+                f"a prompt of {len(prompt)} tokens leaves room for {room} output tokens in "
+                f"max_model_len={llm.max_model_len} and the decode replica's KV cache of "
+                f"{llm.kv_cache_manager.num_usable_blocks} blocks: lower max_tokens or shorten "
+                "the prompt",
+                param=param,
+            )
+
+    async def _prefill(self, request_id, prompt, params, priority, cache_salt):
+        """(first output, transfer params or None), or None once MAX_PREFILL_ATTEMPTS failed."""
+        hashes = hash_request_tokens(self.block_size, prompt, self.hash_seed, cache_salt=cache_salt)
+        for attempt in range(MAX_PREFILL_ATTEMPTS):
+            call = self.prefill.prefill.remote(
+                request_id, prompt, params, cache_salt, priority, routing_hashes=hashes
+            )
+            try:
+                return await call
+            except asyncio.CancelledError:
+                call.cancel()  # NOTE: the client left: the prefill replica aborts it
+                raise
+            except Exception as exc:
+                if _user_error(exc):
+                    raise
+                self.num_prefill_retries += 1
+                logger.warning(
+                    "prefill of %s failed (attempt %d): %r", request_id, attempt + 1, exc
+                )
+        logger.warning("prefill of %s failed; computing it on this decode replica", request_id)
+        return None
+
+
+class PDStream:
+    """One disaggregated request's outputs: the prefill's first token, then the local decode."""
+
+    def __init__(self, owner_engine, request_id, first, tp, params, priority, owner) -> None:
+        self._pd = owner_engine
+        self._request_id = request_id
+        self._first: RequestOutput = first
+        self._tp: KVTransferParams | None = tp
+        self._params = params
+        self._priority = priority
+        self._owner = owner
+        self._inner = None
+        self._sent_first = False
+        self._finished = tp is None
+        self._closed = False
+
+    @property
+    def request_id(self) -> str:
+        return self._request_id
+
+    def __aiter__(self) -> PDStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self._closed:
+            raise StopAsyncIteration
+        if not self._sent_first:
+            self._sent_first = True
+            return self._first_output()
+        if self._tp is None:
+            raise StopAsyncIteration
+        if self._inner is None:
+            await self._start_decode()
+        out = await self._inner.__anext__()
+        self._finished = out.finished
+        return self._merged(out)
+
+    async def _start_decode(self) -> None:
+        tp, pd = self._tp, self._pd
+        result = await asyncio.to_thread(pd.role.pull, tp)
+        pd.transfers.append(dataclasses.asdict(result))
+        del pd.transfers[:-256]
+        self._inner = await pd.engine.add_request(
+            self._request_id,
+            decode_prompt(tp),
+            decode_params(self._params),
+            priority=self._priority,
+            cache_salt=tp.cache_salt,
+            owner=self._owner,
+        )
+
+    def _first_output(self) -> RequestOutput:
+        first = self._first
+        if self._tp is None:
+            return first  # NOTE: the first token ended the request (a stop, or max_tokens=1)
+        comp = dataclasses.replace(first.outputs[0], finish_reason=None, stop_reason=None)
+        return dataclasses.replace(first, outputs=[comp], finished=False)
+
+    def _merged(self, out: RequestOutput) -> RequestOutput:
+        head = self._first.outputs[0]
+        comps = [
+            CompletionOutput(
+                index=c.index,
+                text=head.text + c.text,
+                token_ids=[*head.token_ids, *c.token_ids],
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+            for c in out.outputs
+        ]
+        return dataclasses.replace(
+            out,
+            prompt=self._first.prompt,
+            prompt_token_ids=self._first.prompt_token_ids,
+            outputs=comps,
+            num_cached_tokens=self._first.num_cached_tokens,
+            # NOTE: the decode half "cached" the pulled blocks; the client's cached_tokens are the
+            # prefill's prefix-cache hits.
+            metrics=dataclasses.replace(
+                out.metrics, num_cached_tokens=self._first.metrics.num_cached_tokens
+            ),
+        )
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._inner is not None:
+            await self._inner.aclose()
+        if self._tp is not None:
+            self._pd.role.release(self._tp)

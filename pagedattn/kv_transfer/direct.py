@@ -1,0 +1,185 @@
+"""Direct replica-to-replica block transfer over ZMQ: the prefill side serves, decode pulls.
+
+The prefill replica's connector saves every block its steps compute into an in-memory outbox
+(encoded by the codec: header, payload, BLAKE2b checksum over the key, whose chained hash carries
+the tenant salt). A ``BlockServer`` answers ``get`` requests for outbox keys on a ZMQ ROUTER
+socket; ``fetch_blocks`` on the decode replica asks for the keys its prefix cache lacks and puts
+the answers in its inbox, from which the decode engine's connector loads them before the first
+step (as for store hits). A value that is missing, late or fails verification means recompute.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import zmq
+
+from pagedattn.kv_transfer.codec import HEADER_BYTES, BlockFormat
+from pagedattn.kv_transfer.connector import KVConnector
+from pagedattn.kv_transfer.store import KVStore
+
+logger = logging.getLogger(__name__)
+
+_GET, _OK = b"get", b"ok"
+# How long the server's poll waits before it checks whether it should stop.
+_POLL_MS = 100
+
+
+class ExportConnector(KVConnector):
+    """The prefill side: saves every block a step computes (into the outbox), even one it saved
+    before and the outbox has since dropped."""
+
+    def _mark_known(self, keys: Sequence[str]) -> None:
+        return None  # NOTE: the outbox evicts; a recomputed block must be saved again
+
+
+class ImportConnector(KVConnector):
+    """The decode side: loads transferred blocks, never saves (its inbox is not a cache).
+
+    Values in ``verified`` (the inbox) passed the checksum when they were pulled, off the engine
+    step; loading them checks only their length and header. Anything else (the fallback store)
+    is verified as it loads.
+    """
+
+    def __init__(self, *args, verified: KVStore | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.verified = verified
+
+    def save_blocks(self, kv_caches, block_ids, block_hashes) -> int:
+        return 0
+
+    def _fetch(self, keys, rows, fmt: BlockFormat, staging) -> tuple[int, int]:
+        chunk = [keys[row] for row in rows]
+        if self.verified is None or not all(self.verified.exists_many(chunk)):
+            return super()._fetch(keys, rows, fmt, staging)
+        lengths = self.verified.get_many_into(chunk, [staging[row] for row in rows])
+        header = fmt.header()
+        num_good = num_bytes = 0
+        for row, length in zip(rows, lengths, strict=True):
+            if length != fmt.value_bytes or staging[row][:HEADER_BYTES].tobytes() != header:
+                break
+            num_good += 1
+            num_bytes += length
+        return num_good, num_bytes
+
+
+def attach_connector(engine, connector: KVConnector) -> None:
+    """Give an LLMEngine built without kv_store a connector (scheduler and runner sides)."""
+    if engine.kv_connector is not None:
+        raise ValueError("the engine already has a KV connector (kv_store is set)")
+    connector.block_format(engine.runner.kv_caches)  # NOTE: raises now if the layout differs
+    engine.kv_connector = connector
+    engine.runner.kv_connector = connector
+    engine.scheduler.kv_connector = connector
+
+
+class BlockServer:
+    """Serves a store's values by key on a ZMQ ROUTER socket, on a thread of its own.
+
+    Request: ``[b"get", key, ...]``; reply: ``[b"ok", value or b"", ...]`` (empty: missing).
+    """
+
+    def __init__(self, store: KVStore, endpoint: str = "tcp://127.0.0.1:*") -> None:
+        self.store = store
+        self._ctx = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(endpoint)
+        self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.num_requests = 0
+        self.bytes_sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kv-block-server", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(_POLL_MS):
+                    continue
+                frames = self._socket.recv_multipart()
+                ident, rest = frames[0], frames[1:]
+                if rest and rest[0] == b"":
+                    rest = rest[1:]  # NOTE: a REQ peer's empty delimiter
+                if not rest or rest[0] != _GET:
+                    self._socket.send_multipart([ident, b"", b"bad request"])
+                    continue
+                values = [self._get(key.decode()) for key in rest[1:]]
+                self.num_requests += 1
+                self.bytes_sent += sum(len(v) for v in values)
+                self._socket.send_multipart([ident, b"", _OK, *values], copy=False)
+        finally:
+            self._socket.close(linger=0)
+
+    def _get(self, key: str) -> bytes:
+        try:
+            value = self.store.get(key)
+        except Exception:  # NOTE: a store failure is a miss for the puller, never a crash here
+            logger.exception("block server: reading %s failed", key)
+            value = None
+        return b"" if value is None else value
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+class TransferError(RuntimeError):
+    """A block pull failed or timed out; the decode side recomputes the prompt."""
+
+
+def fetch_blocks(endpoint: str, keys: Sequence[str], timeout_s: float) -> list[memoryview | None]:
+    """Pull keys' values from a BlockServer; None for a key it lacks. Raises TransferError."""
+    if not keys:
+        return []
+    ctx = zmq.Context.instance()
+    socket = ctx.socket(zmq.REQ)
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.connect(endpoint)
+        socket.send_multipart([_GET, *(key.encode() for key in keys)])
+        if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+            raise TransferError(f"no answer from {endpoint} within {timeout_s:.1f} s")
+        frames = socket.recv_multipart(copy=False)
+    except zmq.ZMQError as exc:
+        raise TransferError(f"pulling blocks from {endpoint} failed: {exc}") from exc
+    finally:
+        socket.close(linger=0)
+    if not frames or frames[0].bytes != _OK or len(frames) != len(keys) + 1:
+        raise TransferError(f"{endpoint} answered {len(frames)} frames for {len(keys)} keys")
+    # NOTE: memoryviews of the received frames: no copy until the connector loads them.
+    return [frame.buffer if len(frame) else None for frame in frames[1:]]
+
+
+def pull_into(
+    inbox: KVStore,
+    endpoint: str,
+    keys: Sequence[str],
+    timeout_s: float,
+    verify: Callable[[str, memoryview], bool] | None = None,
+) -> tuple[int, int, float]:
+    """fetch_blocks, then put the leading present (and verified) values in the inbox:
+    (blocks, bytes, seconds).
+
+    A failed pull puts nothing (the decode side recomputes); it is logged, not raised. A value
+    that fails ``verify`` ends the run of blocks put (loads are contiguous).
+    """
+    start = time.perf_counter()
+    try:
+        values = fetch_blocks(endpoint, keys, timeout_s)
+    except TransferError as exc:
+        logger.warning("block transfer failed, recomputing the prompt: %s", exc)
+        return 0, 0, time.perf_counter() - start
+    num_blocks = num_bytes = 0
+    for key, value in zip(keys, values, strict=True):
+        if value is None or (verify is not None and not verify(key, value)):
+            break  # NOTE: blocks after a gap cannot load (loads are contiguous)
+        inbox.put(key, value)
+        num_blocks += 1
+        num_bytes += len(value)
+    return num_blocks, num_bytes, time.perf_counter() - start

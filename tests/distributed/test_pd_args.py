@@ -1,0 +1,47 @@
+"""`pagedattn serve --prefill-replicas P --decode-replicas D`: option checks (no Ray started)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from pagedattn.distributed.args import (
+    add_distributed_args,
+    uses_replicas,
+    validate_distributed_args,
+)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_distributed_args(parser)
+    return parser.parse_args(argv)
+
+
+def test_prefill_and_decode_replicas_run_the_ray_app():
+    args = parse("--prefill-replicas", "1", "--decode-replicas", "2")
+    assert uses_replicas(args)
+    validate_distributed_args(args)
+    assert not uses_replicas(parse())
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--prefill-replicas", "1"), "give both"),
+        (("--decode-replicas", "2"), "give both"),
+        (("--prefill-replicas", "-1", "--decode-replicas", "1"), "give both"),
+        (
+            ("--prefill-replicas", "1", "--decode-replicas", "1", "--data-parallel-size", "2"),
+            "two layouts",
+        ),
+        (
+            ("--prefill-replicas", "1", "--decode-replicas", "1", "--pd-min-prompt-tokens", "-1"),
+            "pd-min-prompt-tokens",
+        ),
+    ],
+)
+def test_half_a_layout_is_refused_with_the_fix(argv, message):
+    with pytest.raises(ValueError, match=message):
+        validate_distributed_args(parse(*argv))
