@@ -20,6 +20,9 @@ class InputBatch(NamedTuple):
     attn_metadata: list[AttentionMetadata]  # one per KV cache group
     logits_indices: torch.Tensor  # [num_sampled] int64: rows of the hidden states to sample
     sampled: list[int]  # index into the scheduled list of each sampled row
+    # Row of logits_indices of each sampled sequence's last position; a speculative sequence's
+    # K draft positions take the K rows before it (None: row j, no speculation in the step).
+    logits_rows: list[int] | None = None
 
 
 def build_input_batch(
@@ -51,11 +54,22 @@ def build_input_batch(
         for g in range(num_groups)
     ]
     sampled = [i for i, s in enumerate(scheduled) if s.needs_sample]
-    logits_indices = torch.tensor([int(query_ends[i]) - 1 for i in sampled], dtype=torch.int64)
+    logits_rows = None
+    if any(s.spec_token_ids for s in scheduled):
+        indices: list[int] = []
+        logits_rows = []
+        for i in sampled:
+            end = int(query_ends[i])
+            indices += range(end - 1 - len(scheduled[i].spec_token_ids), end)
+            logits_rows.append(len(indices) - 1)
+        logits_indices = torch.tensor(indices, dtype=torch.int64)
+    else:
+        logits_indices = torch.tensor([int(query_ends[i]) - 1 for i in sampled], dtype=torch.int64)
     return InputBatch(
         input_ids=torch.from_numpy(input_ids).to(device),
         positions=torch.from_numpy(positions).to(device),
         attn_metadata=metadata,
         logits_indices=logits_indices.to(device),
         sampled=sampled,
+        logits_rows=logits_rows,
     )
