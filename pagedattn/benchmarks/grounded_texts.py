@@ -1,7 +1,7 @@
 """Fixed grounded prompts for the ``single_grounded`` workload: answers that copy the input.
 
-Edit a code file, answer from a document, summarise a text: what batch-1 users of a local model
-do, and what prompt lookup (``--speculative-method ngram``) speeds up.
+Edit a code file, correct a document, answer from a document by quoting it: what batch-1 users
+of a local model do, and what prompt lookup (``--speculative-method ngram``) speeds up.
 """
 
 from __future__ import annotations
@@ -53,7 +53,14 @@ and every request reads the same physical blocks, found by a hash of the block's
 all the tokens before it. When memory runs out, the scheduler preempts a sequence, frees its
 blocks and recomputes it later."""
 
-# (system-free user message, output tokens): each answer mostly copies spans of its input.
+# The notice with three spelling mistakes, to be returned corrected.
+DOCUMENT_WITH_TYPOS = (
+    DOCUMENT.replace("morning", "mornnig")
+    .replace("borrow", "borow")
+    .replace("library", "libary", 1)
+)
+
+# (user message, output tokens): each answer mostly copies spans of its input.
 GROUNDED_TASKS: tuple[tuple[str, int], ...] = (
     (
         "Here is a Python file:\n\n"
@@ -63,14 +70,15 @@ GROUNDED_TASKS: tuple[tuple[str, int], ...] = (
         192,
     ),
     (
-        "Read this notice:\n\n"
-        + DOCUMENT
-        + "\n\nQuoting the notice word for word, what does it say about borrowing books, late "
-        "returns and printing?",
+        "Correct the spelling mistakes in this notice and return the whole corrected notice:\n\n"
+        + DOCUMENT_WITH_TYPOS,
         128,
     ),
     (
-        "Summarise this text by copying its three most important sentences:\n\n" + ARTICLE,
+        "Here is a document:\n\n"
+        + ARTICLE
+        + "\n\nWhat happens when memory runs out, and how are prefixes shared? Answer by "
+        "quoting the document.",
         128,
     ),
 )

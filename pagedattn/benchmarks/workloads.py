@@ -184,8 +184,8 @@ def make_single(sizes: WorkloadSizes, tokens: TokenSampler) -> Workload:
 
 def make_single_grounded(tokenizer, scale: float = 1.0) -> Workload:
     """Batch-1 requests, one after another, whose answers copy spans of their prompt (edit a
-    code file, answer from a document, summarise): the fixed texts of grounded_texts, chat
-    templated by the model's tokenizer."""
+    code file, correct a notice, answer by quoting a document): grounded_texts' fixed texts,
+    chat templated by the model's tokenizer."""
     from pagedattn.benchmarks.grounded_texts import GROUNDED_TASKS
 
     reqs = []
