@@ -251,7 +251,6 @@ class LLMEngine:
         self.num_generation_tokens += len(runner_output.req_ids)
         if self.speculator is not None:
             self.speculator.observe(sched, runner_output)
-            self.speculator.finish(sched.finished_req_ids)
             self.num_generation_tokens += sum(map(len, runner_output.accepted_draft_ids.values()))
         self.num_failed_requests += len(runner_output.failed)
         if runner_output.prompt_logprobs:
@@ -259,6 +258,8 @@ class LLMEngine:
         outputs, stopped, to_abort = self.output_processor.process(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(to_abort, RequestStatus.FINISHED_ABORTED)
+        if self.speculator is not None:
+            self.speculator.release_finished(self.scheduler.requests)
         if self.kv_event_publisher is not None:
             self.publish_kv_events()
         times.process += time.perf_counter() - t2

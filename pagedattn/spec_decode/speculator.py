@@ -81,11 +81,12 @@ class Speculator:
             for pos in range(num_accepted):
                 per_pos[pos] += 1
 
-    def finish(self, request_ids) -> None:
-        """Forget finished sequences (a draft model frees their blocks)."""
+    def release_finished(self, live_request_ids) -> None:
+        """Forget sequences no longer live (a draft model frees their blocks)."""
         finish = getattr(self.proposer, "finish", None)
-        if finish is not None:
-            finish(request_ids)
+        seqs = getattr(self.proposer, "seqs", None)
+        if finish is not None and seqs:
+            finish([req_id for req_id in seqs if req_id not in live_request_ids])
 
 
 class _NgramBatch:
