@@ -277,6 +277,55 @@ class ModelConfig:
         )
 
 
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: who proposes draft tokens, how many, and when it is off."""
+
+    speculative_method: str | None = option(
+        None,
+        "propose draft tokens and verify them in one forward: ngram (prompt lookup) or draft "
+        "(a small model with the target's tokenizer, --draft-model)",
+        choices=(None, "ngram", "draft"),
+        default_text="off",
+    )
+    num_speculative_tokens: int = option(4, "draft tokens proposed per sequence and step (K)")
+    ngram_min: int = option(2, "ngram: shortest suffix n-gram looked up in the context")
+    ngram_max: int = option(4, "ngram: longest suffix n-gram looked up in the context")
+    draft_model: str | None = option(
+        None,
+        "the proposer model of --speculative-method draft (HF folder or packaged name); it "
+        "must share the target's tokenizer",
+        default_text="none",
+    )
+    speculative_disable_by_batch_size: int = option(
+        4,
+        "speculate only while at most this many sequences run (above it a wider forward costs "
+        "more than the accepted tokens save)",
+    )
+
+    def __post_init__(self) -> None:
+        _check_choices(self)
+        _require(
+            1 <= self.num_speculative_tokens <= 16,
+            f"num_speculative_tokens={self.num_speculative_tokens!r} is invalid: use 1..16",
+        )
+        _require(
+            1 <= self.ngram_min <= self.ngram_max,
+            f"ngram_min={self.ngram_min!r}, ngram_max={self.ngram_max!r} are invalid: use "
+            "1 <= ngram_min <= ngram_max",
+        )
+        _require(
+            self.speculative_method != "draft" or self.draft_model is not None,
+            "--speculative-method draft needs --draft-model PATH (a model with the target's "
+            "tokenizer)",
+        )
+        _require(
+            self.speculative_disable_by_batch_size >= 1,
+            "speculative_disable_by_batch_size="
+            f"{self.speculative_disable_by_batch_size!r} is invalid: use >= 1",
+        )
+
+
 class EngineOption(NamedTuple):
     """One engine option: its flat name (LLM keyword, CLI dest) and the field it sets."""
 
@@ -293,6 +342,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     attn_backend: str | None = option(
         None,
         "attention backend",
@@ -393,6 +443,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "speculative": SpeculativeConfig,
 }
 
 
@@ -405,7 +456,7 @@ def _value_type(config_cls: type, name: str) -> type:
 
 @functools.cache
 def engine_options() -> dict[str, EngineOption]:
-    """Every engine option by flat name, in declaration order (model, cache, scheduler, rest)."""
+    """Every engine option by flat name, in declaration order (the sections, then the rest)."""
     options: dict[str, EngineOption] = {}
     entries = [(s, c) for s, c in _SECTIONS.items()] + [(None, EngineConfig)]
     for section, config_cls in entries:

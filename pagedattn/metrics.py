@@ -36,6 +36,14 @@ KV_STORE_COUNTERS = (
 )
 
 
+# (metric name, SpecDecodeStats field, help): vLLM's speculative decoding counters.
+SPEC_DECODE_COUNTERS = (
+    ("vllm:spec_decode_num_drafts", "num_drafts", "Sequence-steps that verified draft tokens."),
+    ("vllm:spec_decode_num_draft_tokens", "num_draft_tokens", "Draft tokens proposed."),
+    ("vllm:spec_decode_num_accepted_tokens", "num_accepted_tokens", "Draft tokens accepted."),
+)
+
+
 class ServerMetrics:
     """The Prometheus metrics of one served model, in a registry of their own."""
 
@@ -89,6 +97,17 @@ class ServerMetrics:
         self.kv_store_counters = {
             field: counter(name, doc) for name, field, doc in KV_STORE_COUNTERS
         }
+        # Speculative decoding, under vLLM's names; they stay at 0 without speculation.
+        self.spec_decode_counters = {
+            field: Counter(name, doc, labels, registry=self.registry).labels(model_name)
+            for name, field, doc in SPEC_DECODE_COUNTERS
+        }
+        self.spec_decode_per_pos = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted draft tokens at each draft position.",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
         self._last_totals: dict[str, float] = {}
 
     def record_engine_stats(self, stats) -> None:
@@ -103,6 +122,13 @@ class ServerMetrics:
         self._advance(self.prefix_cache_hits, "hits", stats.prefix_cache_hits)
         self._advance(self.num_preemptions, "preemptions", stats.num_preemptions)
         self._advance(self.failed_requests, "failed", getattr(stats, "num_failed_requests", 0))
+        spec = getattr(stats, "spec_decode", None)
+        if spec is not None:
+            for field, counter in self.spec_decode_counters.items():
+                self._advance(counter, f"spec_decode.{field}", getattr(spec, field))
+            for pos, total in enumerate(spec.num_accepted_tokens_per_pos):
+                counter = self.spec_decode_per_pos.labels(self.model_name, str(pos))
+                self._advance(counter, f"spec_decode.pos{pos}", total)
         store = getattr(stats, "kv_store", None)
         if store is not None:
             for field, counter in self.kv_store_counters.items():

@@ -52,6 +52,8 @@ from pagedattn.cpu.features import describe_cpu
 
 PEERS = ("hf_static", "hf_batch", "llama_cpp", *CPU_ENGINE_RUNNERS)
 ENGINES = ("pagedattn", *PEERS)
+# Not in the default list: pagedattn with --speculative-method ngram, side by side with pagedattn.
+EXTRA_ENGINES = ("pagedattn_ngram",)
 # The folder that holds the pagedattn package (a checkout or site-packages).
 PACKAGE_PARENT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
         "124 vs 90 ms; on a busy one, spinning threads cost ~8 ms per parallel op)",
     )
     p.add_argument(
-        "--engines", default=",".join(ENGINES), help="comma list of " + ", ".join(ENGINES)
+        "--engines",
+        default=",".join(ENGINES),
+        help="comma list of " + ", ".join(ENGINES + EXTRA_ENGINES),
     )
     p.add_argument(
         "--workloads",
@@ -278,7 +282,7 @@ def _split(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     return names
 
 
-def _vocab(model: str | None) -> tuple[int, set[int]]:
+def _vocab(model: str | None) -> tuple[int, set[int], object]:
     from pagedattn.model.loader import resolve_checkpoint
 
     ckpt = resolve_checkpoint(model)
@@ -288,16 +292,16 @@ def _vocab(model: str | None) -> tuple[int, set[int]]:
     special = set(tokenizer.all_special_ids)
     eos = getattr(config, "eos_token_id", None)
     special |= {eos} if isinstance(eos, int) else set(eos or [])
-    return int(config.vocab_size), special
+    return int(config.vocab_size), special, tokenizer
 
 
 def parent_main(args: argparse.Namespace) -> int:
     size = "quick" if args.quick else args.size
     sizes = SIZE_PRESETS[size]
-    engines = _split(args.engines, ENGINES, "engines")
+    engines = _split(args.engines, ENGINES + EXTRA_ENGINES, "engines")
     names = _split(args.workloads, WORKLOAD_NAMES, "workloads")
-    vocab_size, special = _vocab(args.model)
-    workloads = make_workloads(sizes, vocab_size, special, args.seed)
+    vocab_size, special, tokenizer = _vocab(args.model)
+    workloads = make_workloads(sizes, vocab_size, special, args.seed, tokenizer)
     if args.trace_in:
         workloads["sharegpt"] = load_trace(args.trace_in, vocab_size)
         print(f"replaying {len(workloads['sharegpt'].requests)} requests from {args.trace_in}")

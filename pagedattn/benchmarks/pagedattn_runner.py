@@ -86,11 +86,19 @@ def auto_num_blocks(workload: Workload, block_size: int) -> int:
 
 
 def run_pagedattn(
-    opts: RunOptions, workload: Workload, *, prefix_caching: bool = True
+    opts: RunOptions,
+    workload: Workload,
+    *,
+    prefix_caching: bool = True,
+    speculative_method: str | None = None,
 ) -> RunResult:
-    """Drive LLM's engine step by step (as LLM.generate does), timing every step."""
+    """Drive LLM's engine step by step (as LLM.generate does), timing every step.
+
+    A workload with info["sequential"] sends its requests one at a time (batch 1 each).
+    """
     from pagedattn import LLM, SamplingParams
 
+    spec = {} if speculative_method is None else {"speculative_method": speculative_method}
     llm = LLM(
         opts.model,
         dtype=opts.dtype,
@@ -99,6 +107,7 @@ def run_pagedattn(
         enable_prefix_caching=prefix_caching,
         num_threads=opts.threads,
         seed=opts.seed,
+        **spec,
     )
     greedy = dict(temperature=0.0, ignore_eos=True)
     llm.generate([warmup_ids(workload)] * 2, SamplingParams(max_tokens=WARMUP_MAX_TOKENS, **greedy))
@@ -107,13 +116,22 @@ def run_pagedattn(
     engine = llm.engine
     stats0 = llm.get_stats()
     t0 = time.perf_counter()
-    for i, req in enumerate(workload.requests):
+    pending = list(enumerate(workload.requests))
+    sequential = workload.info.get("sequential", False)
+
+    def add_next() -> None:
+        i, req = pending.pop(0)
         engine.add_request(
             f"bench-{i}", req.prompt_token_ids, SamplingParams(max_tokens=req.max_tokens, **greedy)
         )
+
+    while pending and not (sequential and engine.has_unfinished_requests()):
+        add_next()
     steps, finished = [], {}
     times = engine.step_times
-    while engine.has_unfinished_requests():
+    while engine.has_unfinished_requests() or pending:
+        if not engine.has_unfinished_requests():
+            add_next()
         before = [getattr(times, f) for f in _STEP_FIELDS]
         num_prompt, num_gen = engine.num_prompt_tokens, engine.num_generation_tokens
         ts = time.perf_counter()
@@ -140,8 +158,18 @@ def run_pagedattn(
         "num_preemptions": stats.num_preemptions - stats0.num_preemptions,
         "num_blocks": stats.num_blocks,
     }
+    if stats.spec_decode is not None:
+        sd = stats.spec_decode
+        extra["spec_decode"] = {
+            "num_drafts": sd.num_drafts,
+            "num_draft_tokens": sd.num_draft_tokens,
+            "num_accepted_tokens": sd.num_accepted_tokens,
+            "acceptance_rate": sd.acceptance_rate,
+            "mean_accepted_length": sd.mean_accepted_length,
+        }
+    name = "pagedattn" if prefix_caching else "pagedattn_nocache"
     return RunResult(
-        engine="pagedattn" if prefix_caching else "pagedattn_nocache",
+        engine=name if speculative_method is None else f"pagedattn_{speculative_method}",
         workload=workload.name,
         elapsed_s=elapsed,
         num_requests=len(outs),

@@ -427,6 +427,7 @@ def _run_batched_bench(opts: RunOptions, workload: Workload) -> RunResult:
 RUNNERS = {
     "pagedattn": run_pagedattn,
     "pagedattn_nocache": lambda opts, w: run_pagedattn(opts, w, prefix_caching=False),
+    "pagedattn_ngram": lambda opts, w: run_pagedattn(opts, w, speculative_method="ngram"),
     "hf_static": run_hf_static,
     "hf_batch": run_hf_batch,
     "llama_cpp": run_llama_cpp,

@@ -14,7 +14,7 @@ import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-WORKLOAD_NAMES = ("uniform", "sharegpt", "shared_prefix", "single")
+WORKLOAD_NAMES = ("uniform", "sharegpt", "shared_prefix", "single", "single_grounded")
 DEFAULT_WORKLOADS = ("uniform", "sharegpt", "shared_prefix")
 TRACE_VERSION = 1
 
@@ -182,17 +182,36 @@ def make_single(sizes: WorkloadSizes, tokens: TokenSampler) -> Workload:
     return Workload("single", [BenchRequest(prompt, sizes.single_output_len)])
 
 
+def make_single_grounded(tokenizer, scale: float = 1.0) -> Workload:
+    """Batch-1 requests, one after another, whose answers copy spans of their prompt (edit a
+    code file, correct a notice, answer by quoting a document): grounded_texts' fixed texts,
+    chat templated by the model's tokenizer."""
+    from pagedattn.benchmarks.grounded_texts import GROUNDED_TASKS
+
+    reqs = []
+    for text, num_output in GROUNDED_TASKS:
+        messages = [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        reqs.append(BenchRequest(list(ids), max(1, round(num_output * scale))))
+    return Workload("single_grounded", reqs, info={"sequential": True})
+
+
 def make_workloads(
-    sizes: WorkloadSizes, vocab_size: int, special_ids: set[int], seed: int
+    sizes: WorkloadSizes, vocab_size: int, special_ids: set[int], seed: int, tokenizer=None
 ) -> dict[str, Workload]:
-    """Every workload, deterministic in ``seed``."""
+    """Every workload, deterministic in ``seed`` (single_grounded needs the tokenizer)."""
     tokens = TokenSampler(vocab_size, special_ids, random.Random(seed))
-    return {
+    workloads = {
         "uniform": make_uniform(sizes, tokens),
         "sharegpt": make_sharegpt(sizes, tokens, seed),
         "shared_prefix": make_shared_prefix(sizes, tokens),
         "single": make_single(sizes, tokens),
     }
+    if tokenizer is not None:
+        scale = sizes.single_output_len / SIZE_PRESETS["full"].single_output_len
+        workloads["single_grounded"] = make_single_grounded(tokenizer, scale)
+    return workloads
 
 
 def workload_to_dict(workload: Workload) -> dict:

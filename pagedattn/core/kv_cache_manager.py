@@ -270,6 +270,22 @@ class KVCacheManager:
             m.free(request.request_id)
         self.requests.pop(request.request_id, None)
 
+    def free_rejected_slots(self, request: Request) -> int:
+        """Roll back a speculative step: free every block past the request's computed tokens.
+
+        The scheduler first sets ``num_computed_tokens`` to the accepted length; a block that
+        held only rejected draft tokens goes straight back to the free queue. Full blocks of
+        accepted tokens are offered to the prefix cache now. Returns the blocks freed.
+        """
+        if request.request_id not in self.requests:
+            return 0
+        num_computed = request.num_computed_tokens
+        num_freed = sum(len(m.free_tail(request.request_id, num_computed)) for m in self.managers)
+        if self.enable_caching:
+            for m in self.managers:
+                m.cache_blocks(request, num_computed)
+        return num_freed
+
     def uncomputed_block_ids(self, request_id: str, num_computed_tokens: int) -> set[int]:
         """Ids of the request's blocks holding positions >= num_computed_tokens (all groups)."""
         first = num_computed_tokens // self.block_size

@@ -62,6 +62,7 @@ class Request:
         "block_size",
         "hash_seed",
         "status",
+        "spec_token_ids",
         "_root_hash",
     )
 
@@ -124,6 +125,9 @@ class Request:
         self.block_size = block_size
         self.hash_seed = hash_seed
         self.status = RequestStatus.WAITING
+        # NOTE: draft tokens proposed for the next step only; never in all_token_ids, so never
+        # hashed or cached until the target model accepts them (they arrive as output tokens).
+        self.spec_token_ids: list[int] = []
         self._root_hash = init_root_hash(hash_seed)
         self.block_hashes: list[BlockHash] = []
         self._update_block_hashes()
@@ -173,6 +177,7 @@ class Request:
         child.request_id = request_id
         child.seed = seed
         child.num_pending_forks = 0
+        child.spec_token_ids = []
         child.prompt_token_ids = list(self.prompt_token_ids)
         child.output_token_ids = list(self.output_token_ids)
         child.all_token_ids = list(self.all_token_ids)

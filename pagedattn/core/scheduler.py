@@ -205,7 +205,20 @@ class Scheduler:
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
-            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            new_blocks = None
+            if request.spec_token_ids:
+                # NOTE: a decode step reserves slots for its draft tokens too; without room for
+                # them it drops them (a plain step) before it would preempt anyone.
+                num_spec = min(len(request.spec_token_ids), token_budget - 1)
+                if num_new_tokens == 1 and request.num_tokens - request.num_computed_tokens == 1:
+                    new_blocks = self.kv_cache_manager.allocate_slots(request, 1 + num_spec)
+                if new_blocks is None or num_spec == 0:
+                    request.spec_token_ids = []
+                else:
+                    num_new_tokens += num_spec
+                    del request.spec_token_ids[num_spec:]
+            if new_blocks is None:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
             while new_blocks is None:
                 victim = self._pick_victim()
                 victim_index = self.running.index(victim)
@@ -304,6 +317,7 @@ class Scheduler:
             parent.num_pending_forks = 0
         logprobs = runner_output.logprobs
         stopped = runner_output.stopped_req_ids
+        speculated = {s.req_id for s in scheduler_output.scheduled if s.spec_token_ids}
         for row, req_id in enumerate(runner_output.req_ids):
             request = self.requests.get(req_id)
             if req_id in failed or request is None or request.status != RequestStatus.RUNNING:
@@ -311,18 +325,48 @@ class Scheduler:
             if request.num_computed_tokens < request.num_tokens:
                 continue  # NOTE: a partial prefill chunk's sample is never used.
             token = runner_output.sampled_token_ids[row]
-            request.append_output_token_ids(token)
-            status, stop_reason = check_token_stop(request, self.max_model_len)
+            if req_id not in speculated:
+                request.append_output_token_ids(token)
+                status, stop_reason = check_token_stop(request, self.max_model_len)
+                new_token_ids = [token]
+            else:
+                accepted = runner_output.accepted_draft_ids.get(req_id, [])
+                status, stop_reason, new_token_ids = self._append_speculative(
+                    request, [*accepted, token]
+                )
             if status is None and req_id in stopped:
                 status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self._finish(request, status)
             parent_id, fork = forks.get(req_id, (None, None))
             lp = None if logprobs is None else logprobs[row]
-            outputs.append(CoreOutput(req_id, [token], lp, status, stop_reason, parent_id, fork))
+            outputs.append(
+                CoreOutput(req_id, new_token_ids, lp, status, stop_reason, parent_id, fork)
+            )
         return outputs
 
     # Internals.
+
+    def _append_speculative(
+        self, request: Request, token_ids: list[int]
+    ) -> tuple[RequestStatus | None, int | None, list[int]]:
+        """Append a verified step's tokens one by one (stops apply to each), then roll back.
+
+        NOTE: the step computed the last token and every draft; after it only the accepted
+        tokens count as computed, and the blocks past them (rejected drafts) are freed.
+        """
+        status = stop_reason = None
+        appended = []
+        for token in token_ids:
+            request.append_output_token_ids(token)
+            appended.append(token)
+            status, stop_reason = check_token_stop(request, self.max_model_len)
+            if status is not None:
+                break
+        request.spec_token_ids = []
+        request.num_computed_tokens = request.num_tokens - 1
+        self.kv_cache_manager.free_rejected_slots(request)
+        return status, stop_reason, appended
 
     def _num_external_tokens(self, request: Request, num_computed: int) -> int:
         """Prompt tokens past the local prefix hit that the KV store holds (whole blocks)."""
@@ -385,6 +429,12 @@ class Scheduler:
             request = self.requests[req_id]
             start = request.num_computed_tokens
             request.num_computed_tokens = end = start + num_tokens
+            # NOTE: draft tokens sit past the known tokens (their slots were reserved too).
+            spec_token_ids = request.spec_token_ids if end > request.num_tokens else ()
+            token_ids = request.all_token_ids[start:end]
+            if spec_token_ids:
+                token_ids = token_ids + spec_token_ids
+            end = min(end, request.num_tokens)
             needs_sample = end == request.num_tokens
             forks: tuple[tuple[str, int | None], ...] = ()
             if needs_sample and request.num_pending_forks:
@@ -395,7 +445,7 @@ class Scheduler:
             scheduled.append(
                 ScheduledRequest(
                     req_id=req_id,
-                    token_ids=request.all_token_ids[start:end],
+                    token_ids=token_ids,
                     start_pos=start,
                     block_ids=get_block_ids(req_id),
                     needs_sample=needs_sample,
@@ -405,6 +455,7 @@ class Scheduler:
                     output_token_ids=request.output_token_ids,
                     forks=forks,
                     block_hashes=request.block_hashes,
+                    spec_token_ids=tuple(spec_token_ids),
                 )
             )
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()
@@ -431,6 +482,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> int:
         """Free the request's blocks, queue it to recompute later; returns its discarded tokens."""
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
         num_discarded = request.num_computed_tokens
         request.num_recomputed_tokens += num_discarded
         request.num_computed_tokens = 0

@@ -29,6 +29,9 @@ class ScheduledRequest(NamedTuple):
     forks: tuple[tuple[str, int | None], ...] = ()
     # Live view of the chained hashes of the sequence's full blocks (for the KV store).
     block_hashes: Sequence[bytes] = ()
+    # Draft tokens appended to token_ids (the last len(spec_token_ids) of them): the runner
+    # scores every position and accepts a prefix of them (speculative decoding).
+    spec_token_ids: Sequence[int] = ()
 
 
 class KVLoad(NamedTuple):
@@ -91,6 +94,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     # Sequences whose store load fell short: id -> the position they computed from instead.
     kv_load_shortfalls: dict[str, int] = field(default_factory=dict)
+    # Speculative rows: id -> the accepted draft tokens, which come before the row's sampled one.
+    accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
 
     def merge(self, other: RunnerOutput) -> None:
         """Append another (partial) output of the same step."""
@@ -104,6 +109,7 @@ class RunnerOutput:
         self.failed.update(other.failed)
         self.prompt_logprobs.update(other.prompt_logprobs)
         self.kv_load_shortfalls.update(other.kv_load_shortfalls)
+        self.accepted_draft_ids.update(other.accepted_draft_ids)
 
 
 class CoreOutput(NamedTuple):

@@ -146,6 +146,22 @@ class SingleTypeKVCacheManager:
         self.req_to_blocks[child_id] = blocks
         self.num_cached_block[child_id] = self.num_cached_block[parent_id]
 
+    def free_tail(self, request_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        """Release the blocks past the first num_tokens tokens (rejected draft slots), tail first.
+
+        NOTE: such blocks hold no accepted token, so none of them is in the prefix cache.
+        """
+        blocks = self.req_to_blocks.get(request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if not blocks or len(blocks) <= keep:
+            return []
+        tail = blocks[keep:]
+        del blocks[keep:]
+        self.num_cached_block[request_id] = min(self.num_cached_block[request_id], keep)
+        tail.reverse()
+        self.block_pool.free_blocks(tail)
+        return tail
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks, tail first, so shared prefixes are evicted last."""
         blocks = self.req_to_blocks.pop(request_id, None)

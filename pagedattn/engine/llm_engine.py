@@ -67,6 +67,12 @@ class LLMEngine:
         self.scheduler = Scheduler(
             config.scheduler, cache, self.kv_cache_manager, self.max_model_len, self.kv_connector
         )
+        # Speculative decoding (--speculative-method): drafts proposed before each step.
+        self.speculator = None
+        if config.speculative.speculative_method is not None:
+            from pagedattn.spec_decode.factory import make_speculator
+
+            self.speculator = make_speculator(config, self)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._core_ids = itertools.count()
@@ -216,6 +222,10 @@ class LLMEngine:
         times = self.step_times
         t0 = time.perf_counter()
         try:
+            if self.speculator is not None:
+                self.speculator.propose(
+                    self.scheduler.running, self.scheduler.get_num_unfinished_requests()
+                )
             sched = self.scheduler.schedule()
         except Exception as exc:
             raise EngineFaultError(f"the scheduler failed: {exc!r}") from exc
@@ -240,12 +250,17 @@ class LLMEngine:
         except Exception as exc:
             raise EngineFaultError(f"updating the scheduler failed: {exc!r}") from exc
         self.num_generation_tokens += len(runner_output.req_ids)
+        if self.speculator is not None:
+            self.speculator.observe(sched, runner_output)
+            self.num_generation_tokens += sum(map(len, runner_output.accepted_draft_ids.values()))
         self.num_failed_requests += len(runner_output.failed)
         if runner_output.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(runner_output.prompt_logprobs)
         outputs, stopped, to_abort = self.output_processor.process(core_outputs)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(to_abort, RequestStatus.FINISHED_ABORTED)
+        if self.speculator is not None:
+            self.speculator.release_finished(self.scheduler.requests)
         if self.kv_event_publisher is not None:
             self.publish_kv_events()
         times.process += time.perf_counter() - t2
@@ -334,6 +349,7 @@ class LLMEngine:
             num_failed_requests=self.num_failed_requests,
             step_times=self.step_times,
             kv_store=None if self.kv_connector is None else self.kv_connector.stats,
+            spec_decode=None if self.speculator is None else self.speculator.stats,
         )
 
     def reset_prefix_cache(self) -> bool:

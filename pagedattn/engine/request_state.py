@@ -42,6 +42,8 @@ class SeqState:
         self.cumulative_logprob = 0.0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        # Tokens of the output (None: all); set when a stop string ends it inside a step's tokens.
+        self.num_token_ids: int | None = None
 
     def on_output(self, out: CoreOutput, now: float) -> bool:
         """Record the scheduler's output for this sequence; True if a stop string ended it.
@@ -59,33 +61,38 @@ class SeqState:
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
-        delta = ""
-        for token in out.new_token_ids:
+        status = out.status
+        num_new = len(out.new_token_ids)
+        # NOTE: a speculative step brings several tokens: each is checked as if alone, and a
+        # stop string ends the sequence at the token that completed it.
+        for i, token in enumerate(out.new_token_ids):
             lp = out.logprobs
             if lp is not None:
                 # NOTE: best_of ranks by cumulative logprob even when no logprobs are returned.
                 self.cumulative_logprob += lp.sampled_logprob
                 if self.logprobs is not None:
                     self.logprobs.append(_entry(token, lp))
-            if params.detokenize:
-                delta += self.detokenizer.add_tokens([token])
-        self.text += delta
-        status = out.status
-        if status == RequestStatus.FINISHED_STOPPED:
-            # The stop token's own text is dropped unless asked for (as vLLM does).
-            if delta and not params.include_stop_str_in_output:
-                self.text = self.text[: len(self.text) - len(delta)]
-            self.finish_reason, self.stop_reason = "stop", out.stop_reason
-            return False
-        if params.stop and delta and self.core.num_output_tokens >= params.min_tokens:
-            found = find_stop_string(
-                self.text, len(delta), params.stop, params.include_stop_str_in_output
-            )
-            if found is not None:
-                self.stop_reason, cut = found
-                self.text = self.text[:cut]
-                self.finish_reason = "stop"
-                return status is None
+            delta = self.detokenizer.add_tokens([token]) if params.detokenize else ""
+            self.text += delta
+            is_last = i == num_new - 1
+            if is_last and status == RequestStatus.FINISHED_STOPPED:
+                # The stop token's own text is dropped unless asked for (as vLLM does).
+                if delta and not params.include_stop_str_in_output:
+                    self.text = self.text[: len(self.text) - len(delta)]
+                self.finish_reason, self.stop_reason = "stop", out.stop_reason
+                return False
+            num_output = self.core.num_output_tokens - (num_new - 1 - i)
+            if params.stop and delta and num_output >= params.min_tokens:
+                found = find_stop_string(
+                    self.text, len(delta), params.stop, params.include_stop_str_in_output
+                )
+                if found is not None:
+                    self.stop_reason, cut = found
+                    self.text = self.text[:cut]
+                    self.finish_reason = "stop"
+                    if not is_last:
+                        self.num_token_ids = num_output
+                    return status is None or not is_last
         if status is not None:
             self.finish_reason = _FINISH_REASON[status]
         return False
@@ -95,7 +102,7 @@ class SeqState:
         return CompletionOutput(
             index=self.index,
             text=self.text,
-            token_ids=list(self.core.output_token_ids),
+            token_ids=self.core.output_token_ids[: self.num_token_ids],
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
             logprobs=self.logprobs,

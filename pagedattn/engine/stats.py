@@ -39,6 +39,8 @@ class EngineStats:
     step_times: StepTimes = field(default_factory=StepTimes)
     # The second KV tier's counters (kv_transfer.KVConnectorStats), when a store is set.
     kv_store: object | None = None
+    # Speculative decoding's counters (spec_decode.SpecDecodeStats), when it is on.
+    spec_decode: object | None = None
 
     @property
     def prefix_cache_hit_rate(self) -> float:

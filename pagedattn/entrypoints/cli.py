@@ -134,6 +134,14 @@ def kv_summary_lines(s) -> list[str]:
             f"those looked up), {store.num_loaded_blocks} blocks read, {store.num_saved_blocks} "
             f"saved, {store.num_load_failures} failed loads"
         )
+    spec = getattr(s, "spec_decode", None)
+    if spec is not None:
+        lines.append(
+            f"[spec] {spec.num_accepted_tokens}/{spec.num_draft_tokens} draft tokens accepted "
+            f"({100 * spec.acceptance_rate:.1f}%) in {spec.num_drafts} drafts; mean accepted "
+            f"length {spec.mean_accepted_length:.2f} tokens per step; off by batch size in "
+            f"{spec.num_steps_off} steps"
+        )
     lines.append(
         f"[kv] time: schedule {t.schedule:.3f}s, prepare {t.prepare:.3f}s, forward "
         f"{t.forward:.3f}s, sample {t.sample:.3f}s, output {t.process:.3f}s"

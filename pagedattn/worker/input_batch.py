@@ -20,6 +20,9 @@ class InputBatch(NamedTuple):
     attn_metadata: list[AttentionMetadata]  # one per KV cache group
     logits_indices: torch.Tensor  # [num_sampled] int64: rows of the hidden states to sample
     sampled: list[int]  # index into the scheduled list of each sampled row
+    # Row of logits_indices of each sampled sequence's last position; a speculative sequence's
+    # K draft positions take the K rows before it (None: row j, no speculation in the step).
+    logits_rows: list[int] | None = None
 
 
 def build_input_batch(
@@ -44,18 +47,63 @@ def build_input_batch(
     input_ids = np.fromiter(
         (t for s in scheduled for t in s.token_ids), dtype=np.int64, count=num_tokens
     )
+    rows = range(num_seqs)
+    attn_query_lens, attn_seq_lens = query_lens, seq_lens
+    if any(s.spec_token_ids for s in scheduled):
+        rows, attn_query_lens, attn_seq_lens = _split_draft_spans(scheduled, starts, query_lens)
     metadata = [
         AttentionMetadata.build(
-            query_lens, seq_lens, [s.block_ids[g] for s in scheduled], block_size, device
+            attn_query_lens,
+            attn_seq_lens,
+            [scheduled[i].block_ids[g] for i in rows],
+            block_size,
+            device,
         )
         for g in range(num_groups)
     ]
     sampled = [i for i, s in enumerate(scheduled) if s.needs_sample]
-    logits_indices = torch.tensor([int(query_ends[i]) - 1 for i in sampled], dtype=torch.int64)
+    logits_rows = None
+    if any(s.spec_token_ids for s in scheduled):
+        indices: list[int] = []
+        logits_rows = []
+        for i in sampled:
+            end = int(query_ends[i])
+            indices += range(end - 1 - len(scheduled[i].spec_token_ids), end)
+            logits_rows.append(len(indices) - 1)
+        logits_indices = torch.tensor(indices, dtype=torch.int64)
+    else:
+        logits_indices = torch.tensor([int(query_ends[i]) - 1 for i in sampled], dtype=torch.int64)
     return InputBatch(
         input_ids=torch.from_numpy(input_ids).to(device),
         positions=torch.from_numpy(positions).to(device),
         attn_metadata=metadata,
         logits_indices=logits_indices.to(device),
         sampled=sampled,
+        logits_rows=logits_rows,
     )
+
+
+def _split_draft_spans(
+    scheduled: Sequence[ScheduledRequest], starts: np.ndarray, query_lens: np.ndarray
+) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """Attention rows with each draft span cut into one query per position.
+
+    NOTE: position start + j of a span sees the cache up to itself (seq_len start + j + 1) on
+    the same block table: causal masking inside the span, through the decode kernels. Every
+    token's K/V is written before any query of the layer attends, so later positions read the
+    drafts before them. Returns (scheduled index per row, query_lens, seq_lens).
+    """
+    rows: list[int] = []
+    attn_query_lens: list[int] = []
+    attn_seq_lens: list[int] = []
+    for i, s in enumerate(scheduled):
+        start, num = int(starts[i]), int(query_lens[i])
+        if s.spec_token_ids:
+            rows += [i] * num
+            attn_query_lens += [1] * num
+            attn_seq_lens += range(start + 1, start + num + 1)
+        else:
+            rows.append(i)
+            attn_query_lens.append(num)
+            attn_seq_lens.append(start + num)
+    return rows, np.array(attn_query_lens, dtype=np.int64), np.array(attn_seq_lens, dtype=np.int64)

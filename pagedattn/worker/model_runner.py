@@ -26,6 +26,7 @@ from pagedattn.model.loader import (
 )
 from pagedattn.model.parallel_layers import shard_key_name, shard_text_config
 from pagedattn.sampling_params import SamplingParams
+from pagedattn.spec_decode.verify_rows import verify_rows
 from pagedattn.worker.input_batch import InputBatch, build_input_batch
 from pagedattn.worker.kv_cache_sizing import plan_kv_cache
 from pagedattn.worker.logprobs import compute_logprobs, gather_logprobs
@@ -212,12 +213,19 @@ class ModelRunner:
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         t2 = time.perf_counter()
         rows = []
-        for logits_row, index in enumerate(batch.sampled):
+        speculative = []  # (sequence, logits row of its last position): verified apart
+        for j, index in enumerate(batch.sampled):
             sched = scheduled[index]
+            logits_row = j if batch.logits_rows is None else batch.logits_rows[j]
+            if sched.spec_token_ids:
+                speculative.append((sched, logits_row))
+                continue
             rows.append(_SampleRow(sched.req_id, logits_row, sched, sched.seed))
             for child_id, seed in sched.forks:
                 rows.append(_SampleRow(child_id, logits_row, sched, seed))
         output = self.sample(logits, rows)
+        if speculative:
+            verify_rows(output, logits, speculative, self.sampler.generator)
         output.prompt_logprobs = prompt_logprobs
         output.kv_load_shortfalls = shortfalls
         if self.kv_connector is not None:

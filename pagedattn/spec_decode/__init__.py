@@ -1,0 +1,1 @@
+"""Speculative decoding: draft proposers, exact verification, the on/off policy and counters."""

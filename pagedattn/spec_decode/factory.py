@@ -1,0 +1,21 @@
+"""Build the engine's Speculator from the config: n-gram lookup or a draft model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pagedattn.spec_decode.speculator import Speculator
+
+if TYPE_CHECKING:
+    from pagedattn.config import EngineConfig
+
+
+def make_speculator(config: EngineConfig, engine) -> Speculator:
+    """The Speculator of --speculative-method (engine: the LLMEngine being built)."""
+    spec = config.speculative
+    proposer = None
+    if spec.speculative_method == "draft":
+        from pagedattn.spec_decode.draft_proposer import DraftProposer
+
+        proposer = DraftProposer(config, engine)
+    return Speculator(spec, engine.max_model_len, proposer)
