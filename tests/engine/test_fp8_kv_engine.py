@@ -60,6 +60,12 @@ def test_default_scales_are_one_and_e5m2_name(tiny):
     assert llm.engine.runner.kv_cache_dtype == torch.float8_e5m2
     llm.generate(PROMPTS, GREEDY)
     assert all(layer.k_scale == layer.v_scale == 1.0 for layer in _layers(llm))
+    # /debug/kv and the dashboard show the element type and a block's bytes.
+    snapshot = llm.engine.kv_snapshot()
+    runner = llm.engine.runner
+    layers = len(runner.kv_caches)
+    assert snapshot["kv_cache_dtype"] == "float8_e5m2"
+    assert snapshot["bytes_per_block"] == 2 * layers * runner.kv_caches[0][0][0].numel()
 
 
 def test_unknown_kv_dtype_is_rejected(tiny):
