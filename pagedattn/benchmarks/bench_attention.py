@@ -25,7 +25,7 @@ from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.attention.fp8 import FP8_DTYPES
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.ops import reshape_and_cache
-from pagedattn.benchmarks.bench_attention_kv import (
+from pagedattn.benchmarks.attention_kv import (
     DEFAULT_KV_CONTEXTS,
     kv_dtype_rows,
     kv_dtype_table,

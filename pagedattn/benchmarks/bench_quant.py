@@ -150,13 +150,13 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         choices=("fp8", "fp8_e4m3", "fp8_e5m2", "int8", "u8"),
         help="compare KV cache dtypes against the model dtype's KV instead of weights "
-        "(see bench_quant_kv)",
+        "(see quant_kv)",
     )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"machine: {describe_cpu()}")
     if args.kv_cache_dtype:
-        from pagedattn.benchmarks.bench_quant_kv import run
+        from pagedattn.benchmarks.quant_kv import run
 
         return run(args)
     ref = load_model(args.model, args.dtype, "cpu")
