@@ -119,8 +119,14 @@ class CacheConfig:
     kv_cache_dtype: str = option(
         "auto",
         "KV cache dtype; auto: the model's. bfloat16 beside a float32 model halves the cache "
-        "and runs attention in bf16 (not HF's float32 math; cpu backend only)",
-        choices=("auto", "float32", "bfloat16"),
+        "and runs attention in bf16 (not HF's float32 math; cpu backend only). fp8_e4m3 / "
+        "fp8_e5m2 (fp8 = e4m3, as vLLM) store one byte per element with per-layer k/v scales",
+        choices=("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"),
+    )
+    calculate_kv_scales: bool = option(
+        False,
+        "fp8 KV cache: set each layer's k/v scale from the first prefill's amax (amax / fp8 "
+        "max) instead of 1.0",
     )
     enable_prefix_caching: bool = option(
         True,

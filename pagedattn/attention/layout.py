@@ -14,8 +14,9 @@ PAD_SLOT_ID = -1
 # Bytes per 16-byte vector load of the classic kernel: x = CACHE_VECTOR_BYTES / sizeof(cache_t).
 CACHE_VECTOR_BYTES = 16
 
-_CPU_DTYPES = (torch.float32, torch.bfloat16)
-_GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_CPU_DTYPES = (torch.float32, torch.bfloat16, *_FP8_DTYPES)
+_GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16, *_FP8_DTYPES)
 
 
 class KVCacheLayout(enum.Enum):
@@ -45,7 +46,7 @@ def check_cache_dtype(dtype: torch.dtype, device: torch.device | str) -> None:
 
 
 def cache_x(dtype: torch.dtype) -> int:
-    """Elements per 16-byte vector in the classic key layout (8 for fp16/bf16, 4 for fp32)."""
+    """Elements per 16-byte vector in the classic key layout (16 fp8, 8 fp16/bf16, 4 fp32)."""
     return CACHE_VECTOR_BYTES // torch.empty((), dtype=dtype).element_size()
 
 

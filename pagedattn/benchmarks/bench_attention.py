@@ -5,6 +5,7 @@ reading K/V through the block tables, when it builds). Peers are timed interleav
 so that load from other processes hits them alike.
 
 Run: pagedattn bench attention --seed 0 [--threads 2] [--out bench_out/] [--quick]
+     [--kv-cache-dtype fp8_e4m3 fp8_e5m2 [--kv-only]]: fp8 K/V rows beside bf16
 """
 
 from __future__ import annotations
@@ -21,8 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from pagedattn.attention.backends.cpu import CpuBackend
+from pagedattn.attention.fp8 import FP8_DTYPES
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.ops import reshape_and_cache
+from pagedattn.benchmarks.attention_kv import (
+    DEFAULT_KV_CONTEXTS,
+    kv_dtype_rows,
+    kv_dtype_table,
+)
 from pagedattn.cpu import extension as cpu_ext
 
 # (num_heads, num_kv_heads, head_size): SmolLM2-135M-like and Llama-3-8B-like.
@@ -214,7 +221,9 @@ def kernel_time_by_block_size(
     return times
 
 
-def write_report(out: Path, bandwidth: float, decode: list[dict], sweep: list[dict], args) -> None:
+def write_report(
+    out: Path, bandwidth: float, decode: list[dict], sweep: list[dict], args, kv_rows=()
+) -> None:
     """Markdown tables and a PNG (time and fragmentation vs block size)."""
     out.mkdir(parents=True, exist_ok=True)
     lines = [
@@ -237,6 +246,8 @@ def write_report(out: Path, bandwidth: float, decode: list[dict], sweep: list[di
               + " | internal fragmentation |", "|---" * (len(names) + 2) + "|"]  # fmt: skip
     lines += [f"| {r['block_size']} | " + " | ".join(f"{r['ms'][n]:.2f}" for n in names)
               + f" | {r['fragmentation']:.1%} |" for r in sweep]  # fmt: skip
+    if kv_rows:
+        lines += kv_dtype_table(kv_rows)
     text = "\n".join(lines) + "\n"
     (out / "bench_attention.md").write_text(text)
     print(text)
@@ -277,6 +288,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="small shapes, for a smoke run")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        default=[],
+        choices=sorted(FP8_DTYPES),
+        help="also time decode over fp8 K/V beside bf16 (--kv-contexts)",
+    )
+    parser.add_argument("--kv-contexts", type=int, nargs="+", default=list(DEFAULT_KV_CONTEXTS))
+    parser.add_argument("--kv-only", action="store_true",
+                        help="with --kv-cache-dtype: only the KV dtype rows")  # fmt: skip
     args = parser.parse_args()
     if args.quick:
         args.num_seqs, args.contexts, args.repeats, args.warmup = 4, [64, 256], 3, 1
@@ -285,9 +306,12 @@ def main() -> None:
     gen = torch.Generator().manual_seed(args.seed)
     bandwidth = machine_bandwidth_gbs(args.warmup, args.repeats)
     print(f"machine bandwidth: {bandwidth:.1f} GB/s (threads={args.threads})")
-    decode = bench_paged_vs_contiguous(args, gen, bandwidth)
-    sweep = bench_block_sizes(args, gen)
-    write_report(args.out, bandwidth, decode, sweep, args)
+    kv_rows = []
+    if args.kv_cache_dtype:
+        kv_rows = kv_dtype_rows(args, gen, build_decode_batch, interleaved_ms, HEAD_CONFIGS)
+    decode = [] if args.kv_only else bench_paged_vs_contiguous(args, gen, bandwidth)
+    sweep = [] if args.kv_only else bench_block_sizes(args, gen)
+    write_report(args.out, bandwidth, decode, sweep, args, kv_rows)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from pathlib import Path
 from pagedattn.config import parse_size
 from pagedattn.sim import report
 from pagedattn.sim.compare import MemorySetup, compare_policies, film_pool, sweep_block_sizes
+from pagedattn.sim.kv_dtypes import KV_DTYPE_BYTES, compare_kv_dtypes, kv_dtype_table
 from pagedattn.sim.model_configs import load_geometry
 from pagedattn.sim.sharing import (
     simulate_beam_search,
@@ -64,6 +65,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-sharing", action="store_true")
     p.add_argument("--no-gif", action="store_true")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        choices=sorted(KV_DTYPE_BYTES),
+        help="also run the paged policy with --memory in each KV dtype (e.g. bfloat16 fp8)",
+    )
     p.add_argument(
         "--out",
         default="bench_out/memory",
@@ -131,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.save_trace:
             save_jsonl(trace, Path(args.save_trace).with_suffix(f".{name}.jsonl"))
+        if args.kv_cache_dtype:
+            rows = compare_kv_dtypes(trace, setup, args.block_size, args.kv_cache_dtype)
+            print(kv_dtype_table(name, rows) + "\n")
+            summary.setdefault("kv_cache_dtype", {})[name] = rows
         results = compare_policies(trace, setup, args.block_size)
         for r in results:
             print(

@@ -2,6 +2,7 @@
 
     python -m pagedattn.benchmarks.bench_quant [--model M] [--dtype bfloat16] [--quantization int8]
         [--new-tokens 32] [--threads 2]
+    python -m pagedattn.benchmarks.bench_quant --kv-cache-dtype fp8_e4m3 fp8_e5m2 int8 u8
 
 For the reference (``--dtype``, the kernel tuner's plan) and the quantized model it prints:
 greedy agreement on a fixed prompt set (identical continuations, and the share of tokens before
@@ -109,9 +110,15 @@ def weight_bytes(model: PagedCausalLM) -> int:
     return total
 
 
-def evaluate(model: PagedCausalLM, prompts: list[list[int]], text: list[int], num_new: int):
+def evaluate(
+    model: PagedCausalLM,
+    prompts: list[list[int]],
+    text: list[int],
+    num_new: int,
+    runner_cls=SequenceRunner,
+):
     max_len = max(len(text), max(len(p) for p in prompts) + num_new) + BLOCK_SIZE
-    runner = SequenceRunner(model, max_len)
+    runner = runner_cls(model, max_len)
     runner.greedy(prompts[0], 4)  # warm-up
     outputs, step_times = [], []
     for prompt in prompts:
@@ -138,9 +145,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quantization", default="int8", choices=("int8",))
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument(
+        "--kv-cache-dtype",
+        nargs="+",
+        choices=("fp8", "fp8_e4m3", "fp8_e5m2", "int8", "u8"),
+        help="compare KV cache dtypes against the model dtype's KV instead of weights "
+        "(see quant_kv)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     print(f"machine: {describe_cpu()}")
+    if args.kv_cache_dtype:
+        from pagedattn.benchmarks.quant_kv import run
+
+        return run(args)
     ref = load_model(args.model, args.dtype, "cpu")
     quant = load_model(args.model, args.dtype, "cpu", quantization=args.quantization)
     tok = ref.tokenizer

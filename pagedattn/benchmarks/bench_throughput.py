@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--num-blocks", type=int, help="pagedattn KV blocks (default: all requests fit at once)"
     )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        help="pagedattn's KV cache dtype (fp8: scales computed from the first prefill)",
+    )
     p.add_argument("--llama-batched-bench", help="path of a llama-batched-bench binary")
     p.add_argument(
         "--llama-cpp-weights",
@@ -147,6 +153,7 @@ def run_options(args: argparse.Namespace) -> RunOptions:
         seed=args.seed,
         block_size=args.block_size,
         num_blocks=args.num_blocks,
+        kv_cache_dtype=args.kv_cache_dtype,
         hf_batch_size=args.hf_batch_size,
         llama_batched_bench=args.llama_batched_bench,
         llama_cpp_weights=args.llama_cpp_weights,
@@ -240,6 +247,7 @@ def spawn_child(
     ]
     cmd += ["--model", args.model] if args.model else []
     cmd += ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
+    cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     cmd += ["--llama-batched-bench", args.llama_batched_bench] if args.llama_batched_bench else []
     cmd += ["--llama-cpp-weights", args.llama_cpp_weights]
     cmd += ["--openvino-kv-cache", args.openvino_kv_cache, "--peer-venvs", str(args.peer_venvs)]

@@ -35,6 +35,7 @@ class RunOptions:
     seed: int = 0
     block_size: int = 16
     num_blocks: int | None = None
+    kv_cache_dtype: str = "auto"  # pagedattn's; fp8 ones compute their scales (first prefill)
     hf_batch_size: int = 32
     llama_batched_bench: str | None = None
     # llama.cpp's weights: "dtype" = the GGUF's numbers retyped to `dtype` (F32 / BF16), "f16" /
@@ -104,6 +105,8 @@ def run_pagedattn(
         dtype=opts.dtype,
         block_size=opts.block_size,
         num_blocks=opts.num_blocks or auto_num_blocks(workload, opts.block_size),
+        kv_cache_dtype=opts.kv_cache_dtype,
+        calculate_kv_scales=opts.kv_cache_dtype.startswith("fp8"),
         enable_prefix_caching=prefix_caching,
         num_threads=opts.threads,
         seed=opts.seed,
@@ -157,6 +160,7 @@ def run_pagedattn(
         "prefix_cache_queries": stats.prefix_cache_queries - stats0.prefix_cache_queries,
         "num_preemptions": stats.num_preemptions - stats0.num_preemptions,
         "num_blocks": stats.num_blocks,
+        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
     }
     if stats.spec_decode is not None:
         sd = stats.spec_decode

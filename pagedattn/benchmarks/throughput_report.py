@@ -105,6 +105,11 @@ def summarise(data: dict) -> dict:
         f"TPOT p50/p99 {_ms(row['tpot_p50_s'])}/{_ms(row['tpot_p99_s'])} ms  "
         f"RSS {row['peak_rss_mib']:.0f} MiB  KV {row['kv_cache_dtype']}  ({elapsed:.1f} s)"
     )
+    if "num_preemptions" in row["extra"]:
+        row["line"] += (
+            f"  preemptions {row['extra']['num_preemptions']}, "
+            f"{row['extra'].get('num_blocks', '-')} blocks"
+        )
     return row
 
 

@@ -87,7 +87,10 @@ class DecodeStack:
             0 < num_tokens < self.max_rows
             and first.is_pure_decode
             and first.num_actual_tokens == num_tokens
-            and kv_caches[0][0].dtype == self.dtype
+            and (
+                kv_caches[0][0].dtype == self.dtype
+                or kv_caches[0][0].dtype in extension.FP8_CACHE_DTYPES
+            )
             and kv_caches[0][0].dim() == 4
         )
 
@@ -98,8 +101,10 @@ class DecodeStack:
         sin: torch.Tensor,
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         attn_metadata: Sequence[StepMetadata],
+        kv_scales: Sequence[tuple[float, float]] = (),
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden [T, H], cos/sin [T, 1, D] -> (hidden, residual) after the last layer."""
+        """hidden [T, H], cos/sin [T, 1, D] -> (hidden, residual) after the last layer;
+        kv_scales: each layer's (k_scale, v_scale) of an fp8 cache (empty: 1.0)."""
         num_tokens = hidden.shape[0]
         return self.compiled.forward(
             hidden,
@@ -109,6 +114,7 @@ class DecodeStack:
             [m.slot_mapping for m in attn_metadata],
             [m.block_tables for m in attn_metadata],
             [m.seq_lens for m in attn_metadata],
+            list(kv_scales),
         )
 
 

@@ -57,6 +57,8 @@ BUILD_FLAGS = {
 AARCH64_FLAGS = ["-march=armv8.2-a+fp16+bf16"]
 EXTENSION_NAME = "pagedattn_cpu_ext"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+# Caches paged_decode reads beside float32/bfloat16 queries (the FP8 KV cache).
+FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Tokens per work item of long contexts; shorter rows are one item (merged by log-sum-exp).
 DEFAULT_PARTITION_SIZE = 512
 # Kernel sentinels for "no sliding window" and "no soft-cap".
@@ -241,11 +243,12 @@ def step_ops(enabled: bool = True) -> ModuleType | None:
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether paged_decode handles these tensors (CPU, one fp32/bf16 dtype, D % 16 == 0)."""
+    """Whether paged_decode handles these tensors (CPU, one fp32/bf16 dtype or an fp8 cache,
+    D % 16 == 0)."""
     return (
         query.device.type == "cpu"
         and key_cache.device.type == "cpu"
-        and query.dtype == key_cache.dtype
+        and (query.dtype == key_cache.dtype or key_cache.dtype in FP8_CACHE_DTYPES)
         and query.dtype in SUPPORTED_DTYPES
         and query.shape[-1] % HEAD_SIZE_MULTIPLE == 0
     )
@@ -264,11 +267,14 @@ def paged_decode(
     partition_size: int = DEFAULT_PARTITION_SIZE,
     out: torch.Tensor | None = None,
     amx: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query per row over the flash-layout cache -> [N, Hq, D] in the query dtype.
 
     ``amx``: bf16 on the AMX tiles where the CPU, the build and the shapes allow it (blocks of 16
     tokens, D % 32 == 0, no sliding window); elsewhere the vector kernel runs.
+    An fp8 cache (e4m3/e5m2) is read as stored * k_scale / * v_scale, on the vector kernel.
 
     query [N, Hq, D]; key/value_cache [num_blocks, B, Hkv, D]; block_tables [N, max_blocks];
     seq_lens [N] (row n attends to positions < seq_lens[n], its query sits at seq_lens[n] - 1).
@@ -294,6 +300,8 @@ def paged_decode(
         float(logits_soft_cap or NO_SOFT_CAP),
         partition_size,
         amx,
+        float(k_scale),
+        float(v_scale),
     )
     return out
 

@@ -110,14 +110,18 @@ class DecodeStack {
 
   // hidden [T, H] (the embeddings); cos/sin [T, D]; per layer its (key, value) caches; per KV
   // cache group its slot mapping [T], block tables [T, max_blocks] int32 and seq lens [T] int32.
+  // kv_scales: per layer (k_scale, v_scale) of an FP8 cache, or empty (all 1.0).
   // Returns (hidden, residual) after the last layer, as the Python layers leave them.
   std::pair<torch::Tensor, torch::Tensor> forward(
       torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
       const std::vector<std::pair<torch::Tensor, torch::Tensor>>& kv_caches,
       const std::vector<torch::Tensor>& slot_mappings,
-      const std::vector<torch::Tensor>& block_tables, const std::vector<torch::Tensor>& seq_lens) {
+      const std::vector<torch::Tensor>& block_tables, const std::vector<torch::Tensor>& seq_lens,
+      const std::vector<std::pair<double, double>>& kv_scales) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "DecodeStack has ", layers_.size(),
                 " layers but got ", kv_caches.size(), " KV caches");
+    TORCH_CHECK(kv_scales.empty() || kv_scales.size() == layers_.size(),
+                "kv_scales must be empty or one (k_scale, v_scale) per layer");
     TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "hidden must be contiguous [T, H]");
     const int64_t T = hidden.size(0);
     const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
@@ -140,11 +144,13 @@ class DecodeStack {
       auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads_, head_size_});
       auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads_, head_size_});
       const auto& [key_cache, value_cache] = kv_caches[i];
-      cache_write(k, v, key_cache, value_cache, slot_mappings[g]);
+      const double k_scale = kv_scales.empty() ? 1.0 : kv_scales[i].first;
+      const double v_scale = kv_scales.empty() ? 1.0 : kv_scales[i].second;
+      cache_write(k, v, key_cache, value_cache, slot_mappings[g], k_scale, v_scale);
       q = q.contiguous();
       auto attn = torch::empty_like(q);
       paged_decode(attn, q, key_cache, value_cache, block_tables[g], seq_lens[g], scale_,
-                   layer.sliding_window, 0.0, partition_size_, amx_attention_);
+                   layer.sliding_window, 0.0, partition_size_, amx_attention_, k_scale, v_scale);
       h = layer.o(attn.view({T, q_size}));
       h = rms_norm(h, layer.post_norm, eps_, residual);
       hidden = layer.down(silu_and_mul(layer.gate_up(h)));

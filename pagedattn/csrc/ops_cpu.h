@@ -8,7 +8,7 @@
 void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                   torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
                   double scale, int64_t sliding_window, double soft_cap, int64_t partition_size,
-                  bool amx);
+                  bool amx, double k_scale = 1.0, double v_scale = 1.0);
 // linear_cpu.cpp
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
                             c10::optional<torch::Tensor> bias);
@@ -19,7 +19,8 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
 bool linear_amx_available();
 // step_ops_cpu.cpp
 void cache_write(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                 torch::Tensor value_cache, torch::Tensor slot_mapping);
+                 torch::Tensor value_cache, torch::Tensor slot_mapping, double k_scale = 1.0,
+                 double v_scale = 1.0);
 void rotary_inplace(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
                        c10::optional<torch::Tensor> residual);

@@ -11,7 +11,10 @@
 // uneven context lengths still balance across threads.
 //
 // Everything but the AMX path is written on the vector layer of vec_cpu.h (at::vec, so AVX2,
-// AVX-512 and NEON builds share one source); caches of any dtype accumulate in fp32. On builds
+// AVX-512 and NEON builds share one source); caches of any dtype accumulate in fp32. An FP8 cache
+// (e4m3 / e5m2 bytes beside fp32 or bf16 queries) is widened as it is read; its k_scale (and the
+// load's unit, kFp8Unit) is folded into the score scale and its v_scale into the final division,
+// so the inner loops are those of bf16 with a different load. FP8 never runs on AMX. On builds
 // for AVX512-BF16 (the native build of such CPUs) bf16 scores use its dot products instead.
 //
 // On a CPU with AMX, bf16 caches can run on the tiles instead (amx = true; the kernel tuner
@@ -51,6 +54,8 @@ constexpr int kMaxHeadsPerPass = 4;  // query heads whose accumulators stay in r
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 using bf16 = c10::BFloat16;
+using pagedattn_vec::fp8_e4m3;
+using pagedattn_vec::fp8_e5m2;
 using pagedattn_vec::fVec;
 using pagedattn_vec::kWidth;
 using pagedattn_vec::load;
@@ -75,8 +80,8 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
 }
 
 // acc[j] += q[i : i + kWidth] . row_j[i : i + kWidth] for kWidth rows.
-template <typename T>
-inline void dot_rows_step(fVec* acc, const T* q, const T* const* rows, int64_t i) {
+template <typename T, typename C>
+inline void dot_rows_step(fVec* acc, const T* q, const C* const* rows, int64_t i) {
   const fVec qv = load(q + i);
 #pragma GCC unroll 16
   for (int j = 0; j < kWidth; ++j) acc[j] = at::vec::fmadd(qv, load(rows[j] + i), acc[j]);
@@ -106,13 +111,13 @@ inline void dot_rows_step_bf16(fVec* acc, const bf16* q, const bf16* const* rows
 // scores[g * kChunk + t] = scale * dot(q[g], key row t) for num_heads heads: kWidth rows at a
 // time per head, accumulators in registers, one hsum_rows per kWidth scores; the rows stay in L1
 // across the heads of the GQA group, so each K row comes from memory once.
-template <typename T>
-void score_rows(const T* q, int64_t num_heads, int64_t head_size, const T* const* krows,
+template <typename T, typename C>
+void score_rows(const T* q, int64_t num_heads, int64_t head_size, const C* const* krows,
                 int64_t count, float scale, float* scores) {
   const fVec vscale(scale);
   for (int64_t t0 = 0; t0 < count; t0 += kWidth) {
     const int64_t n = std::min<int64_t>(kWidth, count - t0);
-    const T* rows[kWidth];
+    const C* rows[kWidth];
     for (int64_t j = 0; j < kWidth; ++j) rows[j] = krows[t0 + std::min(j, n - 1)];  // pad: repeat
     for (int64_t g = 0; g < num_heads; ++g) {
       const T* qg = q + g * head_size;
@@ -120,13 +125,13 @@ void score_rows(const T* q, int64_t num_heads, int64_t head_size, const T* const
       for (int j = 0; j < kWidth; ++j) acc[j] = fVec(0.0f);
       int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-      if constexpr (std::is_same_v<T, bf16>) {
+      if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>) {
         for (; i + 32 <= head_size; i += 32) dot_rows_step_bf16(acc, qg, rows, i, false);
         if (i < head_size) dot_rows_step_bf16(acc, qg, rows, i, true);  // a 16-element tail
         i = head_size;
       }
 #endif
-      for (; i < head_size; i += kWidth) dot_rows_step<T>(acc, qg, rows, i);
+      for (; i < head_size; i += kWidth) dot_rows_step<T, C>(acc, qg, rows, i);
       store(scores + g * kChunk + t0, pagedattn_vec::hsum_rows(acc) * vscale, n);
     }
   }
@@ -217,6 +222,7 @@ struct Params {
   int64_t num_blocks, block_size, max_blocks_per_seq;
   int64_t sliding_window;  // 0: none
   float scale, soft_cap;   // soft_cap 0: none
+  float v_scale = 1.0f;    // output factor: an FP8 cache's v_scale * kFp8Unit, else 1
   int64_t partition_size;
   bool amx = false;  // bf16 on AMX tiles (set only where amx_attention_fits)
 };
@@ -301,8 +307,8 @@ void prefetch_chunk(const Params& p, const T* key_cache, const T* value_cache,
 
 // Attention of one (row, partition) over every kv head: a chunk's blocks are read once, whole,
 // in order. Leaves unnormalised acc, max and sum in scratch; false on an out-of-range block id.
-template <typename T>
-bool attend_partition(const Params& p, const T* key_cache, const T* value_cache,
+template <typename T, typename C>
+bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
                       const int32_t* block_table, int64_t tok_begin, int64_t tok_end, const T* q,
                       Scratch& s) {
   const int64_t G = p.group, D = p.head_size;
@@ -310,8 +316,8 @@ bool attend_partition(const Params& p, const T* key_cache, const T* value_cache,
   std::fill(s.max.begin(), s.max.end(), kNegInf);
   std::fill(s.sum.begin(), s.sum.end(), 0.0f);
   int64_t row_offsets[kChunk];
-  const T* krows[kChunk];
-  const T* vrows[kChunk];
+  const C* krows[kChunk];
+  const C* vrows[kChunk];
   int64_t next_offsets[kChunk];
   if (!chunk_row_offsets(p, block_table, tok_begin, tok_end, next_offsets)) return false;
   for (int64_t c0 = tok_begin; c0 < tok_end; c0 += kChunk) {
@@ -332,7 +338,7 @@ bool attend_partition(const Params& p, const T* key_cache, const T* value_cache,
         krows[t] = key_cache + row_offsets[t] + h * D;
         vrows[t] = value_cache + row_offsets[t] + h * D;
       }
-      score_rows<T>(q + h * G * D, G, D, krows, count, p.scale, s.scores.data() + h * G * kChunk);
+      score_rows<T, C>(q + h * G * D, G, D, krows, count, p.scale, s.scores.data() + h * G * kChunk);
       for (int64_t g = h * G; g < (h + 1) * G; ++g) {
         softmax_update(s.scores.data() + g * kChunk, count, p.soft_cap, s.max[g], s.sum[g],
                        s.acc.data() + g * D, D);
@@ -340,7 +346,7 @@ bool attend_partition(const Params& p, const T* key_cache, const T* value_cache,
       for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxHeadsPerPass) {
         const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, (h + 1) * G - g0));
         with_heads(ng, [&](auto NG) {
-          accumulate_rows<T, decltype(NG)::value>(s.scores.data() + g0 * kChunk, vrows, count, D,
+          accumulate_rows<C, decltype(NG)::value>(s.scores.data() + g0 * kChunk, vrows, count, D,
                                                   s.acc.data() + g0 * D);
         });
       }
@@ -541,8 +547,8 @@ int64_t choose_partition_size(const Params& p, const int32_t* seq_lens, int64_t 
   return size;
 }
 
-template <typename T>
-void paged_decode_impl(const Params& p, const T* query, const T* key_cache, const T* value_cache,
+template <typename T, typename C>
+void paged_decode_impl(const Params& p, const T* query, const C* key_cache, const C* value_cache,
                        const int32_t* block_tables, const int32_t* seq_lens, T* out) {
   const int64_t Hq = p.num_heads, D = p.head_size;
   const int64_t num_threads = at::get_num_threads();
@@ -604,18 +610,18 @@ void paged_decode_impl(const Params& p, const T* query, const T* key_cache, cons
       const T* q = query + item.row * Hq * D;
       bool ok;
 #ifdef PAGEDATTN_HAS_AMX
-      if constexpr (std::is_same_v<T, bf16>) {
+      if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>) {
         ok = amx ? attend_partition_amx(p, key_cache, value_cache, table, item.tok_begin,
                                         item.tok_end, q, s, *amx)
-                 : attend_partition<T>(p, key_cache, value_cache, table, item.tok_begin,
-                                       item.tok_end, q, s);
+                 : attend_partition<T, C>(p, key_cache, value_cache, table, item.tok_begin,
+                                          item.tok_end, q, s);
       } else {
-        ok = attend_partition<T>(p, key_cache, value_cache, table, item.tok_begin, item.tok_end,
-                                 q, s);
+        ok = attend_partition<T, C>(p, key_cache, value_cache, table, item.tok_begin,
+                                    item.tok_end, q, s);
       }
 #else
-      ok = attend_partition<T>(p, key_cache, value_cache, table, item.tok_begin, item.tok_end, q,
-                               s);
+      ok = attend_partition<T, C>(p, key_cache, value_cache, table, item.tok_begin, item.tok_end,
+                                  q, s);
 #endif
       if (!ok) {
         bad_block = true;
@@ -624,7 +630,7 @@ void paged_decode_impl(const Params& p, const T* query, const T* key_cache, cons
       if (num_partitions[item.row] == 1) {
         T* o = out + item.row * Hq * D;
         for (int64_t g = 0; g < Hq; ++g) {
-          const float inv = 1.0f / s.sum[g];
+          const float inv = p.v_scale / s.sum[g];
           for (int64_t i = 0; i < D; ++i) o[g * D + i] = static_cast<T>(s.acc[g * D + i] * inv);
         }
       } else {
@@ -659,7 +665,7 @@ void paged_decode_impl(const Params& p, const T* query, const T* key_cache, cons
         for (int64_t d = 0; d < D; ++d) merged[d] += w * a[d];
       }
       T* o = out + (r * Hq + g) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(merged[d] / total);
+      for (int64_t d = 0; d < D; ++d) o[d] = static_cast<T>(merged[d] * p.v_scale / total);
     }
   }
 }
@@ -672,13 +678,15 @@ void paged_decode_impl(const Params& p, const T* query, const T* key_cache, cons
 void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                   torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
                   double scale, int64_t sliding_window, double soft_cap, int64_t partition_size,
-                  bool amx) {
+                  bool amx, double k_scale, double v_scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "query must be [N, Hq, D] and the caches "
               "[num_blocks, B, Hkv, D] (flash layout)");
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
-  TORCH_CHECK(query.dtype() == key_cache.dtype() && value_cache.dtype() == key_cache.dtype() &&
-                  out.dtype() == query.dtype(),
-              "query, caches and output must share one dtype");
+  const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn ||
+                   key_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK((fp8 || query.dtype() == key_cache.dtype()) &&
+                  value_cache.dtype() == key_cache.dtype() && out.dtype() == query.dtype(),
+              "query, caches and output must share one dtype (or the caches be fp8)");
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   out.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode needs contiguous tensors");
@@ -712,12 +720,39 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
   if (p.num_rows == 0) return;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  if (fp8) {
+    p.amx = false;  // NOTE: the tiles take bf16; an fp8 cache runs the vector path
+    TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+                "an fp8 cache needs float32 or bfloat16 queries, got ", query.dtype());
+    const bool e4m3 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+    const float unit = e4m3 ? pagedattn_vec::kFp8Unit<fp8_e4m3> : 1.0f;
+    p.scale = static_cast<float>(scale * k_scale * unit);
+    p.v_scale = static_cast<float>(v_scale * unit);
+    auto run = [&](auto* q, auto* o) {
+      const void* k = key_cache.data_ptr();
+      const void* v = value_cache.data_ptr();
+      if (e4m3) {
+        paged_decode_impl(p, q, static_cast<const fp8_e4m3*>(k), static_cast<const fp8_e4m3*>(v),
+                          tables, lens, o);
+      } else {
+        paged_decode_impl(p, q, static_cast<const fp8_e5m2*>(k), static_cast<const fp8_e5m2*>(v),
+                          tables, lens, o);
+      }
+    };
+    if (query.scalar_type() == at::kFloat) {
+      run(query.data_ptr<float>(), out.data_ptr<float>());
+    } else {
+      run(reinterpret_cast<const bf16*>(query.data_ptr<at::BFloat16>()),
+          reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()));
+    }
+    return;
+  }
   if (query.scalar_type() == at::kFloat) {
-    paged_decode_impl<float>(p, query.data_ptr<float>(), key_cache.data_ptr<float>(),
+    paged_decode_impl<float, float>(p, query.data_ptr<float>(), key_cache.data_ptr<float>(),
                              value_cache.data_ptr<float>(), tables, lens, out.data_ptr<float>());
   } else if (query.scalar_type() == at::kBFloat16) {
     auto ptr = [](torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); };
-    paged_decode_impl<bf16>(p, ptr(query), ptr(key_cache), ptr(value_cache), tables, lens,
+    paged_decode_impl<bf16, bf16>(p, ptr(query), ptr(key_cache), ptr(value_cache), tables, lens,
                             ptr(out));
   } else {
     TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, got ", query.dtype());
@@ -771,14 +806,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale") = py::none());
   m.def("linear_amx_available", &linear_amx_available,
         "Whether this build and CPU run linear_amx (AMX-BF16, tile state granted by the OS)");
-  m.def("cache_write", &cache_write, "Write K/V rows into a flash-layout paged cache by slot");
+  m.def("cache_write", &cache_write,
+        "Write K/V rows into a flash-layout paged cache by slot (an fp8 cache: x / scale)",
+        py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
+        py::arg("slot_mapping"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("rotary_inplace", &rotary_inplace, "Neox rotary embedding of [T, H, D] in place");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H], optionally adding a residual in place first");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU of a fused [T, 2I] gate/up projection");
   m.def("gemma_rms_norm", &gemma_rms_norm, "Gemma RMSNorm (scale 1 + w, one rounding) of [..., H]");
   m.def("gelu_tanh_and_mul", &gelu_tanh_and_mul, "GeGLU (tanh gelu) of a fused [T, 2I] gate/up");
   m.def("argmax_last_dim", &argmax_last_dim, "First index of each row's maximum");
-  m.def("paged_decode", &paged_decode, "Paged decode attention over a flash-layout KV cache");
+  m.def("paged_decode", &paged_decode, "Paged decode attention over a flash-layout KV cache",
+        py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
+        py::arg("block_tables"), py::arg("seq_lens"), py::arg("scale"), py::arg("sliding_window"),
+        py::arg("soft_cap"), py::arg("partition_size"), py::arg("amx"), py::arg("k_scale") = 1.0,
+        py::arg("v_scale") = 1.0);
   m.def("set_flush_denormal_all_threads", &set_flush_denormal_all_threads,
         "Flush denormals to zero (FTZ/DAZ) in the calling thread and every intra-op thread");
   register_decode_stack(m);

@@ -14,8 +14,11 @@
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -52,6 +55,44 @@ void write_rows(const torch::Tensor& src, torch::Tensor& cache, const S* slots, 
     for (int64_t h = 0; h < heads; ++h) {
       std::memcpy(out + h * row_bytes, base + (t * s0 + h * s1) * esize, row_bytes);
     }
+  }
+}
+
+// write_rows into an fp8 cache: each element x / scale, saturated to the format's largest finite
+// value (no NaN/Inf is ever stored), rounded to nearest even as torch's conversion (c10's type).
+template <typename S, typename Src, typename F>
+void write_rows_fp8(const torch::Tensor& src, torch::Tensor& cache, const S* slots, int64_t T,
+                    float scale) {
+  const int64_t heads = src.size(1), D = src.size(2);
+  const int64_t s0 = src.stride(0), s1 = src.stride(1);
+  const Src* base = static_cast<const Src*>(src.data_ptr());
+  uint8_t* dst = static_cast<uint8_t*>(cache.data_ptr());
+  const float limit = static_cast<float>(std::numeric_limits<F>::max());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = static_cast<int64_t>(slots[t]);
+    if (slot == kPadSlot) continue;
+    uint8_t* out = dst + slot * heads * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      const Src* row = base + t * s0 + h * s1;
+      for (int64_t i = 0; i < D; ++i) {
+        const float x = std::min(std::max(static_cast<float>(row[i]) / scale, -limit), limit);
+        out[h * D + i] = F(x).x;
+      }
+    }
+  }
+}
+
+template <typename S>
+void write_rows_quantized(const torch::Tensor& src, torch::Tensor& cache, const S* slots,
+                          int64_t T, double scale) {
+  const bool e4m3 = cache.scalar_type() == torch::kFloat8_e4m3fn;
+  const float sc = static_cast<float>(scale);
+  if (src.scalar_type() == torch::kFloat32) {
+    e4m3 ? write_rows_fp8<S, float, c10::Float8_e4m3fn>(src, cache, slots, T, sc)
+         : write_rows_fp8<S, float, c10::Float8_e5m2>(src, cache, slots, T, sc);
+  } else {
+    e4m3 ? write_rows_fp8<S, bf16, c10::Float8_e4m3fn>(src, cache, slots, T, sc)
+         : write_rows_fp8<S, bf16, c10::Float8_e5m2>(src, cache, slots, T, sc);
   }
 }
 
@@ -306,14 +347,20 @@ void argmax_rows(const float* x, int64_t* out, int64_t rows, int64_t V) {
 // key/value [T, Hkv, D] (any row strides, D contiguous); caches [num_blocks, B, Hkv, D]
 // contiguous in the same dtype; slot_mapping [T'] int32/int64 with T' <= T (-1 = skip).
 void cache_write(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,
-                 torch::Tensor value_cache, torch::Tensor slot_mapping) {
+                 torch::Tensor value_cache, torch::Tensor slot_mapping, double k_scale,
+                 double v_scale) {
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3, "key/value must be [T, Hkv, D]");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "key/value rows must be contiguous");
   TORCH_CHECK(key_cache.dim() == 4 && key_cache.is_contiguous() && value_cache.is_contiguous(),
               "caches must be contiguous [num_blocks, B, Hkv, D] (flash layout)");
-  TORCH_CHECK(key.scalar_type() == key_cache.scalar_type() &&
-                  value.scalar_type() == value_cache.scalar_type(),
-              "key/value and the caches must share a dtype");
+  const bool fp8 = key_cache.scalar_type() == torch::kFloat8_e4m3fn ||
+                   key_cache.scalar_type() == torch::kFloat8_e5m2;
+  TORCH_CHECK(fp8 ? (value_cache.scalar_type() == key_cache.scalar_type() &&
+                     key.scalar_type() == value.scalar_type() &&
+                     (key.scalar_type() == torch::kFloat32 || key.scalar_type() == torch::kBFloat16))
+                  : (key.scalar_type() == key_cache.scalar_type() &&
+                     value.scalar_type() == value_cache.scalar_type()),
+              "key/value and the caches must share a dtype (fp8 caches: float32/bfloat16 K/V)");
   TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3) &&
                   value.sizes() == key.sizes(),
               "key/value heads and head size must match the cache");
@@ -321,6 +368,20 @@ void cache_write(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache
   const int64_t T = slot_mapping.size(0);
   TORCH_CHECK(key.size(0) >= T, "slot_mapping has ", T, " entries but key has ", key.size(0),
               " tokens");
+  if (fp8) {
+    TORCH_CHECK(k_scale > 0 && v_scale > 0, "k_scale and v_scale must be positive");
+    if (slot_mapping.scalar_type() == torch::kInt64) {
+      write_rows_quantized<int64_t>(key, key_cache, slot_mapping.data_ptr<int64_t>(), T, k_scale);
+      write_rows_quantized<int64_t>(value, value_cache, slot_mapping.data_ptr<int64_t>(), T,
+                                    v_scale);
+    } else {
+      TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt32, "slot_mapping must be int32/int64");
+      write_rows_quantized<int32_t>(key, key_cache, slot_mapping.data_ptr<int32_t>(), T, k_scale);
+      write_rows_quantized<int32_t>(value, value_cache, slot_mapping.data_ptr<int32_t>(), T,
+                                    v_scale);
+    }
+    return;
+  }
   if (slot_mapping.scalar_type() == torch::kInt64) {
     write_rows<int64_t>(key, key_cache, slot_mapping.data_ptr<int64_t>(), T);
     write_rows<int64_t>(value, value_cache, slot_mapping.data_ptr<int64_t>(), T);

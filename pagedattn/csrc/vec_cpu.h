@@ -7,7 +7,11 @@
 // - exp_nonpos(x): exp for softmax arguments (x <= 0), the Cephes polynomial the AVX-512 kernels
 //   used before, so results on AVX-512 are the same bits as before and AVX2/NEON match them;
 // - hsum_rows(v): lane i = sum of the lanes of v[i] (a transpose-and-add tree on x86);
-// - widen_bf16_pairs: the two fp32 vectors of a run of bf16 pairs (the panel GEMM's layout).
+// - widen_bf16_pairs: the two fp32 vectors of a run of bf16 pairs (the panel GEMM's layout);
+// - load from fp8 (e4m3 / e5m2 bytes, the FP8 KV cache): the bytes become fp16 bits by shifts and
+//   the hardware's fp16 -> fp32 conversion widens them (F16C; exact, subnormals included, and
+//   unaffected by DAZ). e5m2 is an fp16's top byte; e4m3 lands at 2^-8 times its value, so its
+//   callers multiply by kFp8Unit (folded into the layer's k/v scale).
 //
 // kWidth is 16 on AVX-512, 8 on AVX2 (and the scalar build's generic vectors), 4 on NEON.
 #pragma once
@@ -15,10 +19,12 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
@@ -65,6 +71,68 @@ inline fVec load(const bf16* p, int64_t n) {
   std::memcpy(tmp, p, n * sizeof(bf16));
   return load(tmp);
 }
+
+// FP8 KV cache elements (one byte; the types only select the load).
+struct fp8_e4m3 {
+  uint8_t x;
+};
+struct fp8_e5m2 {
+  uint8_t x;
+};
+// What a load from T must be multiplied by to give the stored value (1 but for e4m3).
+template <typename T>
+constexpr float kFp8Unit = 1.0f;
+template <>
+constexpr float kFp8Unit<fp8_e4m3> = 256.0f;
+
+// fp16 bits of fp8 byte b (as the vector paths make them).
+inline uint16_t fp8_half_bits(uint8_t b, const fp8_e4m3*) {
+  return static_cast<uint16_t>(((b & 0x80) << 8) | ((b & 0x7F) << 7));
+}
+inline uint16_t fp8_half_bits(uint8_t b, const fp8_e5m2*) { return static_cast<uint16_t>(b << 8); }
+
+template <typename F>
+inline fVec load_fp8(const F* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  // Sign-extended to 16 bits, << 7 puts the sign at bit 15 and e4m3's bits 6..0 at 13..7; the
+  // sign's copy at bit 14 is cleared. e5m2: zero-extended, << 8.
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  __m256i h;
+  if constexpr (std::is_same_v<F, fp8_e4m3>) {
+    h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7),
+                         _mm256_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  } else {
+    h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(b), 8);
+  }
+  return _mm512_cvtph_ps(h);
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  __m128i h;
+  if constexpr (std::is_same_v<F, fp8_e4m3>) {
+    h = _mm_and_si128(_mm_slli_epi16(_mm_cvtepi8_epi16(b), 7),
+                      _mm_set1_epi16(static_cast<int16_t>(0xBFFF)));
+  } else {
+    h = _mm_slli_epi16(_mm_cvtepu8_epi16(b), 8);
+  }
+  return _mm256_cvtph_ps(h);
+#else
+  __at_align__ float out[kWidth];
+  for (int i = 0; i < kWidth; ++i) {
+    out[i] = static_cast<float>(c10::Half(fp8_half_bits(p[i].x, p), c10::Half::from_bits()));
+  }
+  return fVec::loadu(out);
+#endif
+}
+inline fVec load(const fp8_e4m3* p) { return load_fp8(p); }
+inline fVec load(const fp8_e5m2* p) { return load_fp8(p); }
+template <typename F>
+inline fVec load_fp8(const F* p, int64_t n) {
+  __at_align__ F tmp[kWidth] = {};
+  std::memcpy(tmp, p, n);
+  return load_fp8(tmp);
+}
+inline fVec load(const fp8_e4m3* p, int64_t n) { return load_fp8(p, n); }
+inline fVec load(const fp8_e5m2* p, int64_t n) { return load_fp8(p, n); }
 
 inline void store(float* p, const fVec& v) { v.store(p); }
 inline void store(float* p, const fVec& v, int64_t n) { v.store(p, static_cast<int>(n)); }

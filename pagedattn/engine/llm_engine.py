@@ -363,7 +363,11 @@ class LLMEngine:
 
         Sequences appear under their user request id; the n - 1 siblings as ``<id>#<index>``.
         """
-        return self.output_processor.rename_snapshot(self.scheduler.kv_snapshot())
+        snapshot = self.output_processor.rename_snapshot(self.scheduler.kv_snapshot())
+        plan = self.runner.kv_cache_plan
+        snapshot["kv_cache_dtype"] = _dtype_name(plan.dtype)  # e.g. float8_e4m3fn
+        snapshot["bytes_per_block"] = plan.bytes_per_block  # K and V, all layers
+        return snapshot
 
     def check_fits_together(self, num_seqs: int, num_tokens: int) -> None:
         """Raise InvalidRequestError unless num_seqs sequences can all run every step."""

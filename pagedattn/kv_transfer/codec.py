@@ -31,8 +31,22 @@ _HEADER = struct.Struct(f"<4sHBHBB{MAX_BLOCK_DIMS}I{MAX_BLOCK_DIMS}IQ13x")
 HEADER_BYTES = _HEADER.size
 assert HEADER_BYTES == 64
 
-_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+_DTYPE_CODES = {
+    torch.float32: 1,
+    torch.bfloat16: 2,
+    torch.float16: 3,
+    torch.float8_e4m3fn: 4,
+    torch.float8_e5m2: 5,
+}
+# NOTE: fp8 blocks hold K / k_scale and V / v_scale: a reader must use the writer's scales
+# (the defaults, 1.0, or scales computed from the same first prefill).
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+}
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -24,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 import numpy as np
 import torch
 
+from pagedattn.attention.fp8 import raw_bytes
 from pagedattn.attention.layout import KVCacheLayout, block_size_of, layout_of
 from pagedattn.kv_transfer.codec import (
     HEADER_BYTES,
@@ -272,8 +273,11 @@ class KVConnector:
             for i, layer in enumerate(layers):
                 for cache, src in zip(kv_caches[layer], (k, v), strict=True):
                     # NOTE: 2-D rows [n, block elements]; a 5-D strided index_copy_ is ~10x slower.
-                    rows = cache.view(cache.shape[0], -1)
-                    rows.index_copy_(0, ids, src[:, i].reshape(num_loaded, -1).to(device))
+                    # NOTE: as bytes: torch has no index_copy_ for fp8 caches.
+                    rows = raw_bytes(cache).view(cache.shape[0], -1)
+                    rows.index_copy_(
+                        0, ids, raw_bytes(src[:, i]).reshape(num_loaded, -1).to(device)
+                    )
             self._mark_known(keys[:num_loaded])
         num_failed = len(keys) - num_loaded
         self._count(

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.attention.backends.base import AttentionBackend
+from pagedattn.attention.fp8 import compute_scale, is_fp8
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.cpu import extension as cpu_ext
 from pagedattn.cpu.linear import PackedLinear, pack_weight
@@ -214,7 +215,11 @@ def apply_rotary_(
 
 
 class PagedAttention(nn.Module):
-    """Writes this step's K/V into the layer's paged cache, then attends through the backend."""
+    """Writes this step's K/V into the layer's paged cache, then attends through the backend.
+
+    k_scale / v_scale: the layer's FP8 KV scales (1.0; with calculate_kv_scales, set once from
+    the first step's K/V amax, see attention.fp8).
+    """
 
     def __init__(
         self,
@@ -234,6 +239,8 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        self.k_scale = self.v_scale = 1.0
+        self.calculate_kv_scales = False  # set by the runner (--calculate-kv-scales)
 
     def forward(
         self,
@@ -245,7 +252,15 @@ class PagedAttention(nn.Module):
     ) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D] -> attention output [T, Hq * D]."""
         key_cache, value_cache = kv_cache
-        self.backend.reshape_and_cache(key, value, key_cache, value_cache, metadata.slot_mapping)
+        if self.calculate_kv_scales and is_fp8(key_cache.dtype):
+            # NOTE: once, from the first step the engine runs (its first prefill), as vLLM.
+            num_tokens = metadata.num_actual_tokens
+            self.k_scale = compute_scale(key[:num_tokens], key_cache.dtype)
+            self.v_scale = compute_scale(value[:num_tokens], key_cache.dtype)
+            self.calculate_kv_scales = False
+        self.backend.reshape_and_cache(
+            key, value, key_cache, value_cache, metadata.slot_mapping, self.k_scale, self.v_scale
+        )
         out = self.backend.forward(
             query,
             key_cache,
@@ -254,5 +269,7 @@ class PagedAttention(nn.Module):
             scale=self.scale,
             sliding_window=self.sliding_window,
             logits_soft_cap=self.logits_soft_cap,
+            k_scale=self.k_scale,
+            v_scale=self.v_scale,
         )  # [T, Hq, D]
         return out.reshape(out.shape[0], self.num_heads * self.head_size)  # [T, Hq * D]

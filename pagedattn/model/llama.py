@@ -270,6 +270,9 @@ class LlamaForCausalLM(PagedCausalLM):
             amx_attention=backend.uses_amx_decode,
         )
 
+    def _attention_layers(self) -> list:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -282,7 +285,10 @@ class LlamaForCausalLM(PagedCausalLM):
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, 1, head_size] each
         stack = self.decode_stack
         if stack is not None and stack.usable(hidden.shape[0], kv_caches, attn_metadata):
-            hidden, residual = stack.forward(hidden, cos, sin, kv_caches, attn_metadata)
+            scales = ()
+            if kv_caches[0][0].element_size() == 1:  # fp8: the layers' k/v scales
+                scales = [(a.k_scale, a.v_scale) for a in self._attention_layers()]
+            hidden, residual = stack.forward(hidden, cos, sin, kv_caches, attn_metadata, scales)
             return self.model.norm.add_and_norm(hidden, residual)[0]
         residual = None
         for i, layer in enumerate(self.model.layers):

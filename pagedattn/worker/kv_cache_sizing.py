@@ -7,13 +7,21 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from pagedattn.attention.fp8 import FP8_DTYPES, is_fp8
 from pagedattn.attention.layout import bytes_per_block
 from pagedattn.config import ConfigError
 
 if TYPE_CHECKING:
     from pagedattn.config import CacheConfig, SchedulerConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    **FP8_DTYPES,
+}
+# Backends that read an fp8 cache (flash_attn does not).
+FP8_BACKENDS = ("cpu", "torch", "triton")
 # The default pool (no num_blocks, kv_cache_memory or fraction) takes this share of free memory,
 # at most DEFAULT_MAX_KV_CACHE_BYTES, or enough for MIN_FULL_LENGTH_SEQS sequences of
 # max_model_len where that is more.
@@ -51,10 +59,18 @@ def free_memory_bytes(device: torch.device) -> int:
 
 
 def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype, backend_name: str) -> torch.dtype:
-    """The cache's dtype: the model's, or bfloat16 beside a float32 model on the cpu backend."""
+    """The cache's dtype: the model's, bfloat16 beside a float32 model on the cpu backend, or
+    fp8 (e4m3 / e5m2) on a backend that reads it."""
     if cache.kv_cache_dtype == "auto":
         return model_dtype
     dtype = DTYPES[cache.kv_cache_dtype]
+    if is_fp8(dtype):
+        if backend_name not in FP8_BACKENDS:
+            raise ConfigError(
+                f"kv_cache_dtype={cache.kv_cache_dtype} needs an attention backend that reads "
+                f"fp8 ({', '.join(FP8_BACKENDS)}), not {backend_name}"
+            )
+        return dtype
     if dtype != model_dtype and backend_name != "cpu":
         raise ConfigError(
             f"kv_cache_dtype={cache.kv_cache_dtype} differs from the model's dtype "

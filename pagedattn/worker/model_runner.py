@@ -17,6 +17,7 @@ from pagedattn.core.scheduler_output import RunnerOutput, ScheduledRequest, Sche
 from pagedattn.cpu.extension import flush_denormals_all_threads, keep_freed_heap_memory
 from pagedattn.cpu.features import has_bf16_hardware, resolve_dtype, vector_isa
 from pagedattn.cpu.plan import KernelOptions
+from pagedattn.model.layers import PagedAttention
 from pagedattn.model.loader import (
     backend_options,
     checkpoint_config,
@@ -160,6 +161,10 @@ class ModelRunner:
             )
             for _ in range(self.model.num_layers)
         ]
+        if cache.calculate_kv_scales:  # FP8 KV: each layer's k/v scale from the first prefill
+            for module in self.model.modules():
+                if isinstance(module, PagedAttention):
+                    module.calculate_kv_scales = True
         # The second KV tier (kv_transfer.KVConnector): its worker side reads and writes these
         # caches; the scheduler asks it what the store holds.
         self.kv_connector = None

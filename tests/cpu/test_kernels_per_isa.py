@@ -21,10 +21,11 @@ import pytest
 from pagedattn.cpu import features
 
 ROOT = Path(__file__).resolve().parents[2]
-# Paged decode (GQA, sliding window, soft-cap, fp32/bf16, partitions), the step ops and the
-# panel GEMM.
+# Paged decode (GQA, sliding window, soft-cap, fp32/bf16, fp8 caches, partitions), the step ops
+# and the panel GEMM.
 KERNEL_TESTS = (
     "tests/cpu/test_extension.py",
+    "tests/cpu/test_extension_fp8.py",
     "tests/attention/backends/test_step_ops_cpu.py",
     "tests/cpu/test_panel_gemm.py",
 )

@@ -104,9 +104,12 @@ class AttentionBackend(ABC):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
-        """Write key/value [T, num_kv_heads, head_size] into their slots (PAD_SLOT_ID skipped)."""
-        ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        """Write key/value [T, num_kv_heads, head_size] into their slots (PAD_SLOT_ID skipped);
+        an fp8 cache stores key / k_scale and value / v_scale."""
+        ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
 
     @abstractmethod
     def forward(
@@ -119,8 +122,11 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
-        """Attention of query [T, Hq, D] over the paged cache -> [T, Hq, D]."""
+        """Attention of query [T, Hq, D] over the paged cache -> [T, Hq, D]; an fp8 cache's
+        keys and values are read as stored * k_scale and * v_scale."""
 
 
 def default_backend_name(device: torch.device | str) -> str:

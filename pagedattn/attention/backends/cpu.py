@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedattn.attention.backends.base import AttentionBackend
+from pagedattn.attention.fp8 import from_cache, is_fp8
 from pagedattn.attention.layout import KVCacheLayout, layout_of
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.cpu import extension as cpu_ext
@@ -139,19 +140,33 @@ class CpuBackend(AttentionBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         """Write key/value [T, num_kv_heads, head_size] into their slots (PAD_SLOT_ID skipped).
 
-        One compiled call (row copies by slot) when the dtypes match, else the PyTorch op.
+        One compiled call (row copies by slot; an fp8 cache quantizes there) when the dtypes
+        match, else the PyTorch op.
         """
         ext = cpu_ext.step_ops(self._step_ops) if self._use_extension else None
         if ext is not None and key_cache.dim() == 4:
-            # kv_cache_dtype: cast first (.to is a no-op when the dtypes already match).
-            key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
-            if key.stride(-1) == 1 and value.stride(-1) == 1:
-                ext.cache_write(key, value, key_cache, value_cache, slot_mapping)
+            if not is_fp8(key_cache.dtype):
+                # kv_cache_dtype: cast first (.to is a no-op when the dtypes already match).
+                key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
+            if (
+                key.stride(-1) == 1
+                and value.stride(-1) == 1
+                and key.dtype
+                in (
+                    torch.float32,
+                    torch.bfloat16,
+                )
+            ):
+                ext.cache_write(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale)
                 return
-        super().reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        super().reshape_and_cache(
+            key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
+        )
 
     def forward(
         self,
@@ -163,15 +178,18 @@ class CpuBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Attention of query [T, Hq, D] over the paged cache -> [T, Hq, D].
 
         A cache in another dtype than the query (kv_cache_dtype) runs the attention in the
-        cache's dtype: the query is cast to it and the output back.
+        cache's dtype: the query is cast to it and the output back. An fp8 cache runs in the
+        query's dtype, its K/V dequantized as read (k_scale, v_scale).
         """
         if layout_of(key_cache) is not KVCacheLayout.FLASH:
             raise ValueError("the cpu backend needs the flash KV cache layout; use 'torch'")
-        if query.dtype != key_cache.dtype:
+        if query.dtype != key_cache.dtype and not is_fp8(key_cache.dtype):
             out = self.forward(
                 query.to(key_cache.dtype),
                 key_cache,
@@ -182,7 +200,13 @@ class CpuBackend(AttentionBackend):
                 logits_soft_cap=logits_soft_cap,
             )
             return out.to(query.dtype)
-        kwargs = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        kwargs = dict(
+            scale=scale,
+            sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )
         query = query[: metadata.num_actual_tokens]
         query_lens = metadata.query_lens_cpu
         if metadata.is_pure_decode:
@@ -238,6 +262,8 @@ class CpuBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         logits_soft_cap: float | None,
+        k_scale: float,
+        v_scale: float,
     ) -> torch.Tensor:
         """One query per sequence: the compiled kernel, else one padded, batched SDPA."""
         if self._compiled_decode and cpu_ext.supports(query, key_cache):
@@ -251,6 +277,8 @@ class CpuBackend(AttentionBackend):
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
                 amx=self._amx_decode,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         num_seqs, num_heads, head_size = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape
@@ -261,6 +289,8 @@ class CpuBackend(AttentionBackend):
         shape = (num_seqs * num_blocks, block_size, num_kv_heads, head_size)
         key = gather_blocks(key_cache, block_ids, self._buffers.get("key", shape, key_cache))
         value = gather_blocks(value_cache, block_ids, self._buffers.get("value", shape, key_cache))
+        key = from_cache(key, query.dtype, k_scale)  # fp8: dequantized; else a no-op
+        value = from_cache(value, query.dtype, v_scale)
         # [S*n, B, Hkv, D] -> [S, n*B, Hkv, D] -> [S, Hkv, n*B, D] (strided view, no copy)
         padded_len = num_blocks * block_size
         key = key.view(num_seqs, padded_len, num_kv_heads, head_size).transpose(1, 2)
@@ -286,6 +316,8 @@ class CpuBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None,
         logits_soft_cap: float | None,
+        k_scale: float,
+        v_scale: float,
     ) -> torch.Tensor:
         """A span of q_len queries (the last q_len positions), causal over the cached prefix."""
         q_len, num_heads, head_size = query.shape
@@ -296,6 +328,8 @@ class CpuBackend(AttentionBackend):
         shape = (num_blocks, block_size, num_kv_heads, head_size)
         key = gather_blocks(key_cache, block_ids, self._buffers.get("key", shape, key_cache))
         value = gather_blocks(value_cache, block_ids, self._buffers.get("value", shape, key_cache))
+        key = from_cache(key, query.dtype, k_scale)  # fp8: dequantized; else a no-op
+        value = from_cache(value, query.dtype, v_scale)
         # [n, B, Hkv, D] -> [n*B, Hkv, D] -> first seq_len tokens
         key = key.view(-1, num_kv_heads, head_size)[:seq_len]
         value = value.view(-1, num_kv_heads, head_size)[:seq_len]

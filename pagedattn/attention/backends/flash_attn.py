@@ -39,8 +39,12 @@ class FlashAttnBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Causal (bottom-right aligned) varlen attention over the paged cache."""
+        if key_cache.element_size() == 1:
+            raise ValueError("flash_attn does not read an fp8 KV cache; use the 'triton' backend")
         block_size = block_size_of(key_cache)
         if block_size % FLASH_ATTN_PAGE_MULTIPLE:
             raise ValueError(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedattn.attention.backends.base import AttentionBackend
+from pagedattn.attention.fp8 import from_cache
 from pagedattn.attention.layout import KVCacheLayout, gather_kv
 from pagedattn.attention.metadata import AttentionMetadata
 
@@ -63,6 +64,8 @@ class TorchRefBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Attention of query [T, Hq, D] over the paged cache (layout read off key_cache)."""
         output = torch.zeros_like(query)
@@ -72,6 +75,8 @@ class TorchRefBackend(AttentionBackend):
             if end == start:
                 continue
             key, value = gather_kv(key_cache, value_cache, metadata.block_tables[s], seq_len)
+            key = from_cache(key, torch.float32, k_scale)  # fp8: dequantized; else a cast
+            value = from_cache(value, torch.float32, v_scale)
             output[start:end] = dense_attention(
                 query[start:end],
                 key,

@@ -42,10 +42,14 @@ class TritonBackend(AttentionBackend):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> None:
         """Write key/value [T, Hkv, D] into their slots with the Triton kernel."""
         _check_cache(key_cache, value_cache)
-        cache_write.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        cache_write.reshape_and_cache(
+            key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale
+        )
 
     def forward(
         self,
@@ -57,6 +61,8 @@ class TritonBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:
         """Decode kernel for pure-decode batches, the prefill kernel otherwise."""
         _check_cache(key_cache, value_cache)
@@ -67,14 +73,15 @@ class TritonBackend(AttentionBackend):
             return paged_decode.paged_decode(
                 query, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                 metadata.max_seq_len, scale=scale, sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap, partition_size=self.partition_size,
+                logits_soft_cap=logits_soft_cap, k_scale=k_scale, v_scale=v_scale,
+                partition_size=self.partition_size,
                 block_n=self.block_n,
             )  # fmt: skip
         return paged_prefill.paged_prefill(
             query, key_cache, value_cache, metadata.block_tables, metadata.query_start_loc,
             metadata.seq_lens, metadata.max_query_len, scale=scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-            block_m=self.block_m, block_n=self.block_n,
+            k_scale=k_scale, v_scale=v_scale, block_m=self.block_m, block_n=self.block_n,
         )  # fmt: skip
 
 

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedattn.attention.fp8 import raw_bytes, to_cache
+
 
 @triton.jit
 def _reshape_and_cache_kernel(
@@ -30,12 +32,13 @@ def _reshape_and_cache_kernel(
     tl.store(value_cache_ptr + slot * ROW + offs, value, mask=mask)
 
 
-def _rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[T, Hkv, D] with contiguous (Hkv, D) rows in the cache dtype (a token stride is allowed)."""
-    x = x.to(dtype)
+def _rows(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """[T, Hkv, D] with contiguous (Hkv, D) rows in the cache dtype (a token stride is allowed);
+    fp8 rows are quantized here (x / scale, saturated) and passed as their bytes."""
+    x = to_cache(x, dtype, scale)
     if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
         x = x.contiguous()
-    return x
+    return raw_bytes(x)
 
 
 def reshape_and_cache(
@@ -44,19 +47,21 @@ def reshape_and_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write key/value [T, Hkv, D] into a contiguous flash-layout cache at slot_mapping."""
     num_tokens = slot_mapping.shape[0]
     if num_tokens == 0:
         return
     _, _, num_kv_heads, head_size = key_cache.shape
-    key, value = _rows(key, key_cache.dtype), _rows(value, value_cache.dtype)
+    key, value = _rows(key, key_cache.dtype, k_scale), _rows(value, value_cache.dtype, v_scale)
     row = num_kv_heads * head_size
     _reshape_and_cache_kernel[(num_tokens,)](
         key,
         value,
-        key_cache,
-        value_cache,
+        raw_bytes(key_cache),
+        raw_bytes(value_cache),
         slot_mapping,
         key.stride(0),
         value.stride(0),

@@ -12,7 +12,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedattn.attention.backends.kernels.common import dot_precision, load_paged_rows, soft_cap
+from pagedattn.attention.backends.kernels.common import (
+    dot_precision,
+    fp8_kind,
+    kernel_cache,
+    load_paged_rows,
+    soft_cap,
+)
 
 
 @triton.jit
@@ -30,6 +36,7 @@ def _paged_decode_partition_kernel(
     block_table_stride,
     num_partitions,
     scale,
+    v_scale,
     cap,
     window,
     GROUP: tl.constexpr,
@@ -43,6 +50,7 @@ def _paged_decode_partition_kernel(
     USE_SOFT_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -69,11 +77,11 @@ def _paged_decode_partition_kernel(
         valid = pos < end
         key = load_paged_rows(
             key_cache_ptr, table_ptr, pos, valid, kv_head,
-            BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD,
+            BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, FP8,
         )  # fmt: skip
         value = load_paged_rows(
             value_cache_ptr, table_ptr, pos, valid, kv_head,
-            BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD,
+            BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, FP8,
         )  # fmt: skip
         scores = tl.dot(query.to(key.dtype), tl.trans(key), input_precision=DOT_PRECISION)
         scores = scores * scale  # [GROUP_PAD, BLOCK_N]
@@ -87,7 +95,7 @@ def _paged_decode_partition_kernel(
         pv = tl.dot(probs.to(value.dtype), value, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]  # v_scale: 1.0 unless fp8
     row = (seq * (NUM_KV_HEADS * GROUP) + heads) * num_partitions + part  # [GROUP_PAD]
     g_mask = groups < GROUP
     tl.store(part_out_ptr + row[:, None] * HEAD_SIZE + dims[None, :], out, mask=q_mask)
@@ -139,6 +147,8 @@ def paged_decode(
     scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     partition_size: int,
     block_n: int,
 ) -> torch.Tensor:
@@ -153,10 +163,10 @@ def paged_decode(
     part_sum = torch.empty(part_shape, dtype=torch.float32, device=query.device)
     head_pad = max(16, triton.next_power_of_2(head_size))
     _paged_decode_partition_kernel[(num_seqs, num_kv_heads, num_partitions)](
-        query, key_cache, value_cache, block_tables, seq_lens,
+        query, kernel_cache(key_cache), kernel_cache(value_cache), block_tables, seq_lens,
         part_out, part_max, part_sum,
         query.stride(0), query.stride(1), block_tables.stride(0), num_partitions,
-        scale, logits_soft_cap or 1.0, sliding_window or 0,
+        scale * k_scale, v_scale, logits_soft_cap or 1.0, sliding_window or 0,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         NUM_KV_HEADS=num_kv_heads,
@@ -167,7 +177,8 @@ def paged_decode(
         PARTITION_SIZE=partition_size,
         USE_SOFT_CAP=logits_soft_cap is not None,
         USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
+        DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32 or fp8_kind(key_cache) > 0),
+        FP8=fp8_kind(key_cache),
     )  # fmt: skip
     output = torch.empty_like(query)
     _merge_partitions_kernel[(num_seqs, num_heads)](

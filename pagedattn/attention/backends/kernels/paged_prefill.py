@@ -11,7 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedattn.attention.backends.kernels.common import dot_precision, load_paged_rows, soft_cap
+from pagedattn.attention.backends.kernels.common import (
+    dot_precision,
+    fp8_kind,
+    kernel_cache,
+    load_paged_rows,
+    soft_cap,
+)
 
 # Running max before any key is seen: finite so a fully masked chunk gives exp(-inf) = 0, not NaN.
 _NO_MAX = -1.0e30
@@ -32,6 +38,7 @@ def _paged_prefill_kernel(
     out_head_stride,
     block_table_stride,
     scale,
+    v_scale,
     cap,
     window,
     no_max,
@@ -45,6 +52,7 @@ def _paged_prefill_kernel(
     USE_SOFT_CAP: tl.constexpr,
     USE_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -76,11 +84,11 @@ def _paged_prefill_kernel(
         valid = pos < kv_end
         key = load_paged_rows(
             key_cache_ptr, table_ptr, pos, valid, kv_head,
-            BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD,
+            BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, FP8,
         )  # fmt: skip
         value = load_paged_rows(
             value_cache_ptr, table_ptr, pos, valid, kv_head,
-            BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD,
+            BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE, HEAD_PAD, FP8,
         )  # fmt: skip
         scores = tl.dot(query.to(key.dtype), tl.trans(key), input_precision=DOT_PRECISION)
         scores = scores * scale  # [BLOCK_M, BLOCK_N]
@@ -97,7 +105,7 @@ def _paged_prefill_kernel(
         pv = tl.dot(probs.to(value.dtype), value, input_precision=DOT_PRECISION)
         acc = acc * alpha[:, None] + pv
         m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    out = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]  # v_scale: 1.0 unless fp8
     out_offs = (q_start + rows)[:, None] * out_stride + head * out_head_stride + dims[None, :]
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask_qd)
 
@@ -114,6 +122,8 @@ def paged_prefill(
     scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
     block_m: int,
     block_n: int,
 ) -> torch.Tensor:
@@ -126,10 +136,11 @@ def paged_prefill(
         return output
     grid = (num_seqs, num_heads, triton.cdiv(max_query_len, block_m))
     _paged_prefill_kernel[grid](
-        query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, output,
+        query, kernel_cache(key_cache), kernel_cache(value_cache), block_tables,
+        query_start_loc, seq_lens, output,
         query.stride(0), query.stride(1), output.stride(0), output.stride(1),
         block_tables.stride(0),
-        scale, logits_soft_cap or 1.0, sliding_window or 0, _NO_MAX,
+        scale * k_scale, v_scale, logits_soft_cap or 1.0, sliding_window or 0, _NO_MAX,
         GROUP=num_heads // num_kv_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_SIZE=head_size,
@@ -139,6 +150,7 @@ def paged_prefill(
         BLOCK_N=block_n,
         USE_SOFT_CAP=logits_soft_cap is not None,
         USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32),
+        DOT_PRECISION=dot_precision(key_cache.dtype == torch.float32 or fp8_kind(key_cache) > 0),
+        FP8=fp8_kind(key_cache),
     )  # fmt: skip
     return output
