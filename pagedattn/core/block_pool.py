@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -64,7 +65,9 @@ class BlockPool:
         # Counters since the last take_num_evictions().
         self.num_evictions = 0
         self.enable_kv_cache_events = enable_kv_cache_events
-        self.kv_event_queue: list[KVCacheEvent] = []
+        # NOTE: a deque, drained by popleft: a replica's drainer thread takes events while the
+        # engine thread appends (see take_events).
+        self.kv_event_queue: deque[KVCacheEvent] = deque()
 
     def get_num_free_blocks(self) -> int:
         """Free blocks, cached-but-unreferenced ones included (they are evictable)."""
@@ -195,8 +198,15 @@ class BlockPool:
         return True
 
     def take_events(self) -> list[KVCacheEvent]:
-        """KV cache events queued since the last call, oldest first (empty when events are off)."""
-        events, self.kv_event_queue = self.kv_event_queue, []
+        """KV cache events queued since the last call, oldest first (empty when events are off).
+
+        NOTE: safe against an engine thread appending meanwhile. Swapping the list for a new one
+        was not: `queue.append(BlockStored(...))` binds the old list before it builds the event,
+        so an event built during the swap landed in a list already published, and was lost.
+        """
+        queue, events = self.kv_event_queue, []
+        while queue:
+            events.append(queue.popleft())
         return events
 
     def _queue_removed(self, keys: list[bytes]) -> None:

@@ -32,6 +32,8 @@ from pagedattn.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 ABORT_FINISH_REASON = "abort"
+# Seconds between health checks of an idle engine (a dead tensor-parallel rank).
+IDLE_HEALTH_CHECK_S = 1.0
 
 
 class EngineDeadError(RuntimeError):
@@ -296,7 +298,7 @@ class AsyncLLMEngine:
         try:
             while True:
                 idle = not self.engine.has_unfinished_requests()
-                commands = [self._commands.get()] if idle else []
+                commands = [self._next_command()] if idle else []
                 while True:
                     try:
                         commands.append(self._commands.get_nowait())
@@ -321,6 +323,15 @@ class AsyncLLMEngine:
                     fn(exc)
                 except Exception:
                     logger.exception("a fault listener failed")
+
+    def _next_command(self) -> Any:
+        """Wait for a command while idle, checking the engine's health every second, so that a
+        dead tensor-parallel rank turns /health to 503 without a request to fail first."""
+        while True:
+            try:
+                return self._commands.get(timeout=IDLE_HEALTH_CHECK_S)
+            except queue.Empty:
+                self.engine.check_health()
 
     def _stop(self, error: EngineDeadError, pending: list) -> None:
         with self._lock:

@@ -303,6 +303,13 @@ class LLMEngine:
 
     # The second KV tier.
 
+    def check_health(self) -> None:
+        """Raise `EngineFaultError` if the engine cannot run another step (a dead TP rank)."""
+        try:
+            self.runner.check_health()
+        except WorkerFaultError as exc:
+            raise EngineFaultError(str(exc)) from exc
+
     def close(self) -> None:
         """Flush and close the KV store and the event publisher, if any; stop TP workers."""
         self.runner.close()

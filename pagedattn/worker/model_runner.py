@@ -190,6 +190,10 @@ class ModelRunner:
     def close(self) -> None:
         """Release what the runner holds besides memory (a tensor-parallel runner's workers)."""
 
+    def check_health(self) -> None:
+        """Raise if the runner can no longer run a step (a tensor-parallel rank died); one
+        process has nothing to check."""
+
     def copy_blocks(self, src_to_dst: Sequence[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate whole blocks in every layer before the step writes into them."""
         if src_to_dst:

@@ -170,6 +170,11 @@ class TPDriverRunner(ModelRunner):
                         self.parallel.abort(self._fault)
             time.sleep(0.2)
 
+    def check_health(self) -> None:
+        """Raise `WorkerFaultError` once the watchdog has seen a rank die, even while idle."""
+        if self._fault is not None:
+            raise WorkerFaultError(self._fault)
+
     @property
     def collective_seconds(self) -> float:
         return self.parallel.collective_seconds

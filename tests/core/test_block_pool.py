@@ -11,6 +11,7 @@ from pagedattn.core.kv_cache_utils import (
     NoFreeBlocksError,
     hash_request_tokens,
 )
+from pagedattn.core.kv_events import AllBlocksCleared
 
 G0 = (0).to_bytes(4, "big")
 
@@ -116,3 +117,17 @@ def test_null_block_reserved_and_ignored_by_touch_and_free():
     assert pool.reset_prefix_cache() is True
     with pytest.raises(ValueError, match="too small"):
         BlockPool(1, enable_caching=True, reserve_null_block=True)
+
+
+def test_an_event_appended_while_the_events_are_taken_is_not_lost():
+    """A replica's drainer thread takes the events while the engine thread appends one: the
+    append binds the queue before it builds the event (`queue.append(BlockStored(...))`), so the
+    event lands in the queue as it was before the take, and the next take must return it."""
+    pool = BlockPool(num_blocks=4, enable_caching=True, enable_kv_cache_events=True)
+    pool.reset_prefix_cache()
+    bound = pool.kv_event_queue  # what the engine thread's append has bound
+    assert [type(e) for e in pool.take_events()] == [AllBlocksCleared]
+    late = AllBlocksCleared()
+    bound.append(late)  # the append finishes after the drainer's take
+    assert pool.take_events() == [late]
+    assert pool.take_events() == []

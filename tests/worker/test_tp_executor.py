@@ -127,6 +127,32 @@ def test_a_killed_worker_ends_requests_with_an_error_within_seconds(tiny_llama):
         llm.engine.close()
 
 
+def test_a_worker_killed_while_idle_stops_the_loop_without_a_request(tiny_llama):
+    """No request in flight: the idle loop's health check sees the dead rank within seconds
+    (what /health reads to answer 503), and the next request is refused at once."""
+    llm = LLM(tiny_llama, dtype="float32", tensor_parallel_size=2, num_threads=1, tp_timeout_s=30)
+    engine = AsyncLLMEngine(llm.engine)
+    engine.start()
+    try:
+        assert engine.is_running
+        (pid,) = llm.engine.runner.worker_pids()
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 5
+        while engine.is_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.is_running
+        assert "rank 1" in str(engine.fault)
+
+        async def add() -> None:
+            await engine.add_request("b", _prompts()[0], SamplingParams(max_tokens=4))
+
+        with pytest.raises(EngineDeadError):
+            asyncio.run(add())
+    finally:
+        engine.shutdown()
+        llm.engine.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["smollm2-135m", "gemma3-270m"])
 def test_packaged_models_match_one_rank(model):
