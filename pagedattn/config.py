@@ -277,6 +277,22 @@ class ModelConfig:
         )
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters: whether they are served, and the size of their stacked slots."""
+
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT folders) over the base model")
+    max_loras: int = option(4, "LoRA adapters resident at once (slots; one step mixes up to this)")
+    max_lora_rank: int = option(16, "highest LoRA rank accepted (slots are padded to it)")
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, f"max_loras={self.max_loras!r} is invalid: use >= 1")
+        _require(
+            1 <= self.max_lora_rank <= 512,
+            f"max_lora_rank={self.max_lora_rank!r} is invalid: use 1 to 512",
+        )
+
+
 class EngineOption(NamedTuple):
     """One engine option: its flat name (LLM keyword, CLI dest) and the field it sets."""
 
@@ -293,6 +309,7 @@ class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     attn_backend: str | None = option(
         None,
         "attention backend",
@@ -370,6 +387,7 @@ _SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
+    "lora": LoRAConfig,
 }
 
 

@@ -29,6 +29,8 @@ class ScheduledRequest(NamedTuple):
     forks: tuple[tuple[str, int | None], ...] = ()
     # Live view of the chained hashes of the sequence's full blocks (for the KV store).
     block_hashes: Sequence[bytes] = ()
+    # The LoRA adapter the sequence runs under (None: the base model).
+    lora_name: str | None = None
 
 
 class KVLoad(NamedTuple):
