@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 
@@ -56,6 +57,7 @@ class LoRAManager:
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slots: OrderedDict[str, int] = OrderedDict()  # resident name -> slot, LRU first
         self.num_slot_loads = 0
+        self.slot_load_s = 0.0  # time spent copying adapters into slots
 
     # Adapters in and out.
 
@@ -121,6 +123,7 @@ class LoRAManager:
                 )
             slot = self.slots.pop(victim)
         adapter = self.adapters[name]
+        start = time.perf_counter()
         for (layer_index, fused), layer in self.layers.items():
             layer.set_slot(
                 slot,
@@ -128,6 +131,7 @@ class LoRAManager:
             )
         self.slots[name] = slot
         self.num_slot_loads += 1
+        self.slot_load_s += time.perf_counter() - start
         return slot
 
     @contextlib.contextmanager
@@ -147,7 +151,7 @@ class LoRAManager:
         rows = np.repeat(seq_slots, np.asarray(num_tokens, dtype=np.int64))
         index = torch.from_numpy(rows + 1).to(self.device)
         mask = torch.nn.functional.one_hot(index, self.max_loras + 1)[:, 1:]
-        self.batch.mask = mask.to(self.dtype)
+        self.batch.set(mask.to(self.dtype), self.max_rank)
         # NOTE: the compiled decode stack runs the bare projections: off while rows adapt.
         has_stack = hasattr(self.model, "decode_stack")
         stack = self.model.decode_stack if has_stack else None
@@ -156,6 +160,6 @@ class LoRAManager:
         try:
             yield
         finally:
-            self.batch.mask = None
+            self.batch.set(None, self.max_rank)
             if has_stack:
                 self.model.decode_stack = stack

@@ -167,3 +167,21 @@ def test_adapter_errors_say_what_to_fix(files, tmp_path):
     plain = LLM(files["base"], dtype="float32", num_blocks=64, block_size=4)
     with pytest.raises(InvalidRequestError, match="enable-lora"):
         plain.generate([PROMPTS[0]], PARAMS, lora_request=lora(files, "a8"))
+
+
+def test_kv_store_keys_carry_the_adapter(files, tmp_path):
+    url = f"file://{tmp_path}/kv"
+    prompt = list(range(30, 30 + 21))  # 5 full blocks of 4
+    first = make_llm(files, kv_store=url)
+    first.generate([prompt], PARAMS, lora_request=lora(files, "a8"))
+    first.engine.close()
+
+    def store_hits(req) -> int:
+        llm = make_llm(files, kv_store=url)  # a fresh pool: only the store can hit
+        llm.generate([prompt], PARAMS, lora_request=req)
+        llm.engine.close()
+        return llm.get_stats().kv_store.num_hit_tokens
+
+    assert store_hits(lora(files, "a16")) == 0
+    assert store_hits(None) == 0
+    assert store_hits(lora(files, "a8")) == 20
