@@ -1,5 +1,7 @@
-"""Read a PEFT LoRA folder (adapter_config.json + adapter_model.safetensors) into per-module
-A/B pairs keyed by HF module name, with the scaling folded into B."""
+"""Read a PEFT LoRA folder into per-module A/B pairs, with the scaling folded into B.
+
+The folder holds adapter_config.json + adapter_model.safetensors; pairs are keyed by HF name.
+"""
 
 from __future__ import annotations
 

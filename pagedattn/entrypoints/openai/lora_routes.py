@@ -1,5 +1,7 @@
-"""LoRA on the OpenAI server: the `model` field selects an adapter, `/v1/models` lists them,
-and (behind --enable-lora-runtime-updates and the API key) vLLM's load/unload endpoints."""
+"""LoRA on the OpenAI server: adapters by `model`, in `/v1/models`, loaded and unloaded live.
+
+The load/unload endpoints (vLLM's) exist behind --enable-lora-runtime-updates and the API key.
+"""
 
 from __future__ import annotations
 
