@@ -12,6 +12,7 @@ envs.apply_cpu_isa_cap()
 
 from pagedattn.config import ConfigError, EngineConfig  # noqa: E402
 from pagedattn.engine.errors import EngineFaultError, InvalidRequestError  # noqa: E402
+from pagedattn.lora.request import LoRARequest  # noqa: E402
 from pagedattn.sampling_params import (  # noqa: E402
     BeamSearchParams,
     InvalidSamplingParamsError,
@@ -29,6 +30,7 @@ __all__ = [
     "LLMEngine",
     "SamplingParams",
     "BeamSearchParams",
+    "LoRARequest",
     "RequestOutput",
     "EngineConfig",
     "ConfigError",

@@ -332,6 +332,22 @@ class SpeculativeConfig:
         )
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters: whether they are served, and the size of their stacked slots."""
+
+    enable_lora: bool = option(False, "serve LoRA adapters (PEFT folders) over the base model")
+    max_loras: int = option(4, "LoRA adapters resident at once (slots; one step mixes up to this)")
+    max_lora_rank: int = option(16, "highest LoRA rank accepted (slots are padded to it)")
+
+    def __post_init__(self) -> None:
+        _require(self.max_loras >= 1, f"max_loras={self.max_loras!r} is invalid: use >= 1")
+        _require(
+            1 <= self.max_lora_rank <= 512,
+            f"max_lora_rank={self.max_lora_rank!r} is invalid: use 1 to 512",
+        )
+
+
 class EngineOption(NamedTuple):
     """One engine option: its flat name (LLM keyword, CLI dest) and the field it sets."""
 
@@ -349,6 +365,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     attn_backend: str | None = option(
         None,
         "attention backend",
@@ -450,6 +467,7 @@ _SECTIONS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulerConfig,
     "speculative": SpeculativeConfig,
+    "lora": LoRAConfig,
 }
 
 

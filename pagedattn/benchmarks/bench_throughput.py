@@ -138,6 +138,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run every engine in this process (faster start; peak RSS is then shared)",
     )
     tp_compare.add_args(p)
+    p.add_argument(
+        "--lora",
+        type=int,
+        default=0,
+        metavar="N",
+        help="uniform over N rank-16 LoRA adapters (made on the fly) against no LoRA, and the\n"
+        "steps around loading one more while serving (bench_lora.py)",
+    )
     p.add_argument("--_child", nargs=2, metavar=("ENGINE", "WORKLOAD"), help=argparse.SUPPRESS)
     p.add_argument("--_workload-file", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--_result", type=Path, help=argparse.SUPPRESS)
@@ -388,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.tensor_parallel_size > 1:
         return tp_compare.run(args)
+
+    if args.lora:
+        from pagedattn.benchmarks.bench_lora import run_lora_bench
+
+        return run_lora_bench(args)
     return child_main(args) if args._child else parent_main(args)
 
 

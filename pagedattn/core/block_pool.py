@@ -162,6 +162,7 @@ class BlockPool:
         """
         cache = self.cached_block_hash_to_block
         stored: list[int] | None = [] if self.enable_kv_cache_events else None
+        lora_id = None if request is None else request.lora_id
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             if block.is_null or block.block_hash is not None:
@@ -170,6 +171,7 @@ class BlockPool:
             if key not in cache:
                 cache[key] = block
                 block.block_hash = key
+                block.lora_id = lora_id
                 if stored is not None:
                     stored.append(i)
         if stored:
@@ -185,6 +187,12 @@ class BlockPool:
                 block.block_hash = None
         if removed and self.enable_kv_cache_events:
             self._queue_removed(removed)
+
+    def uncache_lora_blocks(self, lora_id: str) -> int:
+        """Drop every cached block of one LoRA adapter (it was unloaded); returns how many."""
+        blocks = [b for b in self.cached_block_hash_to_block.values() if b.lora_id == lora_id]
+        self.uncache_blocks(blocks)
+        return len(blocks)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is held by a request."""

@@ -329,6 +329,10 @@ class KVCacheManager:
         copies, self._block_copies = self._block_copies, []
         return copies
 
+    def uncache_lora_blocks(self, lora_id: str) -> int:
+        """Drop every cached block computed under one LoRA adapter; returns how many."""
+        return self.block_pool.uncache_lora_blocks(lora_id)
+
     def reset_prefix_cache(self) -> bool:
         """Drop all cached hashes; False (nothing done) while any request holds blocks."""
         return self.block_pool.reset_prefix_cache()

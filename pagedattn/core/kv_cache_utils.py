@@ -46,6 +46,7 @@ class KVCacheBlock:
         "prev_free_block",
         "next_free_block",
         "is_null",
+        "lora_id",
     )
 
     def __init__(self, block_id: int) -> None:
@@ -56,6 +57,8 @@ class KVCacheBlock:
         self.prev_free_block: KVCacheBlock | None = None
         self.next_free_block: KVCacheBlock | None = None
         self.is_null = False
+        # The LoRA adapter whose hash chain cached this block (meaningful while block_hash is set).
+        self.lora_id: str | None = None
 
     def __repr__(self) -> str:
         hashed = self.block_hash is not None

@@ -54,8 +54,12 @@ class Scheduler:
         kv_cache_manager: KVCacheManager,
         max_model_len: int,
         kv_connector: KVConnectorLike | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.scheduler_config = scheduler_config
+        # NOTE: the running set never holds more distinct LoRA adapters than the runner has
+        # slots; a request of one more adapter waits at the head of the queue.
+        self.max_loras = max_loras
         # A second KV tier (kv_transfer.KVConnector): prompt blocks past the local prefix hit.
         self.kv_connector = kv_connector
         self.cache_config = cache_config
@@ -238,11 +242,17 @@ class Scheduler:
             token_budget -= num_new_tokens
             req_index += 1
 
+        running_loras = self._running_loras()
         # NOTE: no admission in a step that preempted: the freed blocks go to the preempted first.
         while not preempted and self.waiting and token_budget > 0:
             if len(self.running) >= config.max_num_seqs:
                 break
             request = self.waiting.peek()
+            lora = request.lora_id
+            if self.max_loras is not None and lora is not None and lora not in running_loras:
+                if len(running_loras) >= self.max_loras:
+                    break  # NOTE: its adapter has no slot this step: it waits, never fails.
+                running_loras.add(lora)
             params = request.sampling_params
             if params is not None and params.prompt_logprobs is not None:
                 # NOTE: a cached prefix has no logits: score the whole prompt (as vLLM does), so
@@ -368,6 +378,12 @@ class Scheduler:
         self.kv_cache_manager.free_rejected_slots(request)
         return status, stop_reason, appended
 
+    def _running_loras(self) -> set[str]:
+        """The distinct adapters of the running set (empty when LoRA is off)."""
+        if self.max_loras is None:
+            return set()
+        return {r.lora_id for r in self.running if r.lora_id is not None}
+
     def _num_external_tokens(self, request: Request, num_computed: int) -> int:
         """Prompt tokens past the local prefix hit that the KV store holds (whole blocks)."""
         if self.kv_connector is None or request.block_size is None:
@@ -456,6 +472,7 @@ class Scheduler:
                     forks=forks,
                     block_hashes=request.block_hashes,
                     spec_token_ids=tuple(spec_token_ids),
+                    lora_name=request.lora_id,
                 )
             )
         finished_req_ids, self._finished_req_ids = self._finished_req_ids, set()

@@ -32,6 +32,8 @@ class ScheduledRequest(NamedTuple):
     # Draft tokens appended to token_ids (the last len(spec_token_ids) of them): the runner
     # scores every position and accepts a prefix of them (speculative decoding).
     spec_token_ids: Sequence[int] = ()
+    # The LoRA adapter the sequence runs under (None: the base model).
+    lora_name: str | None = None
 
 
 class KVLoad(NamedTuple):

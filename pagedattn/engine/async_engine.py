@@ -79,6 +79,7 @@ class _Add:
     priority: int
     cache_salt: str | None
     accepted: Future
+    lora_request: Any = None  # pagedattn.lora.LoRARequest
 
 
 @dataclass
@@ -232,12 +233,13 @@ class AsyncLLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         owner: str | None = None,
+        lora_request: Any = None,
     ) -> RequestStream:
         """Queue a request; raises the engine's error if it rejects it, else returns its stream."""
         loop = asyncio.get_running_loop()
         state = _RequestState(request_id, loop, asyncio.Queue(), time.monotonic(), owner)
         accepted: Future = Future()
-        self._submit(_Add(state, prompt, params, priority, cache_salt, accepted))
+        self._submit(_Add(state, prompt, params, priority, cache_salt, accepted, lora_request))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -369,6 +371,7 @@ class AsyncLLMEngine:
                     cmd.params,
                     priority=cmd.priority,
                     cache_salt=cmd.cache_salt,
+                    lora_request=cmd.lora_request,
                 )
             except Exception as exc:
                 cmd.accepted.set_exception(exc)

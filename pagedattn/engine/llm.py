@@ -10,6 +10,7 @@ from typing import Any
 from pagedattn.config import EngineConfig, describe_options
 from pagedattn.engine.llm_engine import EngineStats, LLMEngine
 from pagedattn.engine.outputs import RequestOutput
+from pagedattn.lora.request import LoRARequest
 from pagedattn.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | list[int]
@@ -55,8 +56,11 @@ class LLM:
         *,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs come back in prompt order."""
+        """Generate for each prompt (text or token ids); outputs come back in prompt order.
+
+        ``lora_request``: one adapter for all prompts, or one (or None) per prompt."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -70,12 +74,26 @@ class LLM:
                 f"got {len(params)} sampling params for {len(prompts)} prompts: pass one, or one "
                 "per prompt"
             )
+        loras = (
+            [lora_request] * len(prompts)
+            if lora_request is None or isinstance(lora_request, LoRARequest)
+            else list(lora_request)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError(
+                f"got {len(loras)} LoRA requests for {len(prompts)} prompts: pass one, or one "
+                "per prompt"
+            )
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 req_id = str(next(self._counter))
                 self.engine.add_request(
-                    req_id, prompt, p, priority=0 if priority is None else priority[i]
+                    req_id,
+                    prompt,
+                    p,
+                    priority=0 if priority is None else priority[i],
+                    lora_request=loras[i],
                 )
                 ids.append(req_id)
         except Exception:
@@ -107,6 +125,18 @@ class LLM:
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams):
         """Beam search per prompt; beams share blocks by fork and diverge by copy-on-write."""
         return [self.engine.beam_search(p, params) for p in _as_prompt_list(prompts)]
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter now (generate also loads one on first use)."""
+        self.engine.loras.add(lora_request)
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter; its cached KV blocks are dropped."""
+        self.engine.loras.remove(name)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The loaded adapters."""
+        return self.engine.loras.list()
 
     def get_stats(self) -> EngineStats:
         """KV usage, prefix-cache hit rate, preemptions and fragmentation so far."""

@@ -21,6 +21,8 @@ from pagedattn.engine.output_processor import OutputProcessor
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.engine.request_state import EngineRequest
 from pagedattn.engine.stats import EngineStats, StepTimes
+from pagedattn.lora.engine import LoRARegistry
+from pagedattn.lora.request import LoRARequest
 from pagedattn.sampling_params import InvalidSamplingParamsError, SamplingParams
 from pagedattn.worker.model_runner import BlockCopyError
 from pagedattn.worker.tp_executor import WorkerFaultError, make_model_runner
@@ -65,7 +67,12 @@ class LLMEngine:
             self.kv_event_publisher = ZmqEventPublisher(cache.kv_events_endpoint, topic="kv-events")
         self.kv_connector = runner.kv_connector
         self.scheduler = Scheduler(
-            config.scheduler, cache, self.kv_cache_manager, self.max_model_len, self.kv_connector
+            config.scheduler,
+            cache,
+            self.kv_cache_manager,
+            self.max_model_len,
+            self.kv_connector,
+            max_loras=config.lora.max_loras if config.lora.enable_lora else None,
         )
         # Speculative decoding (--speculative-method): drafts proposed before each step.
         self.speculator = None
@@ -73,6 +80,7 @@ class LLMEngine:
             from pagedattn.spec_decode.factory import make_speculator
 
             self.speculator = make_speculator(config, self)
+        self.loras = LoRARegistry(self)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._core_ids = itertools.count()
@@ -118,9 +126,13 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request; raises InvalidRequestError if it can never be served."""
+        """Queue a request; raises InvalidRequestError if it can never be served.
+
+        ``lora_request``: the adapter it runs under, loaded from its path on first use."""
         params = SamplingParams() if params is None else params
+        lora_name = None if lora_request is None else self.loras.resolve(lora_request)
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("the request id must be a non-empty string")
         if request_id in self.requests:
@@ -155,6 +167,7 @@ class LLMEngine:
             arrival_time=arrival,
             priority=priority,
             cache_salt=cache_salt,
+            lora_id=lora_name,
             eos_token_ids=self.eos_token_ids,
             seed=params.seed,
             num_forks=num_seqs - 1,

@@ -173,6 +173,21 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "run longer than this",
     )
     add_limit_args(g)
+    g.add_argument(
+        "--lora-modules",
+        action="extend",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) to serve, selected by the `model` field; needs "
+        "--enable-lora",
+    )
+    g.add_argument(
+        "--enable-lora-runtime-updates",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind the API key when keys are set)",
+    )
     from pagedattn.distributed.args import add_distributed_args
 
     add_distributed_args(parser)

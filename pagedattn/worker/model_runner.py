@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -123,6 +124,15 @@ class ModelRunner:
         if config.num_threads is None and self.plan.threads == 1:
             torch.set_num_threads(1)  # NOTE: the kernel tuner measured one thread faster here
         self.model = loaded.model
+        # LoRA adapters: the projections wrapped once, with --max-loras stacked slots.
+        self.lora_manager = None
+        if config.lora.enable_lora:
+            from pagedattn.lora.manager import LoRAManager
+
+            lora = config.lora
+            self.lora_manager = LoRAManager(
+                self.model, lora.max_loras, lora.max_lora_rank, self.dtype
+            )
         self.tokenizer = loaded.tokenizer  # also for structured-output grammars
         self.model_name = loaded.model_name
         self.eos_token_ids = tuple(loaded.eos_token_ids)
@@ -216,7 +226,10 @@ class ModelRunner:
             scheduled, self.block_size, self.num_groups, self.device
         )
         t1 = time.perf_counter()
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata)
+        with self._lora_step(scheduled):
+            hidden = self.model(
+                batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata
+            )
         # NOTE: the LM head runs only on the rows that are sampled (the last token of each span).
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
@@ -241,6 +254,14 @@ class ModelRunner:
             self._save_to_store(scheduled, output.failed)
         self.last_timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return output
+
+    def _lora_step(self, scheduled: Sequence[ScheduledRequest]):
+        """Each row's adapter slot for this forward (a no-op without LoRA)."""
+        if self.lora_manager is None:
+            return contextlib.nullcontext()
+        return self.lora_manager.activate(
+            [s.lora_name for s in scheduled], [len(s.token_ids) for s in scheduled]
+        )
 
     def _load_from_store(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
         """Copy the store's blocks in before the forward; returns id -> new start of short loads.

@@ -60,6 +60,7 @@ from pagedattn.entrypoints.openai.http import (
     tenant_of,
     until_disconnect,
 )
+from pagedattn.entrypoints.openai.lora_routes import install_lora_routes, serving_lora
 from pagedattn.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedattn.entrypoints.openai.serving import OpenAIServing
 
@@ -131,14 +132,22 @@ def build_app(
     metrics_public: bool = False,
     health_stall_s: float = DEFAULT_HEALTH_STALL_S,
     grammar_timeout_s: float | None = None,
+    lora_modules: Sequence[str] = (),
+    enable_lora_runtime_updates: bool = False,
 ) -> FastAPI:
-    """The FastAPI app serving one engine; the engine loop stops when the app shuts down."""
+    """The FastAPI app serving one engine; the engine loop stops when the app shuts down.
+
+    ``lora_modules``: ``name=path`` adapters loaded before serving (the engine needs
+    enable_lora); ``enable_lora_runtime_updates``: serve /v1/load_lora_adapter and
+    /v1/unload_lora_adapter."""
     engine = engine_or_async_engine
     if not isinstance(engine, AsyncLLMEngine):
         engine = AsyncLLMEngine(engine)
     limits = {} if grammar_timeout_s is None else {"grammar_timeout_s": grammar_timeout_s}
+    model_name = served_model_name or engine.model_name
+    loras = serving_lora(engine, model_name, lora_modules)
     serving = OpenAIServing(
-        engine, served_model_name or engine.model_name, max_prompt_chars=max_prompt_chars, **limits
+        engine, model_name, max_prompt_chars=max_prompt_chars, loras=loras, **limits
     )
     auth = TenantAuth(api_keys)
 
@@ -160,6 +169,10 @@ def build_app(
     )
     app.state.engine = engine
     app.state.serving = serving
+    if enable_lora_runtime_updates:
+        if loras is None:
+            raise ValueError("--enable-lora-runtime-updates needs --enable-lora")
+        install_lora_routes(app, loras)
     tenant = tenant_of
 
     @app.get("/health")
@@ -283,6 +296,8 @@ def run_server(args: argparse.Namespace) -> int:
         max_prompt_chars=args.max_prompt_chars,
         metrics_public=args.metrics_public,
         health_stall_s=args.health_stall_s,
+        lora_modules=args.lora_modules or (),
+        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
     )
     config = uvicorn.Config(
         app,

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from pagedattn.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from pagedattn.engine.errors import InvalidRequestError
@@ -22,6 +23,7 @@ from pagedattn.entrypoints.openai.protocol import (
     UsageInfo,
 )
 from pagedattn.entrypoints.openai.worker_pool import WorkerPool
+from pagedattn.lora.request import LoRARequest
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.structured_output.params import (
     InvalidStructuredOutputsError,
@@ -175,6 +177,10 @@ def _sampling_params(
     )
 
 
+if TYPE_CHECKING:
+    from pagedattn.entrypoints.openai.lora_routes import ServingLoRA
+
+
 class OpenAIServing:
     """Runs completion and chat requests on an AsyncLLMEngine and shapes OpenAI responses."""
 
@@ -185,9 +191,12 @@ class OpenAIServing:
         *,
         max_prompt_chars: int | None = None,
         grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
+        loras: ServingLoRA | None = None,
     ) -> None:
         self.engine = engine
         self.model_name = served_model_name
+        # LoRA adapters by name (the `model` field selects one); None: the base model only.
+        self.loras = loras
         self.preprocessor = PromptPreprocessor(
             engine.tokenizer, engine.max_model_len, max_prompt_chars=max_prompt_chars
         )
@@ -210,9 +219,13 @@ class OpenAIServing:
 
     def models(self) -> ModelList:
         card = ModelCard(id=self.model_name, max_model_len=self.engine.max_model_len)
-        return ModelList(data=[card])
+        adapters = [] if self.loras is None else self.loras.cards(self.engine.max_model_len)
+        return ModelList(data=[card, *adapters])
 
-    def check_model(self, model: str) -> None:
+    def check_model(self, model: str) -> LoRARequest | None:
+        """The adapter the `model` field names (None: the base model); else a 404."""
+        if self.loras is not None:
+            return self.loras.resolve(model)
         if model != self.model_name:
             raise APIError(
                 f"the model {model!r} does not exist: this server serves {self.model_name!r}",
@@ -258,6 +271,7 @@ class OpenAIServing:
         priority: int,
         cache_salt: str | None,
         owner: str | None,
+        lora_request: LoRARequest | None = None,
     ) -> list[AsyncIterator[RequestOutput]]:
         """Add one engine request per prompt; if one is rejected, abort the others."""
         streams = []
@@ -266,7 +280,13 @@ class OpenAIServing:
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(
                     await self.engine.add_request(
-                        rid, prompt, params, priority=priority, cache_salt=cache_salt, owner=owner
+                        rid,
+                        prompt,
+                        params,
+                        priority=priority,
+                        cache_salt=cache_salt,
+                        owner=owner,
+                        lora_request=lora_request,
                     )
                 )
         except BaseException:
@@ -286,7 +306,7 @@ class OpenAIServing:
         self, req: CompletionRequest, cache_salt: str | None, owner: str | None = None
     ) -> AsyncIterator[str] | dict:
         """A completion response body, or an iterator of server-sent events when streaming."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         if req.suffix is not None:
             raise APIError("suffix is not supported: omit it", param="suffix")
         structured, param = structured_outputs_of(req)
@@ -305,12 +325,14 @@ class OpenAIServing:
         prompts = [await self.preprocessor.encode(p) for p in raw_prompts]
         request_id = f"cmpl-{uuid.uuid4().hex}"
         self._log_user(request_id, req)
-        streams = await self._start(request_id, prompts, params, req.priority, cache_salt, owner)
+        streams = await self._start(
+            request_id, prompts, params, req.priority, cache_salt, owner, lora
+        )
         echo = None
         if req.echo:
             echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in raw_prompts]
         builder = responses.CompletionBuilder(
-            request_id, self.model_name, self.tokenizer, params, len(prompts), echo=echo
+            request_id, req.model, self.tokenizer, params, len(prompts), echo=echo
         )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -324,7 +346,7 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, cache_salt: str | None, owner: str | None = None
     ) -> AsyncIterator[str] | dict:
         """A chat completion body, or an iterator of server-sent events when streaming."""
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         structured, param = structured_outputs_of(req)
         # NOTE: None (not max_model_len) when the client sets no limit: the engine admits the
         # request on its prompt and caps it by the context and the pool.
@@ -338,8 +360,10 @@ class OpenAIServing:
         prompt = await self.preprocessor.render_chat(messages, self.model_name)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self._log_user(request_id, req)
-        streams = await self._start(request_id, [prompt], params, req.priority, cache_salt, owner)
-        builder = responses.ChatBuilder(request_id, self.model_name, self.tokenizer, params)
+        streams = await self._start(
+            request_id, [prompt], params, req.priority, cache_salt, owner, lora
+        )
+        builder = responses.ChatBuilder(request_id, req.model, self.tokenizer, params)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._stream(builder, streams, include_usage)

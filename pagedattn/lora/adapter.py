@@ -1,0 +1,115 @@
+"""Read a PEFT LoRA folder into per-module A/B pairs, with the scaling folded into B.
+
+The folder holds adapter_config.json + adapter_model.safetensors; pairs are keyed by HF name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedattn.lora.request import LoRAFormatError, LoRAPathError, LoRARankError
+
+# The projections an adapter may target (HF names).
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter's weights: (layer, HF module) -> (A [r, in], B [out, r] * scaling)."""
+
+    name: str
+    int_id: int
+    path: str
+    rank: int
+    scaling: float
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def _read_config(folder: Path) -> dict:
+    config_path = folder / "adapter_config.json"
+    if not folder.is_dir():
+        raise LoRAPathError(f"LoRA path {str(folder)!r} is not a folder")
+    if not config_path.is_file():
+        raise LoRAPathError(f"LoRA path {str(folder)!r} has no adapter_config.json")
+    try:
+        return json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise LoRAFormatError(f"cannot read {config_path}: {exc}") from exc
+
+
+def _check_config(config: dict, where: str) -> None:
+    if config.get("peft_type", "LORA") != "LORA":
+        raise LoRAFormatError(f"{where}: peft_type {config.get('peft_type')!r} is not LORA")
+    if config.get("use_dora"):
+        raise LoRAFormatError(f"{where}: DoRA adapters are not supported")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise LoRAFormatError(f"{where}: per-module rank_pattern/alpha_pattern is not supported")
+    if config.get("modules_to_save"):
+        raise LoRAFormatError(f"{where}: modules_to_save (full weights) is not supported")
+    if config.get("fan_in_fan_out"):
+        raise LoRAFormatError(f"{where}: fan_in_fan_out adapters (GPT-2 Conv1D) are not supported")
+    if config.get("bias", "none") != "none":
+        raise LoRAFormatError(f"{where}: LoRA bias={config.get('bias')!r} is not supported")
+
+
+def load_adapter(
+    name: str, int_id: int, path: str, max_rank: int, dtype: torch.dtype
+) -> LoRAAdapter:
+    """Load and check an adapter; raises LoRAPathError / LoRAFormatError / LoRARankError."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(path).expanduser()
+    config = _read_config(folder)
+    where = f"LoRA {name!r} ({folder})"
+    _check_config(config, where)
+    rank, alpha = int(config.get("r", 8)), float(config.get("lora_alpha", 8))
+    if rank < 1:
+        raise LoRAFormatError(f"{where}: rank r={rank} must be >= 1")
+    if rank > max_rank:
+        raise LoRARankError(
+            f"{where}: rank {rank} is above max_lora_rank={max_rank}: start the engine with "
+            f"--max-lora-rank {rank} or more"
+        )
+    scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
+    weights_path = folder / "adapter_model.safetensors"
+    if not weights_path.is_file():
+        raise LoRAPathError(f"{where}: no adapter_model.safetensors (only safetensors is read)")
+    try:
+        tensors = load_file(str(weights_path))
+    except (OSError, SafetensorError) as exc:
+        raise LoRAFormatError(f"{where}: cannot read adapter_model.safetensors: {exc}") from exc
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        m = _KEY.search(key)
+        if m is None or m.group(2) not in TARGET_MODULES:
+            raise LoRAFormatError(
+                f"{where}: weight {key!r} is not a LoRA of {'/'.join(TARGET_MODULES)}"
+            )
+        pairs.setdefault((int(m.group(1)), m.group(2)), {})[m.group(3)] = tensor
+    weights = {}
+    for (layer, module), ab in pairs.items():
+        if set(ab) != {"A", "B"}:
+            raise LoRAFormatError(f"{where}: layer {layer} {module} lacks lora_A or lora_B")
+        a, b = ab["A"], ab["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+            raise LoRAFormatError(
+                f"{where}: layer {layer} {module}: A {tuple(a.shape)} / B {tuple(b.shape)} do "
+                f"not have rank r={rank}"
+            )
+        # NOTE: scaling folded into B in float32, then cast (one rounding, as PEFT's bf16 path).
+        weights[(layer, module)] = (a.to(dtype), (b.float() * scaling).to(dtype))
+    if not weights:
+        raise LoRAFormatError(f"{where}: adapter_model.safetensors holds no LoRA weights")
+    return LoRAAdapter(name, int_id, str(folder), rank, scaling, weights)

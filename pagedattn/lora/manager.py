@@ -1,0 +1,165 @@
+"""LoRAManager: the loaded adapters, the LRU slots of the stacked buffers, and each step's mask."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedattn.lora.adapter import LoRAAdapter, load_adapter
+from pagedattn.lora.layers import LoRABatch, LoRALinear
+from pagedattn.lora.request import (
+    LoRAError,
+    LoRAExistsError,
+    LoRAFormatError,
+    LoRANotFoundError,
+    LoRARequest,
+)
+
+# Our fused module -> the HF modules of its output slices, in order.
+FUSED_MODULES: dict[str, tuple[str, ...]] = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "o_proj": ("o_proj",),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "down_proj": ("down_proj",),
+}
+
+
+class LoRAManager:
+    """Wraps the model's projections once; loads adapters (CPU copies, any number) and keeps at
+    most ``max_loras`` of them resident in slots, evicting the least recently used."""
+
+    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype):
+        self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
+        self.batch = LoRABatch()
+        self.model = model
+        self.layers: dict[tuple[int, str], LoRALinear] = {}
+        device = next(model.parameters()).device
+        self.device = device
+        for index, layer in enumerate(model.model.layers):
+            for parent in (layer.self_attn, layer.mlp):
+                for name, hf_names in FUSED_MODULES.items():
+                    base = getattr(parent, name, None)
+                    if base is None:
+                        continue
+                    slices = model.shard_sizes.get(name, [base.out_features])
+                    assert len(slices) == len(hf_names)
+                    wrapped = LoRALinear(
+                        base, slices, max_loras, max_rank, self.batch, dtype, device
+                    )
+                    setattr(parent, name, wrapped)
+                    self.layers[(index, name)] = wrapped
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.slots: OrderedDict[str, int] = OrderedDict()  # resident name -> slot, LRU first
+        self.num_slot_loads = 0
+        self.slot_load_s = 0.0  # time spent copying adapters into slots
+
+    # Adapters in and out.
+
+    def read(self, request: LoRARequest) -> LoRAAdapter:
+        """Load and check an adapter's files (no engine state touched: any thread may call)."""
+        adapter = load_adapter(
+            request.lora_name, request.lora_int_id, request.lora_path, self.max_rank, self.dtype
+        )
+        self._check_shapes(adapter)
+        return adapter
+
+    def add(self, adapter: LoRAAdapter) -> None:
+        """Register a read adapter; LoRAExistsError if its name or id is taken."""
+        if adapter.name in self.adapters:
+            raise LoRAExistsError(f"a LoRA adapter named {adapter.name!r} is already loaded")
+        for other in self.adapters.values():
+            if other.int_id == adapter.int_id:
+                raise LoRAExistsError(
+                    f"LoRA id {adapter.int_id} is already used by adapter {other.name!r}"
+                )
+        self.adapters[adapter.name] = adapter
+
+    def remove(self, name: str) -> None:
+        """Forget an adapter and free its slot; LoRANotFoundError if it is not loaded."""
+        if self.adapters.pop(name, None) is None:
+            raise LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded")
+        slot = self.slots.pop(name, None)
+        if slot is not None:
+            for layer in self.layers.values():
+                layer.set_slot(slot, [None] * len(layer.slices))
+
+    def _check_shapes(self, adapter: LoRAAdapter) -> None:
+        for (layer_index, module), (a, b) in adapter.weights.items():
+            fused = next(f for f, names in FUSED_MODULES.items() if module in names)
+            layer = self.layers.get((layer_index, fused))
+            if layer is None:
+                raise LoRAFormatError(
+                    f"LoRA {adapter.name!r}: layer {layer_index} {module} is not in the model"
+                )
+            out = layer.slices[FUSED_MODULES[fused].index(module)]
+            if a.shape[1] != layer.in_features or b.shape[0] != out:
+                raise LoRAFormatError(
+                    f"LoRA {adapter.name!r}: layer {layer_index} {module} has A "
+                    f"{tuple(a.shape)}, B {tuple(b.shape)}; the model needs A [r, "
+                    f"{layer.in_features}], B [{out}, r]: an adapter of another base model?"
+                )
+
+    # Slots.
+
+    def _slot_for(self, name: str, step_names: set[str]) -> int:
+        slot = self.slots.get(name)
+        if slot is not None:
+            self.slots.move_to_end(name)
+            return slot
+        if len(self.slots) < self.max_loras:
+            used = set(self.slots.values())
+            slot = next(s for s in range(self.max_loras) if s not in used)
+        else:
+            victim = next((n for n in self.slots if n not in step_names), None)
+            if victim is None:
+                raise LoRAError(
+                    f"{len(step_names)} adapters in one step, more than max_loras={self.max_loras}"
+                )
+            slot = self.slots.pop(victim)
+        adapter = self.adapters[name]
+        start = time.perf_counter()
+        for (layer_index, fused), layer in self.layers.items():
+            layer.set_slot(
+                slot,
+                [adapter.weights.get((layer_index, hf)) for hf in FUSED_MODULES[fused]],
+            )
+        self.slots[name] = slot
+        self.num_slot_loads += 1
+        self.slot_load_s += time.perf_counter() - start
+        return slot
+
+    @contextlib.contextmanager
+    def activate(
+        self, lora_names: Sequence[str | None], num_tokens: Sequence[int]
+    ) -> Iterator[None]:
+        """For one forward: each sequence's adapter (None: base) over its ``num_tokens`` rows."""
+        names = {n for n in lora_names if n is not None}
+        if not names:
+            yield
+            return
+        for name in names:
+            if name not in self.adapters:
+                raise LoRANotFoundError(f"LoRA adapter {name!r} is not loaded")
+        slot_of = {name: self._slot_for(name, names) for name in names}
+        seq_slots = np.array([-1 if n is None else slot_of[n] for n in lora_names])
+        rows = np.repeat(seq_slots, np.asarray(num_tokens, dtype=np.int64))
+        index = torch.from_numpy(rows + 1).to(self.device)
+        mask = torch.nn.functional.one_hot(index, self.max_loras + 1)[:, 1:]
+        self.batch.set(mask.to(self.dtype), self.max_rank)
+        # NOTE: the compiled decode stack runs the bare projections: off while rows adapt.
+        has_stack = hasattr(self.model, "decode_stack")
+        stack = self.model.decode_stack if has_stack else None
+        if has_stack:
+            self.model.decode_stack = None
+        try:
+            yield
+        finally:
+            self.batch.set(None, self.max_rank)
+            if has_stack:
+                self.model.decode_stack = stack
