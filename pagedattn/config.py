@@ -404,6 +404,13 @@ class EngineConfig:
             f"tensor_parallel_size={self.tensor_parallel_size!r} is invalid: use an integer >= 1",
         )
         _require(self.tp_timeout_s > 0, f"tp_timeout_s={self.tp_timeout_s!r} is invalid: use > 0")
+        # NOTE: LoRA slots hold whole A/B matrices; sharding them with the projections is not
+        # built, and an adapter would fail on the first request with a shape error.
+        _require(
+            not (self.lora.enable_lora and self.tensor_parallel_size > 1),
+            f"enable_lora with tensor_parallel_size={self.tensor_parallel_size} is not supported: "
+            "serve LoRA adapters with tensor_parallel_size=1",
+        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -165,3 +165,9 @@ def test_public_api_exports_its_own_types():
     assert issubclass(ModelNotFoundError, Exception) and issubclass(ConfigError, ValueError)
     with pytest.raises(AttributeError):
         pagedattn.NoSuchThing  # noqa: B018
+
+
+def test_lora_with_tensor_parallelism_is_refused_before_any_model_loads():
+    with pytest.raises(ConfigError, match="enable_lora with tensor_parallel_size=2"):
+        EngineConfig.from_kwargs(enable_lora=True, tensor_parallel_size=2)
+    assert EngineConfig.from_kwargs(enable_lora=True).lora.enable_lora
