@@ -170,6 +170,19 @@ class CacheConfig:
             f"kv_cache_memory_fraction={self.kv_cache_memory_fraction!r} is invalid: use (0, 0.95]",
         )
         _check_choices(self)
+        _require(
+            not self.calculate_kv_scales or self.kv_cache_dtype.startswith("fp8"),
+            f"calculate_kv_scales applies to an fp8 KV cache, not kv_cache_dtype="
+            f"{self.kv_cache_dtype!r}: add --kv-cache-dtype fp8 or drop --calculate-kv-scales",
+        )
+        # NOTE: store keys carry the dtype, not the scales: another process (or this one after a
+        # restart) computes its own scales and would read the stored blocks with them.
+        _require(
+            not (self.calculate_kv_scales and self.kv_store is not None),
+            "calculate_kv_scales with a kv_store is not supported: blocks written under one "
+            "process's scales would be read under another's; use the fixed scales (drop "
+            "--calculate-kv-scales)",
+        )
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,10 @@ def _get(config: EngineConfig, name: str):
     return getattr(section, opt.field.name)
 
 
+# Options refused alone (they apply beside another): the companion they are tested with.
+COMPANIONS = {"calculate_kv_scales": {"kv_cache_dtype": "fp8"}}
+
+
 def _other_value(name: str):
     """A valid value different from the option's default, as (python value, CLI argv)."""
     opt = engine_options()[name]
@@ -57,10 +61,13 @@ def test_cli_without_flags_gives_the_dataclass_defaults():
 @pytest.mark.parametrize("name", list(engine_options()))
 def test_each_option_is_one_keyword_and_one_flag_setting_the_same_field(name):
     value, argv = _other_value(name)
-    from_kwargs = EngineConfig.from_kwargs(**{name: value})
+    # NOTE: an option that only applies beside another one gets that one too.
+    companion = COMPANIONS.get(name, {})
+    from_kwargs = EngineConfig.from_kwargs(**{name: value}, **companion)
     assert _get(from_kwargs, name) == value
-    assert from_kwargs != EngineConfig()
-    assert _parse(*argv) == from_kwargs
+    assert from_kwargs != EngineConfig.from_kwargs(**companion)
+    companion_argv = [a for k, v in companion.items() for a in (f"--{k.replace('_', '-')}", v)]
+    assert _parse(*argv, *companion_argv) == from_kwargs
 
 
 def test_options_land_in_their_sections():
@@ -171,3 +178,19 @@ def test_lora_with_tensor_parallelism_is_refused_before_any_model_loads():
     with pytest.raises(ConfigError, match="enable_lora with tensor_parallel_size=2"):
         EngineConfig.from_kwargs(enable_lora=True, tensor_parallel_size=2)
     assert EngineConfig.from_kwargs(enable_lora=True).lora.enable_lora
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(calculate_kv_scales=True), "applies to an fp8 KV cache"),
+        (
+            dict(calculate_kv_scales=True, kv_cache_dtype="fp8", kv_store="file:///tmp/x"),
+            "with a kv_store is not supported",
+        ),
+    ],
+)
+def test_calculated_fp8_scales_are_refused_where_they_would_do_nothing_or_harm(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        EngineConfig.from_kwargs(**kwargs)
+    assert EngineConfig.from_kwargs(calculate_kv_scales=True, kv_cache_dtype="fp8_e5m2")

@@ -113,6 +113,26 @@ def validate_distributed_args(args: argparse.Namespace) -> None:
             )
     if args.replica_cpus < 0:
         raise ValueError(f"--replica-cpus={args.replica_cpus} is invalid: use >= 0")
+    pd = bool(num_prefill or num_decode)
+    if (pd or args.data_parallel_size > 1) and (
+        getattr(args, "enable_lora", False) or getattr(args, "lora_modules", None)
+    ):
+        raise ValueError(
+            "LoRA adapters (--enable-lora, --lora-modules) are served by one process: Ray Serve "
+            "replicas do not load them; drop --data-parallel-size/--prefill-replicas/"
+            "--decode-replicas, or the LoRA options"
+        )
+    if pd and getattr(args, "tensor_parallel_size", 1) > 1:
+        raise ValueError(
+            "--tensor-parallel-size > 1 with --prefill-replicas/--decode-replicas is not "
+            "supported: a transfer would carry rank 0's shard only; use one of the two"
+        )
+    if pd and getattr(args, "calculate_kv_scales", False):
+        raise ValueError(
+            "--calculate-kv-scales with --prefill-replicas/--decode-replicas is not supported: "
+            "each replica computes its own fp8 scales, and pulled blocks would be read with the "
+            "decode replica's; drop --calculate-kv-scales (fixed scales)"
+        )
     for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
         value = getattr(args, name, None)
         if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):

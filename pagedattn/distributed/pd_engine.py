@@ -106,10 +106,15 @@ class DisaggregatedEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         owner: str | None = None,
+        lora_request: Any = None,
     ):
-        """Prefill elsewhere, then a stream that yields the first token and continues here."""
+        """Prefill elsewhere, then a stream that yields the first token and continues here.
+
+        NOTE: a request under a LoRA adapter runs wholly here (the prefill replica's call and the
+        transfer keys carry no adapter)."""
         if (
-            can_disaggregate(params)
+            lora_request is None
+            and can_disaggregate(params)
             and isinstance(prompt, list)
             and len(prompt) >= self.min_prompt_tokens
         ):
@@ -121,7 +126,13 @@ class DisaggregatedEngine:
                 return PDStream(self, request_id, first, tp, params, priority, owner)
         self.num_local += 1
         return await self.engine.add_request(
-            request_id, prompt, params, priority=priority, cache_salt=cache_salt, owner=owner
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            owner=owner,
+            lora_request=lora_request,
         )
 
     def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:

@@ -284,7 +284,16 @@ class LlamaForCausalLM(PagedCausalLM):
         hidden = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, 1, head_size] each
         stack = self.decode_stack
-        if stack is not None and stack.usable(hidden.shape[0], kv_caches, attn_metadata):
+        # NOTE: a layer still waiting for its fp8 scales (--calculate-kv-scales) sets them in
+        # PagedAttention.forward, which the stack bypasses: run the layers until it has.
+        pending_scales = stack is not None and any(
+            a.calculate_kv_scales for a in self._attention_layers()
+        )
+        if (
+            stack is not None
+            and not pending_scales
+            and stack.usable(hidden.shape[0], kv_caches, attn_metadata)
+        ):
             scales = ()
             if kv_caches[0][0].element_size() == 1:  # fp8: the layers' k/v scales
                 scales = [(a.k_scale, a.v_scale) for a in self._attention_layers()]

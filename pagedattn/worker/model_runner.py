@@ -194,6 +194,8 @@ class ModelRunner:
         # Seeded sequences' own generators and structured-output matchers, kept until the
         # sequence finishes.
         self._generators: dict[str, torch.Generator] = {}
+        # Per sequence: its blocks [0, n) went to the KV store (or were there before it ran).
+        self._num_saved_blocks: dict[str, int] = {}
         self._matchers: dict[str, object] = {}
         self.last_timings = StepTimings()
 
@@ -214,6 +216,7 @@ class ModelRunner:
         """Run one scheduled step: block copies, the forward, then one sample per sampling row."""
         for req_id in scheduler_output.finished_req_ids:
             self._generators.pop(req_id, None)
+            self._num_saved_blocks.pop(req_id, None)
             self._matchers.pop(req_id, None)
         try:
             self.copy_blocks(scheduler_output.block_copies)
@@ -304,10 +307,15 @@ class ModelRunner:
         for s in scheduled:
             if s.req_id in failed:
                 continue
+            # NOTE: from the first block not saved yet, not from start_pos: a block that accepted
+            # drafts completed is hashed only after its step, so the next step saves it.
             first = s.start_pos // block_size
+            first = min(first, self._num_saved_blocks.get(s.req_id, first))
             last = min((s.start_pos + len(s.token_ids)) // block_size, len(s.block_hashes))
-            block_ids += s.block_ids[0][first:last]
-            block_hashes += s.block_hashes[first:last]
+            if last > first:
+                block_ids += s.block_ids[0][first:last]
+                block_hashes += s.block_hashes[first:last]
+                self._num_saved_blocks[s.req_id] = last
         if block_ids:
             try:
                 self.kv_connector.save_blocks(self.kv_caches, block_ids, block_hashes)

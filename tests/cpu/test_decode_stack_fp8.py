@@ -43,3 +43,22 @@ def test_stack_reads_fp8_with_the_layers_scales(tmp_path, monkeypatch, cache_dty
     assert calls == [2] * 3  # every decode step ran on the stack
     for a, b in zip(with_stack.kv_caches, python.kv_caches, strict=True):
         assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8))
+
+
+def test_scales_to_calculate_are_set_by_the_layers_before_the_stack_runs(tmp_path, monkeypatch):
+    """--calculate-kv-scales sets the scales in PagedAttention.forward, which the stack bypasses:
+    a first step the stack could run (one token per sequence) must run the layers instead."""
+    model = _load(make_tiny_llama(tmp_path), "float32", "torch")
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    for layer in layers:
+        layer.calculate_kv_scales = True
+    calls = _count_stack_steps(monkeypatch)
+    driver = PagedDriver(model, seed=1, backend="cpu")
+    driver.kv_caches = [
+        (k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)) for k, v in driver.kv_caches
+    ]
+    got = driver.step([(0, [7]), (1, [9])])  # one token each: a step the stack can run
+    assert calls == []  # the layers ran, and set their scales
+    assert all(not a.calculate_kv_scales and a.k_scale != 1.0 for a in layers)
+    driver.step([(s, [int(g[-1].argmax())]) for s, g in enumerate(got)])
+    assert calls == [2]  # then the stack takes the decode steps

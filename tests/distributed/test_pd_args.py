@@ -45,3 +45,28 @@ def test_prefill_and_decode_replicas_run_the_ray_app():
 def test_half_a_layout_is_refused_with_the_fix(argv, message):
     with pytest.raises(ValueError, match=message):
         validate_distributed_args(parse(*argv))
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--data-parallel-size", "2", "--enable-lora"), "LoRA adapters"),
+        (("--prefill-replicas", "1", "--decode-replicas", "1", "--lora-modules", "a=/x"), "LoRA"),
+        (("--prefill-replicas", "1", "--decode-replicas", "1", "-tp", "2"), "rank 0's shard"),
+        (
+            ("--prefill-replicas", "1", "--decode-replicas", "1", "--kv-cache-dtype", "fp8")
+            + ("--calculate-kv-scales",),
+            "its own fp8 scales",
+        ),
+    ],
+)
+def test_options_replicas_cannot_honour_are_refused_before_ray_starts(extra, message):
+    """The serve parser as the CLI builds it: these would be dropped or wrong on replicas."""
+    from pagedattn.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["serve", *extra])
+    with pytest.raises(ValueError, match=message):
+        validate_distributed_args(args)
+    one_process = [a for a in extra if a not in ("--data-parallel-size", "2")]
+    if "--prefill-replicas" not in extra:  # the same options without replicas are fine
+        validate_distributed_args(build_parser().parse_args(["serve", *one_process]))

@@ -31,7 +31,10 @@ def test_store_saves_accepted_blocks_only(tmp_path):
     assert stats.num_draft_tokens > stats.num_accepted_tokens > 0  # some drafts were rejected
     chain = hash_request_tokens(4, PROMPT + output, "pagedattn")
     assert set(saved) <= set(chain)
-    assert len(set(saved)) > len(PROMPT) // 4  # blocks of generated tokens were saved too
+    # Every full block is saved, also those that accepted drafts completed (their hashes exist
+    # only after the step that computed them); the final step's may be left out.
+    num_computed = len(PROMPT) + len(output) - 1
+    assert set(chain[: num_computed // 4 - 2]) <= set(saved), (len(set(saved)), len(chain))
     # A fresh engine loads those blocks and continues as a cold engine does.
     longer = PROMPT + output[:30]
     cold = LLM(path, **common).generate([longer], GREEDY)[0].outputs[0].token_ids
