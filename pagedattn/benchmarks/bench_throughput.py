@@ -144,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         metavar="N",
         help="uniform over N rank-16 LoRA adapters (made on the fly) against no LoRA, and the\n"
-        "steps around loading one more while serving (bench_lora.py)",
+        "steps around loading one more while serving (lora_compare.py)",
     )
     p.add_argument("--_child", nargs=2, metavar=("ENGINE", "WORKLOAD"), help=argparse.SUPPRESS)
     p.add_argument("--_workload-file", type=Path, help=argparse.SUPPRESS)
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         return tp_compare.run(args)
 
     if args.lora:
-        from pagedattn.benchmarks.bench_lora import run_lora_bench
+        from pagedattn.benchmarks.lora_compare import run_lora_bench
 
         return run_lora_bench(args)
     return child_main(args) if args._child else parent_main(args)

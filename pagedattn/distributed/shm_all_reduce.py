@@ -12,6 +12,7 @@ after every peer has published the call in between, i.e. has finished reading se
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -27,7 +28,7 @@ _SPINS_BEFORE_YIELD = 64
 
 def new_shm_path() -> Path:
     """A fresh file name in /dev/shm (or the temp dir where there is none)."""
-    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
     return root / f"pagedattn-tp-{uuid.uuid4().hex}"
 
 

@@ -103,7 +103,7 @@ def run_lora_bench(args: argparse.Namespace) -> int:
 
     n = args.lora
     size = "quick" if args.quick else args.size
-    vocab_size, special = _vocab(args.model)
+    vocab_size, special, _ = _vocab(args.model)
     workload = make_workloads(SIZE_PRESETS[size], vocab_size, special, args.seed)["uniform"]
     machine = describe_cpu(args.threads)
     load_start = os.getloadavg()
