@@ -111,6 +111,7 @@ def validate_distributed_args(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--pd-min-prompt-tokens={args.pd_min_prompt_tokens} is invalid: use >= 0"
             )
+        _check_pd_ignores(args)
     if args.replica_cpus < 0:
         raise ValueError(f"--replica-cpus={args.replica_cpus} is invalid: use >= 0")
     pd = bool(num_prefill or num_decode)
@@ -138,3 +139,22 @@ def validate_distributed_args(args: argparse.Namespace) -> None:
         if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
             option = "--" + name.replace("_", "-")
             raise ValueError(f"{option}={value!r} is invalid: use tcp://HOST:PORT or ipc://PATH")
+
+
+def _check_pd_ignores(args: argparse.Namespace) -> None:
+    """Refuse the options a PD layout cannot honour rather than drop them silently."""
+    routing = "prefill replicas route by cached prefix and decode replicas by load"
+    events = "prefill/decode replicas publish no KV events outside (the prefix router has its own)"
+    for option, default, why in (
+        ("router", "prefix", routing),
+        ("router_imbalance_threshold", DEFAULT_IMBALANCE_THRESHOLD, routing),
+        ("kv_events_endpoint", None, events),
+        ("kv_events_replay_endpoint", None, events),
+    ):
+        value = getattr(args, option, default)
+        if value != default:
+            flag = "--" + option.replace("_", "-")
+            raise ValueError(
+                f"{flag}={value!r} does not apply with --prefill-replicas/--decode-replicas "
+                f"(the {why}): drop it"
+            )

@@ -196,8 +196,8 @@ def build_pd_app(
 def pd_app_builder(num_prefill: int, num_decode: int, min_prompt_tokens: int):
     """A builder with serve_app.build_app's signature, for run_replicas (`pagedattn serve`).
 
-    The routers are fixed (prefill: prefix, decode: pow2); --router and the external KV event
-    endpoints do not apply.
+    The routers are fixed (prefill: prefix, decode: pow2); --router, its threshold and the
+    external KV event endpoints do not apply (`validate_distributed_args` refuses them).
     """
 
     def build(engine_config, num_replicas, *, router=None, imbalance_threshold=None,

@@ -4,11 +4,14 @@
 prefill replicas by cached prefix) and waits for its first token and ``KVTransferParams``; the
 stream it returns yields that token at once (TTFT is the prefill's), then pulls the blocks this
 replica's prefix cache lacks from the prefill replica's BlockServer and continues the request on
-the local engine as ``prompt + [first token]``. Outputs are rewritten to read as one request: the
-original prompt, the first token and its text in front of the decode tokens.
+the local engine as ``prompt + [first token]``. Outputs are rewritten to read as one request
+(``JoinedOutput``): the original prompt, text and stop strings over the joined tokens, and the
+client's timings (arrival here, first token when the prefill answered) in the request's metrics
+and the server's TTFT/ITL/e2e histograms.
 
 Failure: a prefill call that fails (the replica died) is retried once, then the request runs
-wholly on this replica; a pull that fails loads nothing and the local engine recomputes. Requests
+wholly on this replica; a pull that fails loads nothing and the local engine recomputes (at once
+when the prefill replica's BlockServer refuses or drops the connection: it died). Requests
 whose decode half could not sample as one engine would (n > 1, logprobs, penalties, grammar) run
 wholly here, as do prompts shorter than ``min_prompt_tokens``.
 """
@@ -18,11 +21,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from typing import Any
 
 from pagedattn.core.kv_cache_utils import hash_request_tokens
+from pagedattn.distributed.pd_output import JoinedOutput
 from pagedattn.engine.errors import InvalidRequestError
-from pagedattn.engine.outputs import CompletionOutput, RequestOutput
+from pagedattn.engine.outputs import RequestOutput
 from pagedattn.kv_transfer.pd import (
     DecodeRole,
     KVTransferParams,
@@ -112,6 +117,8 @@ class DisaggregatedEngine:
 
         NOTE: a request under a LoRA adapter runs wholly here (the prefill replica's call and the
         transfer keys carry no adapter)."""
+        arrival = time.monotonic()
+        continued_from = None
         if (
             lora_request is None
             and can_disaggregate(params)
@@ -123,7 +130,9 @@ class DisaggregatedEngine:
             if result is not None:
                 self.num_disaggregated += 1
                 first, tp = result
-                return PDStream(self, request_id, first, tp, params, priority, owner)
+                times = (arrival, time.monotonic())
+                return PDStream(self, request_id, first, tp, params, priority, owner, times)
+            continued_from = (arrival, None)  # NOTE: the failed prefills count in its TTFT
         self.num_local += 1
         return await self.engine.add_request(
             request_id,
@@ -133,7 +142,18 @@ class DisaggregatedEngine:
             cache_salt=cache_salt,
             owner=owner,
             lora_request=lora_request,
+            continued_from=continued_from,
         )
+
+    def observe_first_token(self, joined: JoinedOutput, finished: bool) -> None:
+        """The client's TTFT (arrival here to the prefill's answer) in the server's metrics;
+        the decode half's tokens and finish are the engine's to record."""
+        metrics = self.engine.metrics
+        ttft = joined.first_token_time - joined.arrival_time
+        metrics.observe_first_token(ttft, len(joined.first.prompt_token_ids))
+        metrics.observe_tokens(len(joined.token_ids), None)
+        if finished:
+            metrics.observe_finished(ttft, joined.first.outputs[0].finish_reason or "stop")
 
     def _check_fits(self, prompt: list[int], params: SamplingParams) -> None:
         """Refuse here, before the prefill, a request the decode engine could never hold."""
@@ -176,14 +196,16 @@ class DisaggregatedEngine:
 class PDStream:
     """One disaggregated request's outputs: the prefill's first token, then the local decode."""
 
-    def __init__(self, owner_engine, request_id, first, tp, params, priority, owner) -> None:
+    def __init__(self, owner_engine, request_id, first, tp, params, priority, owner, times):
         self._pd = owner_engine
         self._request_id = request_id
-        self._first: RequestOutput = first
         self._tp: KVTransferParams | None = tp
         self._params = params
         self._priority = priority
         self._owner = owner
+        self._times = times
+        tokenizer = owner_engine.engine.engine.tokenizer
+        self._joined = JoinedOutput(first, params, tokenizer, *times)
         self._inner = None
         self._sent_first = False
         self._finished = tp is None
@@ -197,18 +219,20 @@ class PDStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self._closed:
+        if self._closed or (self._sent_first and self._finished):
             raise StopAsyncIteration
         if not self._sent_first:
             self._sent_first = True
-            return self._first_output()
-        if self._tp is None:
-            raise StopAsyncIteration
+            self._pd.observe_first_token(self._joined, self._tp is None)
+            return self._joined.first_output(finished=self._tp is None)
         if self._inner is None:
             await self._start_decode()
-        out = await self._inner.__anext__()
+        decoded = await self._inner.__anext__()
+        out = self._joined.add(decoded)
         self._finished = out.finished
-        return self._merged(out)
+        if out.finished and not decoded.finished:
+            await self._inner.aclose()  # NOTE: a stop string over the joined text: abort the rest
+        return out
 
     async def _start_decode(self) -> None:
         tp, pd = self._tp, self._pd
@@ -222,38 +246,7 @@ class PDStream:
             priority=self._priority,
             cache_salt=tp.cache_salt,
             owner=self._owner,
-        )
-
-    def _first_output(self) -> RequestOutput:
-        first = self._first
-        if self._tp is None:
-            return first  # NOTE: the first token ended the request (a stop, or max_tokens=1)
-        comp = dataclasses.replace(first.outputs[0], finish_reason=None, stop_reason=None)
-        return dataclasses.replace(first, outputs=[comp], finished=False)
-
-    def _merged(self, out: RequestOutput) -> RequestOutput:
-        head = self._first.outputs[0]
-        comps = [
-            CompletionOutput(
-                index=c.index,
-                text=head.text + c.text,
-                token_ids=[*head.token_ids, *c.token_ids],
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-            )
-            for c in out.outputs
-        ]
-        return dataclasses.replace(
-            out,
-            prompt=self._first.prompt,
-            prompt_token_ids=self._first.prompt_token_ids,
-            outputs=comps,
-            num_cached_tokens=self._first.num_cached_tokens,
-            # NOTE: the decode half "cached" the pulled blocks; the client's cached_tokens are the
-            # prefill's prefix-cache hits.
-            metrics=dataclasses.replace(
-                out.metrics, num_cached_tokens=self._first.metrics.num_cached_tokens
-            ),
+            continued_from=self._times,
         )
 
     async def aclose(self) -> None:

@@ -234,10 +234,19 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
         owner: str | None = None,
         lora_request: Any = None,
+        continued_from: tuple[float, float | None] | None = None,
     ) -> RequestStream:
-        """Queue a request; raises the engine's error if it rejects it, else returns its stream."""
+        """Queue a request; raises the engine's error if it rejects it, else returns its stream.
+
+        continued_from: (arrival, first token or None) time.monotonic() of a request that began
+        elsewhere (a PD decode half, or one whose prefill failed): the latency metrics are then
+        the client's.
+        """
         loop = asyncio.get_running_loop()
         state = _RequestState(request_id, loop, asyncio.Queue(), time.monotonic(), owner)
+        if continued_from is not None:
+            state.arrival_time, state.first_token_time = continued_from
+            state.last_token_time = state.first_token_time
         accepted: Future = Future()
         self._submit(_Add(state, prompt, params, priority, cache_salt, accepted, lora_request))
         try:

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from pagedattn.kv_transfer.codec import HEADER_BYTES, BlockFormat
 from pagedattn.kv_transfer.connector import KVConnector
@@ -26,6 +27,10 @@ logger = logging.getLogger(__name__)
 _GET, _OK = b"get", b"ok"
 # How long the server's poll waits before it checks whether it should stop.
 _POLL_MS = 100
+# A TCP connect to a live BlockServer takes milliseconds; past this the peer counts as gone.
+_CONNECT_TIMEOUT_MS = 2000
+# Socket events that mean the BlockServer is gone: connect refused or timed out, peer closed.
+_PEER_GONE = zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
 
 
 class ExportConnector(KVConnector):
@@ -133,22 +138,41 @@ class TransferError(RuntimeError):
     """A block pull failed or timed out; the decode side recomputes the prompt."""
 
 
+class PeerUnreachableError(TransferError):
+    """The BlockServer refused the connection or went away (its replica died): known at once."""
+
+
 def fetch_blocks(endpoint: str, keys: Sequence[str], timeout_s: float) -> list[memoryview | None]:
-    """Pull keys' values from a BlockServer; None for a key it lacks. Raises TransferError."""
+    """Pull keys' values from a BlockServer; None for a key it lacks. Raises TransferError.
+
+    A refused or dropped connection raises PeerUnreachableError as soon as the socket reports
+    it, not at the deadline (a dead prefill replica's port refuses at once).
+    """
     if not keys:
         return []
     ctx = zmq.Context.instance()
     socket = ctx.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
+    socket.setsockopt(zmq.CONNECT_TIMEOUT, min(_CONNECT_TIMEOUT_MS, int(timeout_s * 1000)))
+    monitor = socket.get_monitor_socket(_PEER_GONE)
     try:
         socket.connect(endpoint)
         socket.send_multipart([_GET, *(key.encode() for key in keys)])
-        if not socket.poll(int(timeout_s * 1000), zmq.POLLIN):
+        poller = zmq.Poller()
+        poller.register(socket, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
+        ready = dict(poller.poll(int(timeout_s * 1000)))
+        if socket not in ready:
+            if monitor in ready:
+                event = recv_monitor_message(monitor)["event"]
+                raise PeerUnreachableError(f"{endpoint} is unreachable ({zmq.Event(event).name})")
             raise TransferError(f"no answer from {endpoint} within {timeout_s:.1f} s")
         frames = socket.recv_multipart(copy=False)
     except zmq.ZMQError as exc:
         raise TransferError(f"pulling blocks from {endpoint} failed: {exc}") from exc
     finally:
+        socket.disable_monitor()
+        monitor.close(linger=0)
         socket.close(linger=0)
     if not frames or frames[0].bytes != _OK or len(frames) != len(keys) + 1:
         raise TransferError(f"{endpoint} answered {len(frames)} frames for {len(keys)} keys")
@@ -162,18 +186,22 @@ def pull_into(
     keys: Sequence[str],
     timeout_s: float,
     verify: Callable[[str, memoryview], bool] | None = None,
+    on_unreachable: Callable[[str], None] | None = None,
 ) -> tuple[int, int, float]:
     """fetch_blocks, then put the leading present (and verified) values in the inbox:
     (blocks, bytes, seconds).
 
-    A failed pull puts nothing (the decode side recomputes); it is logged, not raised. A value
-    that fails ``verify`` ends the run of blocks put (loads are contiguous).
+    A failed pull puts nothing (the decode side recomputes); it is logged, not raised, and
+    ``on_unreachable(endpoint)`` hears of a peer that is gone. A value that fails ``verify``
+    ends the run of blocks put (loads are contiguous).
     """
     start = time.perf_counter()
     try:
         values = fetch_blocks(endpoint, keys, timeout_s)
     except TransferError as exc:
         logger.warning("block transfer failed, recomputing the prompt: %s", exc)
+        if on_unreachable is not None and isinstance(exc, PeerUnreachableError):
+            on_unreachable(endpoint)
         return 0, 0, time.perf_counter() - start
     num_blocks = num_bytes = 0
     for key, value in zip(keys, values, strict=True):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 # Default deadline of one block pull; past it the decode side recomputes the prompt.
 DEFAULT_TRANSFER_TIMEOUT_S = 10.0
+# A BlockServer found unreachable (its replica died) is not asked again for this long: pulls
+# from it recompute at once instead of each waiting for the connection to fail.
+UNREACHABLE_TTL_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -187,6 +191,9 @@ class DecodeRole:
         attach_connector(engine, self.connector)
         self._format = self.connector.block_format(engine.runner.kv_caches)
         self.num_corrupt = 0
+        # BlockServer endpoint -> time.monotonic() until which it counts as unreachable.
+        self._unreachable: dict[str, float] = {}
+        self.num_skipped_pulls = 0
 
     def _verify(self, key: str, value: memoryview) -> bool:
         """The codec's check (header, BLAKE2b over key and payload), in the pulling thread."""
@@ -210,10 +217,29 @@ class DecodeRole:
         """Pull the blocks this engine lacks into the inbox (nothing on failure: recompute)."""
         num_local = self.num_local_blocks(tp.block_hashes)
         keys = tp.block_keys[num_local:]
+        if keys and self.is_unreachable(tp.remote_endpoint):
+            self.num_skipped_pulls += 1
+            return TransferResult(num_local, 0, 0, 0.0)
         num_blocks, num_bytes, seconds = pull_into(
-            self.inbox, tp.remote_endpoint, keys, self.timeout_s, self._verify
+            self.inbox,
+            tp.remote_endpoint,
+            keys,
+            self.timeout_s,
+            self._verify,
+            on_unreachable=self.mark_unreachable,
         )
         return TransferResult(num_local, num_blocks, num_bytes, seconds)
+
+    def mark_unreachable(self, endpoint: str) -> None:
+        """Pulls from endpoint recompute at once for UNREACHABLE_TTL_S (its replica is gone)."""
+        self._unreachable[endpoint] = time.monotonic() + UNREACHABLE_TTL_S
+
+    def is_unreachable(self, endpoint: str) -> bool:
+        until = self._unreachable.get(endpoint)
+        if until is None or time.monotonic() >= until:
+            self._unreachable.pop(endpoint, None)
+            return False
+        return True
 
     def release(self, tp: KVTransferParams) -> None:
         """Drop what the request's first step did not load (it finished or was aborted)."""

@@ -70,3 +70,35 @@ def test_options_replicas_cannot_honour_are_refused_before_ray_starts(extra, mes
     one_process = [a for a in extra if a not in ("--data-parallel-size", "2")]
     if "--prefill-replicas" not in extra:  # the same options without replicas are fine
         validate_distributed_args(build_parser().parse_args(["serve", *one_process]))
+
+
+PD = ("--prefill-replicas", "1", "--decode-replicas", "1")
+
+
+@pytest.mark.parametrize(
+    ("argv", "engine_options", "message"),
+    [
+        (("--router", "pow2"), {}, "--router='pow2' does not apply"),
+        (("--router-imbalance-threshold", "3"), {}, "--router-imbalance-threshold=3 does not"),
+        ((), {"kv_events_endpoint": "tcp://127.0.0.1:5557"}, "--kv-events-endpoint="),
+        (
+            ("--kv-events-replay-endpoint", "tcp://127.0.0.1:5558"),
+            {},
+            "--kv-events-replay-endpoint=",
+        ),
+    ],
+)
+def test_options_a_pd_layout_would_drop_are_refused(argv, engine_options, message):
+    args = parse(*PD, *argv)
+    vars(args).update(engine_options)  # NOTE: --kv-events-endpoint is an engine option
+    with pytest.raises(ValueError, match=message):
+        validate_distributed_args(args)
+    args = parse(*argv)  # the same options without PD are fine
+    vars(args).update(engine_options)
+    validate_distributed_args(args)
+
+
+def test_the_default_router_is_accepted_with_pd():
+    args = parse(*PD, "--router", "prefix")
+    args.kv_events_endpoint = None
+    validate_distributed_args(args)

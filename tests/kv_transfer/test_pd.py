@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import zmq
 
 from pagedattn import LLM, SamplingParams
 from pagedattn.kv_transfer.direct import BlockServer
@@ -113,12 +114,31 @@ def test_a_dead_prefill_server_means_recompute(pair, single):
 
 def test_a_server_that_never_answers_times_out(pair, single):
     prefill, decode = pair
-    silent = BlockServer(MemoryKVStore())
-    silent.close()  # NOTE: its port is gone; a fresh REQ socket waits for a peer that never comes
-    prefill.endpoint = silent.endpoint
-    decode.timeout_s = 0.3
-    tokens, result = pd_generate(prefill, decode, "a")
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # NOTE: accepts, never reads or answers
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind("tcp://127.0.0.1:*")
+    try:
+        prefill.endpoint = silent.getsockopt_string(zmq.LAST_ENDPOINT)
+        decode.timeout_s = 0.3
+        tokens, result = pd_generate(prefill, decode, "a")
+    finally:
+        silent.close()
     assert tokens == single and result.num_blocks == 0 and result.seconds >= 0.3
+    assert not decode.is_unreachable(prefill.endpoint)  # slow is not dead: the next pull tries
+
+
+def test_a_closed_server_fails_at_once_and_is_not_asked_again(pair, single):
+    prefill, decode = pair
+    gone = BlockServer(MemoryKVStore())
+    gone.close()  # NOTE: its port refuses connections, as a dead prefill replica's does
+    prefill.endpoint = gone.endpoint
+    decode.timeout_s = 10.0
+    tokens, result = pd_generate(prefill, decode, "a")
+    assert tokens == single and result.num_blocks == 0 and result.seconds < 2.0
+    assert decode.is_unreachable(gone.endpoint)
+    # Another prompt (this one's blocks are now cached here): its pull is not even tried.
+    _, result = pd_generate(prefill, decode, "b", prompt=PROMPT[::-1])
+    assert result.seconds == 0.0 and decode.num_skipped_pulls == 1
 
 
 def test_corrupt_blocks_fail_the_checksum_and_are_recomputed(pair, single):
