@@ -40,7 +40,6 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-@pytest.mark.slow
 def test_tensor_parallel_replicas_on_two_ray_nodes(tmp_path):
     model = make_model_dir(tmp_path)
     cluster = Cluster(

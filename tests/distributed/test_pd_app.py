@@ -21,8 +21,6 @@ from pagedattn.distributed.pd_app import build_pd_app  # noqa: E402
 from tests.distributed.test_serve_app import prompt, wait_for  # noqa: E402
 from tests.entrypoints.server_process import free_port, make_model_dir  # noqa: E402
 
-pytestmark = pytest.mark.slow
-
 KEY = "key-a"
 BLOCK_SIZE = 4
 HEADERS = {"Authorization": f"Bearer {KEY}"}
