@@ -12,7 +12,9 @@ contexts are not partitioned here: SDPA's CPU kernel already tiles over keys.
 
 When the compiled kernel (cpu_ext, csrc/paged_attention_cpu.cpp) builds, decode rows (pure-decode
 batches and the decode rows of mixed batches) skip the gather: it reads K/V through the block
-tables directly. The PyTorch path above stays as the fallback and for prefill spans.
+tables directly. The PyTorch path above stays as the fallback and for prefill spans. An fp8
+cache's gathered blocks are dequantized in the same pass by the extension's gather_dequant_fp8
+(torch's float8 -> float conversion costs ~3 ns an element: +45% on a 1,024-token prefill span).
 """
 
 from __future__ import annotations
