@@ -42,6 +42,7 @@ SOURCES = (
     CSRC / "linear_amx_cpu.cpp",
     CSRC / "step_ops_cpu.cpp",
     CSRC / "decode_stack_cpu.cpp",
+    CSRC / "kv_gather_cpu.cpp",
 )
 # NOTE: -ffp-contract=off: the kernels fuse a multiply and an add only where they call fmadd, so
 # every ISA rounds at the same points (the rotation must round after each product, as PyTorch).
@@ -252,6 +253,16 @@ def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
         and query.dtype in SUPPORTED_DTYPES
         and query.shape[-1] % HEAD_SIZE_MULTIPLE == 0
     )
+
+
+def gather_dequant_fp8(
+    cache: torch.Tensor, block_ids: torch.Tensor, scale: float, out: torch.Tensor
+) -> torch.Tensor:
+    """Blocks ``block_ids`` of an fp8 cache [num_blocks, ...] dequantized (x * scale) into
+    ``out`` [len(block_ids), ...] (float32/bfloat16), as ``fp8.dequantize`` of the index_select.
+    Raises ExtensionBuildError if the extension cannot be built."""
+    load_extension().gather_dequant_fp8(out, cache, block_ids.to(torch.int64).contiguous(), scale)
+    return out
 
 
 def paged_decode(

@@ -810,6 +810,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Write K/V rows into a flash-layout paged cache by slot (an fp8 cache: x / scale)",
         py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("slot_mapping"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
+  m.def("gather_dequant_fp8", &gather_dequant_fp8,
+        "Whole blocks of an fp8 cache through a block list, dequantized (x * scale) into out",
+        py::arg("out"), py::arg("cache"), py::arg("block_ids"), py::arg("scale"));
   m.def("rotary_inplace", &rotary_inplace, "Neox rotary embedding of [T, H, D] in place");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H], optionally adding a residual in place first");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU of a fused [T, 2I] gate/up projection");

@@ -12,7 +12,9 @@ contexts are not partitioned here: SDPA's CPU kernel already tiles over keys.
 
 When the compiled kernel (cpu_ext, csrc/paged_attention_cpu.cpp) builds, decode rows (pure-decode
 batches and the decode rows of mixed batches) skip the gather: it reads K/V through the block
-tables directly. The PyTorch path above stays as the fallback and for prefill spans.
+tables directly. The PyTorch path above stays as the fallback and for prefill spans. An fp8
+cache's gathered blocks are dequantized in the same pass by the extension's gather_dequant_fp8
+(torch's float8 -> float conversion costs ~3 ns an element: +45% on a 1,024-token prefill span).
 """
 
 from __future__ import annotations
@@ -52,6 +54,29 @@ def gather_blocks(
 ) -> torch.Tensor:
     """Whole blocks [n, B, Hkv, D] of a flash-layout cache, one index_select over block rows."""
     return torch.index_select(cache, 0, block_ids, out=out)
+
+
+def gather_dequantized(
+    cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    dtype: torch.dtype,
+    scale: float,
+    buffers: GatherBuffers,
+    name: str,
+    compiled: bool,
+) -> torch.Tensor:
+    """Whole blocks [n, B, Hkv, D] of a flash-layout cache in ``dtype``: an fp8 cache's blocks
+    dequantized (times scale) as they are gathered, in one compiled pass where ``compiled``."""
+    shape = (block_ids.numel(), *cache.shape[1:])
+    if not is_fp8(cache.dtype):
+        return from_cache(gather_blocks(cache, block_ids, buffers.get(name, shape, cache)), dtype)
+    if compiled and dtype in cpu_ext.SUPPORTED_DTYPES and cache.is_contiguous():
+        out = buffers.get(name, shape, torch.empty(0, dtype=dtype))
+        return cpu_ext.gather_dequant_fp8(cache, block_ids, scale, out)
+    # NOTE: torch's float8 -> float conversion runs one element at a time (~3 ns each).
+    return from_cache(
+        gather_blocks(cache, block_ids, buffers.get(name, shape, cache)), dtype, scale
+    )
 
 
 def key_visibility(
@@ -286,11 +311,11 @@ class CpuBackend(AttentionBackend):
         num_blocks = -(-max_seq_len // block_size)
         # NOTE: unused table entries may be padding; clamp to a valid block, the mask hides it.
         block_ids = block_tables[:, :num_blocks].reshape(-1).long().clamp_(min=0)
-        shape = (num_seqs * num_blocks, block_size, num_kv_heads, head_size)
-        key = gather_blocks(key_cache, block_ids, self._buffers.get("key", shape, key_cache))
-        value = gather_blocks(value_cache, block_ids, self._buffers.get("value", shape, key_cache))
-        key = from_cache(key, query.dtype, k_scale)  # fp8: dequantized; else a no-op
-        value = from_cache(value, query.dtype, v_scale)
+        gather = dict(buffers=self._buffers, compiled=self._use_extension)
+        key = gather_dequantized(key_cache, block_ids, query.dtype, k_scale, name="key", **gather)
+        value = gather_dequantized(
+            value_cache, block_ids, query.dtype, v_scale, name="value", **gather
+        )
         # [S*n, B, Hkv, D] -> [S, n*B, Hkv, D] -> [S, Hkv, n*B, D] (strided view, no copy)
         padded_len = num_blocks * block_size
         key = key.view(num_seqs, padded_len, num_kv_heads, head_size).transpose(1, 2)
@@ -325,11 +350,11 @@ class CpuBackend(AttentionBackend):
         group = num_heads // num_kv_heads
         num_blocks = -(-seq_len // block_size)
         block_ids = block_table[:num_blocks].long()
-        shape = (num_blocks, block_size, num_kv_heads, head_size)
-        key = gather_blocks(key_cache, block_ids, self._buffers.get("key", shape, key_cache))
-        value = gather_blocks(value_cache, block_ids, self._buffers.get("value", shape, key_cache))
-        key = from_cache(key, query.dtype, k_scale)  # fp8: dequantized; else a no-op
-        value = from_cache(value, query.dtype, v_scale)
+        gather = dict(buffers=self._buffers, compiled=self._use_extension)
+        key = gather_dequantized(key_cache, block_ids, query.dtype, k_scale, name="key", **gather)
+        value = gather_dequantized(
+            value_cache, block_ids, query.dtype, v_scale, name="value", **gather
+        )
         # [n, B, Hkv, D] -> [n*B, Hkv, D] -> first seq_len tokens
         key = key.view(-1, num_kv_heads, head_size)[:seq_len]
         value = value.view(-1, num_kv_heads, head_size)[:seq_len]
