@@ -17,10 +17,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 
 from pagedattn.distributed.replica import EngineReplica, _node_ip
-from pagedattn.distributed.serve_app import ROUTER_CLASS, OpenAIIngress
+from pagedattn.distributed.serve_app import bind_ingress, make_router_config
 
 logger = logging.getLogger(__name__)
 
@@ -118,15 +117,6 @@ class DecodeReplica(EngineReplica):
         return out
 
 
-def _router_config(policy: str, period_s: float, seed) -> RequestRouterConfig:
-    return RequestRouterConfig(
-        request_router_class=ROUTER_CLASS,
-        request_router_kwargs={"policy": policy, "seed": seed},
-        request_routing_stats_period_s=period_s,
-        request_routing_stats_timeout_s=max(5.0, 2 * period_s),
-    )
-
-
 def build_pd_app(
     engine_config,
     num_prefill: int,
@@ -145,14 +135,11 @@ def build_pd_app(
     **ingress_options,
 ):
     """The PD application: `serve.run(build_pd_app(...))`."""
-    import secrets
-
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(
             f"--prefill-replicas={num_prefill} --decode-replicas={num_decode} is invalid: "
             "use at least one of each"
         )
-    secret = secret if secret is not None else secrets.token_bytes(32)
     common = dict(
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": replica_num_cpus},
@@ -164,31 +151,25 @@ def build_pd_app(
         PrefillReplica,
         name="PrefillReplica",
         num_replicas=num_prefill,
-        request_router_config=_router_config("prefix", routing_stats_period_s, seed),
+        request_router_config=make_router_config(
+            routing_stats_period_s, policy="prefix", seed=seed
+        ),
         **common,
     ).bind(engine_config, served_model_name, events_host)
     decode = serve.deployment(
         DecodeReplica,
         name="DecodeReplica",
         num_replicas=num_decode,
-        request_router_config=_router_config("pow2", routing_stats_period_s, seed),
+        request_router_config=make_router_config(routing_stats_period_s, policy="pow2", seed=seed),
         **common,
     ).bind(engine_config, prefill, served_model_name, events_host, min_prompt_tokens)
-    ingress = serve.deployment(
-        OpenAIIngress,
-        name="OpenAIIngress",
-        num_replicas=1,
-        max_ongoing_requests=4 * max_ongoing_requests,
-        ray_actor_options={"num_cpus": 0},
-        graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
-    )
-    return ingress.bind(
+    return bind_ingress(
         decode,
-        engine_config.model.model,
-        engine_config.cache.block_size,
-        engine_config.cache.hash_seed,
-        list(api_keys or []),
+        engine_config,
+        api_keys,
         secret,
+        max_ongoing_requests,
+        graceful_shutdown_timeout_s,
         **ingress_options,
     )
 

@@ -346,17 +346,12 @@ def build_app(
     health_stall_s: float = DEFAULT_HEALTH_STALL_S,
 ):
     """The Ray Serve application: `serve.run(build_app(...))`."""
-    secret = secret if secret is not None else secrets.token_bytes(32)
-    router_config = RequestRouterConfig(
-        request_router_class=ROUTER_CLASS,
-        request_router_kwargs={
-            "policy": router,
-            "imbalance_threshold": imbalance_threshold,
-            "imbalance_ratio": imbalance_ratio,
-            "seed": seed,
-        },
-        request_routing_stats_period_s=routing_stats_period_s,
-        request_routing_stats_timeout_s=max(5.0, 2 * routing_stats_period_s),
+    router_config = make_router_config(
+        routing_stats_period_s,
+        policy=router,
+        imbalance_threshold=imbalance_threshold,
+        imbalance_ratio=imbalance_ratio,
+        seed=seed,
     )
     engine = serve.deployment(
         EngineReplica,
@@ -377,6 +372,41 @@ def build_app(
         kv_events_endpoint,
         kv_events_replay_endpoint,
     )
+    return bind_ingress(
+        engine,
+        engine_config,
+        api_keys,
+        secret,
+        max_ongoing_requests,
+        graceful_shutdown_timeout_s,
+        max_request_bytes=max_request_bytes,
+        max_prompt_chars=max_prompt_chars,
+        metrics_public=metrics_public,
+        health_stall_s=health_stall_s,
+    )
+
+
+def make_router_config(period_s: float, **policy_kwargs: Any) -> RequestRouterConfig:
+    """Ray Serve's config for our request router (ROUTER_CLASS) with these policy arguments."""
+    return RequestRouterConfig(
+        request_router_class=ROUTER_CLASS,
+        request_router_kwargs=policy_kwargs,
+        request_routing_stats_period_s=period_s,
+        request_routing_stats_timeout_s=max(5.0, 2 * period_s),
+    )
+
+
+def bind_ingress(
+    backend,
+    engine_config,
+    api_keys: Sequence[str] | None,
+    secret: bytes | None,
+    max_ongoing_requests: int,
+    graceful_shutdown_timeout_s: float,
+    **ingress_options: Any,
+):
+    """The OpenAIIngress deployment in front of `backend` (the replicas that serve requests);
+    a fresh tenant secret unless one is given."""
     ingress = serve.deployment(
         OpenAIIngress,
         name="OpenAIIngress",
@@ -386,16 +416,13 @@ def build_app(
         graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
     )
     return ingress.bind(
-        engine,
+        backend,
         engine_config.model.model,
         engine_config.cache.block_size,
         engine_config.cache.hash_seed,
         list(api_keys or []),
-        secret,
-        max_request_bytes,
-        max_prompt_chars,
-        metrics_public,
-        health_stall_s,
+        secret if secret is not None else secrets.token_bytes(32),
+        **ingress_options,
     )
 
 
