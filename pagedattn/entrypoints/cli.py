@@ -367,6 +367,13 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     except KeyboardInterrupt:
         print("\npagedattn: interrupted", file=sys.stderr)
+        if argv is None:
+            # NOTE: CPython 3.11 marks a KeyboardInterrupt raised inside code run by exec() of a
+            # string (dataclasses does that at import) as unhandled, even when caught here, and
+            # then ends the process by SIGINT (status -2) after a clean SystemExit(130).
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
         return 130
     finally:
         if argv is None:  # the process is this command, and it ends now
