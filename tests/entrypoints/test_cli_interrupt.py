@@ -75,15 +75,19 @@ def _interrupt_generate(model: Path, delay_s: float) -> tuple[bool, int, str, st
 
 
 def test_ctrl_c_during_start_up_is_one_line_and_status_130(model):
-    num_during_startup = 0
-    for delay_s in DELAYS_AFTER_TORCH_S:
+    seen = []
+    # NOTE: a delay retried: on a loaded machine the test process itself may be descheduled
+    # until the command has started up, and then nothing lands during start-up.
+    for delay_s in (*DELAYS_AFTER_TORCH_S, 0.0, 0.0):
         during_startup, code, out, err = _interrupt_generate(model, delay_s)
+        seen.append(f"delay {delay_s} s: status {code}, during start-up {during_startup}")
         if code == 0 and not during_startup:
             continue  # it finished first (a fast machine): nothing to check at this delay
         context = f"delay {delay_s} s, status {code}\nstdout:\n{out}\nstderr:\n{err}"
         assert "Traceback" not in err, context
         assert code == 130, context
         assert err.rstrip().splitlines()[-1] == "pagedattn: interrupted", context
-        num_during_startup += during_startup
+        if during_startup and len(seen) >= len(DELAYS_AFTER_TORCH_S):
+            break
     # The first delay (0 s after libtorch is mapped) lands while torch still imports.
-    assert num_during_startup >= 1
+    assert any("during start-up True" in line for line in seen), "\n".join(seen)
