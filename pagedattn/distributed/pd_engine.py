@@ -199,10 +199,11 @@ class DisaggregatedEngine:
 async def preload_pulled(engine, role: DecodeRole, tp: KVTransferParams, result) -> int:
     """Copy a pull's blocks into the decode cache piece by piece, one engine call (between two
     steps) per piece, before the request is added; returns the blocks that stay for a
-    first-step load (those preload_piece left in the inbox)."""
+    first-step load: the last piece (so a short prompt's transfer costs no extra engine round
+    trip), and any that preload_piece left in the inbox."""
     start = result.num_local_blocks
     end = start + result.num_blocks
-    while start < end:
+    while end - start > role.piece_blocks:
         num = await engine.call(lambda llm, s=start: role.preload_piece(llm, tp, s, end))
         if num == 0:
             break
@@ -253,7 +254,11 @@ class PDStream:
 
     async def _start_decode(self) -> None:
         tp, pd = self._tp, self._pd
-        result = await asyncio.wrap_future(pd.role.submit_pull(tp))
+        future = pd.role.submit_pull(tp)
+        if future is None:
+            result = await asyncio.to_thread(pd.role.pull, tp)
+        else:
+            result = await asyncio.wrap_future(future)
         pd.transfers.append(dataclasses.asdict(result))
         del pd.transfers[:-256]
         if pd.preload:

@@ -249,6 +249,11 @@ class DecodeRole:
             return False
         return True
 
+    @property
+    def piece_blocks(self) -> int:
+        """Blocks per preload piece (PRELOAD_PIECE_BYTES of this cache's blocks)."""
+        return max(1, PRELOAD_PIECE_BYTES // self._format.value_bytes)
+
     def preload_piece(self, engine, tp: KVTransferParams, start: int, end: int) -> int:
         """On the engine's loop thread, between steps: copy pulled blocks ``start..`` (at most
         PRELOAD_PIECE_BYTES, never past ``end``) into free blocks of the cache and index them in
@@ -272,7 +277,7 @@ class DecodeRole:
         if num_skipped:
             self.inbox.discard(tp.block_keys[start : start + num_skipped])
             return num_skipped
-        per_piece = max(1, PRELOAD_PIECE_BYTES // self._format.value_bytes)
+        per_piece = self.piece_blocks
         num = min(per_piece, end - start)
         # NOTE: only while the rest of the prompt fits in free blocks with room to spare, so that
         # these blocks evict nothing this prompt needs and the running streams keep their room.
@@ -298,7 +303,11 @@ class DecodeRole:
         self.inbox.discard(tp.block_keys)
 
     def submit_pull(self, tp: KVTransferParams):
-        """A Future of pull(tp) on the pull thread (lower CPU priority than the engine loop)."""
+        """A Future of pull(tp): on the pull thread (lower CPU priority than the engine loop)
+        when it is more than one preload piece, else None (pull it on a thread of normal
+        priority: its few milliseconds of CPU are worth more to the stream waiting on it)."""
+        if len(tp.block_keys) <= self.piece_blocks:
+            return None
         return self.puller.submit(self.pull, tp)
 
     def close(self) -> None:

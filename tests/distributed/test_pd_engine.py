@@ -307,17 +307,19 @@ def test_pulled_blocks_load_in_pieces_between_steps(setup, single, monkeypatch):
         decode, decode_role, PrefillHandle(prefill, prefill_role), 4, "pagedattn"
     )
     assert asyncio.run(_collect(pd))[-1].outputs[0].token_ids == single.token_ids
-    # 17 blocks in engine calls of at most 5; the request's own first step loaded none.
-    assert pieces == [5, 5, 5, 2] and loads == [5, 5, 5, 2]
-    assert decode_role.num_preloaded_blocks == 17 and len(decode_role.inbox) == 0
+    # 17 blocks: 3 engine calls of 5 before the request; its own first step loaded the last 2.
+    assert pieces == [5, 5, 5] and loads == [5, 5, 5, 2]
+    assert decode_role.num_preloaded_blocks == 15 and len(decode_role.inbox) == 0
     _assert_idle(prefill.engine, decode.engine)
     # A second request of the same prompt pulls nothing: the blocks stayed in the prefix cache.
     asyncio.run(_collect(pd))
     assert pd.transfers[-1]["num_local_blocks"] == 17 and pd.transfers[-1]["num_blocks"] == 0
 
 
-def test_decode_steps_go_on_while_a_pull_is_in_flight(setup, single):
+def test_decode_steps_go_on_while_a_pull_is_in_flight(setup, single, monkeypatch):
     prefill, prefill_role, decode, decode_role = setup
+    # NOTE: a pull of more than one piece: it runs on the low-priority pull thread
+    monkeypatch.setattr(pd_module, "PRELOAD_PIECE_BYTES", 5 * decode_role._format.value_bytes)
     pulling, release = threading.Event(), threading.Event()
     get = prefill_role.outbox.get
 
