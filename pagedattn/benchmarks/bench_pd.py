@@ -163,7 +163,12 @@ def deploy(layout: str, args) -> None:
     )
     if layout == "pd":
         app = build_pd_app(
-            _config(args), 1, 1, min_prompt_tokens=args.pd_min_prompt_tokens, **common
+            _config(args),
+            1,
+            1,
+            min_prompt_tokens=args.pd_min_prompt_tokens,
+            decode_step_time_s=args.pd_decode_step_time,
+            **common,
         )
     else:
         app = build_app(_config(args), 2, router="prefix", **common)
@@ -269,6 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-start", type=float, default=5.0)
     p.add_argument("--long-interval", type=float, default=20.0)
     p.add_argument("--pd-min-prompt-tokens", type=int, default=256)
+    p.add_argument(
+        "--pd-decode-step-time",
+        type=float,
+        default=0.1,
+        help="target step seconds of the decode replica (serve's --pd-decode-step-time)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=640, help="KV blocks per replica")
     p.add_argument("--max-num-seqs", type=int, default=16)

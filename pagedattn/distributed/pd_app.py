@@ -25,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 # Prompts shorter than this are computed on the decode replica (--pd-min-prompt-tokens).
 DEFAULT_PD_MIN_PROMPT_TOKENS = 256
+# --target-step-time of the decode replicas (--pd-decode-step-time): they compute only short
+# prompts, whose chunks this keeps from stalling the streams decoding beside them.
+DEFAULT_PD_DECODE_STEP_TIME_S = 0.1
 
 
 def _split_store(engine_config):
@@ -96,11 +99,17 @@ class DecodeReplica(EngineReplica):
         min_prompt_tokens=DEFAULT_PD_MIN_PROMPT_TOKENS,
         cpu_bind=None,
         cpu_slot_base=0,
+        step_time_s=DEFAULT_PD_DECODE_STEP_TIME_S,
     ) -> None:
+        import dataclasses
+
         from pagedattn.distributed.pd_engine import DisaggregatedEngine
         from pagedattn.kv_transfer.pd import DecodeRole
 
         engine_config, shared = _split_store(engine_config)
+        if step_time_s is not None:
+            scheduler = dataclasses.replace(engine_config.scheduler, target_step_time=step_time_s)
+            engine_config = dataclasses.replace(engine_config, scheduler=scheduler)
         super().__init__(
             engine_config,
             served_model_name,
@@ -146,6 +155,7 @@ def build_pd_app(
     seed: int | None = None,
     min_prompt_tokens: int = DEFAULT_PD_MIN_PROMPT_TOKENS,
     cpu_bind: str | None = None,
+    decode_step_time_s: float | None = DEFAULT_PD_DECODE_STEP_TIME_S,
     **ingress_options,
 ):
     """The PD application: `serve.run(build_pd_app(...))`.
@@ -189,6 +199,7 @@ def build_pd_app(
         min_prompt_tokens,
         bind,
         num_prefill,
+        decode_step_time_s,
     )
     return bind_ingress(
         decode,
@@ -201,7 +212,12 @@ def build_pd_app(
     )
 
 
-def pd_app_builder(num_prefill: int, num_decode: int, min_prompt_tokens: int):
+def pd_app_builder(
+    num_prefill: int,
+    num_decode: int,
+    min_prompt_tokens: int,
+    decode_step_time_s: float | None = None,
+):
     """A builder with serve_app.build_app's signature, for run_replicas (`pagedattn serve`).
 
     The routers are fixed (prefill: prefix, decode: pow2); --router, its threshold and the
@@ -210,8 +226,16 @@ def pd_app_builder(num_prefill: int, num_decode: int, min_prompt_tokens: int):
 
     def build(engine_config, num_replicas, *, router=None, imbalance_threshold=None,
               kv_events_endpoint=None, kv_events_replay_endpoint=None, **options):  # fmt: skip
+        step_time = (
+            DEFAULT_PD_DECODE_STEP_TIME_S if decode_step_time_s is None else decode_step_time_s
+        )
         return build_pd_app(
-            engine_config, num_prefill, num_decode, min_prompt_tokens=min_prompt_tokens, **options
+            engine_config,
+            num_prefill,
+            num_decode,
+            min_prompt_tokens=min_prompt_tokens,
+            decode_step_time_s=step_time,
+            **options,
         )
 
     return build

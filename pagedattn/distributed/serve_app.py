@@ -498,7 +498,10 @@ def run_replicas(args, engine_config) -> int:
             from pagedattn.distributed.pd_app import pd_app_builder
 
             build = pd_app_builder(
-                args.prefill_replicas, args.decode_replicas, args.pd_min_prompt_tokens
+                args.prefill_replicas,
+                args.decode_replicas,
+                args.pd_min_prompt_tokens,
+                getattr(args, "pd_decode_step_time", None),
             )
         app = build(
             engine_config,
