@@ -5,13 +5,15 @@
     (also: pagedattn bench replicas --layouts colocated,pd ...)
 
 Both layouts run on one local Ray instance, in turn, on the same cores (one torch thread per
-replica). Traffic: --num-short closed-loop clients stream short chat-sized completions back to
-back, and a long prompt (--long-len tokens) arrives every --long-interval seconds. Greedy
-(temperature 0, ignore_eos), so outputs are comparable across layouts. Prints per layout: ITL
-p50/p99 of the short streams, TTFT p50/p99 of both classes, output tokens/s, lost requests,
-leaked blocks (idle replicas that hold blocks), and for PD the bytes and seconds per transfer;
-then ratios and how many requests of both layouts gave identical text. Results merge into --out,
-so layouts may also run in separate invocations.
+replica, each replica bound to a core of its own: --cpu-bind auto), in serve's default dtype
+(auto: bf16 on bf16 hardware). Traffic: --num-short closed-loop clients stream short
+chat-sized completions back to back, and a long prompt (--long-len tokens) arrives every
+--long-interval seconds. Greedy (temperature 0, ignore_eos), so outputs are comparable across
+layouts. Prints per layout: ITL p50/p99 of the short streams, TTFT p50/p99 of both classes,
+output tokens/s, lost requests, leaked blocks (idle replicas that hold blocks), and for PD the
+bytes and seconds per transfer and the decode replica's step times; then ratios and how many
+requests of both layouts gave identical text. Results are written into --out after each
+layout, so layouts may also run in separate invocations.
 """
 
 from __future__ import annotations
@@ -263,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--layouts", default="colocated,pd")
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto: what serve runs (bf16 on bf16 hardware)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration", type=float, default=90.0, help="seconds of traffic")
     p.add_argument("--num-short", type=int, default=4, help="closed-loop short streams")
