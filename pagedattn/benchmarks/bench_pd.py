@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--pd-decode-step-time",
         type=float,
-        default=0.1,
+        default=None,
         help="target step seconds of the decode replica (serve's --pd-decode-step-time)",
     )
     p.add_argument("--block-size", type=int, default=16)

@@ -50,9 +50,8 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=None,
         metavar="S",
-        help="with --prefill-replicas: --target-step-time of the decode replicas (default 0.1: "
-        "they see no long prompt, so the short prompts they compute are chunked to keep inter-"
-        "token latency low; the prefill replicas keep --target-step-time)",
+        help="with --prefill-replicas: --target-step-time of the decode replicas only (default: "
+        "--target-step-time); a small value chunks the short prompts they compute",
     )
     g.add_argument(
         "--ray-address",
