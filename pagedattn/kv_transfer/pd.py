@@ -42,7 +42,7 @@ DEFAULT_TRANSFER_TIMEOUT_S = 10.0
 UNREACHABLE_TTL_S = 30.0
 # Pulled blocks are copied into the decode cache at most this many bytes per engine call,
 # between steps, ahead of their request (DecodeRole.preload_piece): a 4,096-token float32
-# prompt of the default model (188 MB) takes ~12 calls, none of which stalls a decode step long.
+# prompt of the default model (188 MB) is 12 pieces, none of which stalls a decode step long.
 PRELOAD_PIECE_BYTES = 16 << 20
 
 
@@ -261,8 +261,9 @@ class DecodeRole:
         blocks it advanced (already cached ones included); 0 means stop here: what is left in
         the inbox loads in the request's first step, as before, or is recomputed.
 
-        NOTE: the request then finds the prompt as a local prefix-cache hit, so its first step
-        copies nothing; each call stalls the decode streams for one piece's copy only.
+        NOTE: the request then finds these blocks as a local prefix-cache hit, so its first
+        step copies at most the last piece; each call stalls the decode streams for one piece's
+        copy only.
         """
         manager = engine.kv_cache_manager
         pool = manager.block_pool
