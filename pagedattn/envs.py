@@ -92,6 +92,13 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "0: do not keep dequantised GGUF weights on disk (default 1: keep them, so a repeat "
         "start maps them instead of dequantising again).",
     ),
+    "PAGEDATTN_CPU_BIND": EnvVar(
+        _text("PAGEDATTN_CPU_BIND", "auto"),
+        "CPU sets of Ray Serve replicas sharing a node (--data-parallel-size, --prefill-replicas): "
+        "auto (default: with --threads T, replica slot s runs on CPUs s*T..(s+1)*T-1 of the "
+        "node when they all fit), off, or one list per slot, e.g. 0-3|4-7 (as vLLM's "
+        "VLLM_CPU_OMP_THREADS_BIND).",
+    ),
     "PAGEDATTN_API_KEY": EnvVar(
         _text("PAGEDATTN_API_KEY"),
         "Comma-separated API keys of the OpenAI server when --api-key is not given.",

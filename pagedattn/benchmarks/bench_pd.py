@@ -5,13 +5,15 @@
     (also: pagedattn bench replicas --layouts colocated,pd ...)
 
 Both layouts run on one local Ray instance, in turn, on the same cores (one torch thread per
-replica). Traffic: --num-short closed-loop clients stream short chat-sized completions back to
-back, and a long prompt (--long-len tokens) arrives every --long-interval seconds. Greedy
-(temperature 0, ignore_eos), so outputs are comparable across layouts. Prints per layout: ITL
-p50/p99 of the short streams, TTFT p50/p99 of both classes, output tokens/s, lost requests,
-leaked blocks (idle replicas that hold blocks), and for PD the bytes and seconds per transfer;
-then ratios and how many requests of both layouts gave identical text. Results merge into --out,
-so layouts may also run in separate invocations.
+replica, each replica bound to a core of its own: --cpu-bind auto), in serve's default dtype
+(auto: bf16 on bf16 hardware). Traffic: --num-short closed-loop clients stream short
+chat-sized completions back to back, and a long prompt (--long-len tokens) arrives every
+--long-interval seconds. Greedy (temperature 0, ignore_eos), so outputs are comparable across
+layouts. Prints per layout: ITL p50/p99 of the short streams, TTFT p50/p99 of both classes,
+output tokens/s, lost requests, leaked blocks (idle replicas that hold blocks), and for PD the
+bytes and seconds per transfer and the decode replica's step times; then ratios and how many
+requests of both layouts gave identical text. Results are written into --out after each
+layout, so layouts may also run in separate invocations.
 """
 
 from __future__ import annotations
@@ -154,10 +156,21 @@ def deploy(layout: str, args) -> None:
     from pagedattn.distributed.pd_app import build_pd_app
     from pagedattn.distributed.serve_app import build_app
 
-    common = dict(api_keys=[KEY], events_host="127.0.0.1", replica_num_cpus=0.5, seed=args.seed)
+    common = dict(
+        api_keys=[KEY],
+        events_host="127.0.0.1",
+        replica_num_cpus=0.5,
+        seed=args.seed,
+        cpu_bind=args.cpu_bind,
+    )
     if layout == "pd":
         app = build_pd_app(
-            _config(args), 1, 1, min_prompt_tokens=args.pd_min_prompt_tokens, **common
+            _config(args),
+            1,
+            1,
+            min_prompt_tokens=args.pd_min_prompt_tokens,
+            decode_step_time_s=args.pd_decode_step_time,
+            **common,
         )
     else:
         app = build_app(_config(args), 2, router="prefix", **common)
@@ -186,7 +199,15 @@ def replica_check(layout: str, base: str, timeout_s: float = 120.0) -> dict:
         time.sleep(0.5)
     out = {"leaked_blocks": sum(u["num_usable_blocks"] - u["num_free_blocks"] for u in usages)}
     if layout == "pd":
+        steps = usages[1]["step_seconds"]
         transfers = [t for t in usages[1]["transfers"] if t["num_blocks"]]
+        out.update(
+            cpus=[u["cpus"] for u in usages],
+            decode_step_ms_p50=1000 * _pct(steps, 0.5),
+            decode_step_ms_p99=1000 * _pct(steps, 0.99),
+            decode_step_ms_max=1000 * max(steps, default=float("nan")),
+            load_ms_mean=1000 * usages[1]["load_time_s"] / max(1, len(transfers)),
+        )
         out.update(
             num_transfers=len(transfers),
             transfer_mb_mean=statistics.mean([t["num_bytes"] / 1e6 for t in transfers] or [0]),
@@ -216,7 +237,13 @@ def print_report(rows: dict[str, dict]) -> None:
             f"pd transfers: {c['num_transfers']}, {c['transfer_mb_mean']:.1f} MB and "
             f"{c['transfer_ms_mean']:.0f} ms mean (max {c['transfer_ms_max']:.0f} ms); "
             f"{c['num_local']} requests computed wholly on decode, "
-            f"{c['num_prefill_retries']} prefill retries"
+            f"{c['num_prefill_retries']} prefill retries; loading them into the decode cache "
+            f"{c['load_ms_mean']:.0f} ms mean"
+        )
+        print(
+            f"pd decode replica steps: p50 {c['decode_step_ms_p50']:.0f} ms, p99 "
+            f"{c['decode_step_ms_p99']:.0f} ms, max {c['decode_step_ms_max']:.0f} ms; "
+            f"CPUs (prefill, decode): {c['cpus']}"
         )
     co = rows.get("colocated")
     if co and pd:
@@ -238,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--layouts", default="colocated,pd")
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="auto: what serve runs (bf16 on bf16 hardware)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--duration", type=float, default=90.0, help="seconds of traffic")
     p.add_argument("--num-short", type=int, default=4, help="closed-loop short streams")
@@ -249,9 +276,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-start", type=float, default=5.0)
     p.add_argument("--long-interval", type=float, default=20.0)
     p.add_argument("--pd-min-prompt-tokens", type=int, default=256)
+    p.add_argument(
+        "--pd-decode-step-time",
+        type=float,
+        default=None,
+        help="target step seconds of the decode replica (serve's --pd-decode-step-time)",
+    )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=640, help="KV blocks per replica")
     p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument(
+        "--cpu-bind",
+        default="auto",
+        help="replica CPU sets (PAGEDATTN_CPU_BIND): auto (one core per replica), off, or 0|1",
+    )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", default="bench_out/pd.json")
     args = p.parse_args(argv)
@@ -281,14 +319,16 @@ def main(argv: list[str] | None = None) -> int:
             row = summarize(layout, shorts, longs, makespan)
             row["check"] = replica_check(layout, base)
             row["load"] = open("/proc/loadavg").read().strip()
+            row["cpu_bind"] = args.cpu_bind
             rows[layout] = row
             print(json.dumps({k: v for k, v in row.items() if k != "texts"}), flush=True)
+            # NOTE: written per layout, so a later layout that fails keeps this one's row.
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
             serve.delete(APP)
     finally:
         serve.shutdown()
         ray.shutdown()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
     print_report(rows)
     failed = any(r["num_failed"] or r["check"]["leaked_blocks"] for r in rows.values())
     return 1 if failed else 0

@@ -46,6 +46,14 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "replica (0: every prompt goes to a prefill replica)",
     )
     g.add_argument(
+        "--pd-decode-step-time",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --prefill-replicas: --target-step-time of the decode replicas only (default: "
+        "--target-step-time); a small value chunks the short prompts they compute",
+    )
+    g.add_argument(
         "--ray-address",
         default=None,
         metavar="ADDR",
@@ -110,6 +118,11 @@ def validate_distributed_args(args: argparse.Namespace) -> None:
         if args.pd_min_prompt_tokens < 0:
             raise ValueError(
                 f"--pd-min-prompt-tokens={args.pd_min_prompt_tokens} is invalid: use >= 0"
+            )
+        step_time = getattr(args, "pd_decode_step_time", None)
+        if step_time is not None and not 0 < step_time <= 60:
+            raise ValueError(
+                f"--pd-decode-step-time={step_time} is invalid: use seconds in (0, 60]"
             )
         _check_pd_ignores(args)
     if args.replica_cpus < 0:

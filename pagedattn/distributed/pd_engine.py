@@ -85,10 +85,12 @@ class DisaggregatedEngine:
         block_size: int,
         hash_seed: str,
         min_prompt_tokens: int = 0,
+        preload: bool = True,
     ) -> None:
         self.engine = engine
-        # Shorter prompts are computed here: a short prefill costs a decode step little, and it
-        # never waits behind long prompts on the prefill replicas.
+        # Shorter prompts are computed here: they never wait behind long prompts on the prefill
+        # replicas and skip a transfer, but each adds its prefill to one decode step (a 64-token
+        # prompt: ~380 ms in float32, ~150 ms in bf16 on one core; README, "bench pd").
         self.min_prompt_tokens = min_prompt_tokens
         self.role = role
         self.prefill = prefill
@@ -98,6 +100,8 @@ class DisaggregatedEngine:
         self.num_local = 0
         self.num_prefill_retries = 0
         self.transfers: list[dict[str, float]] = []
+        # Pulled blocks go into the cache in pieces between steps (False: in the first step).
+        self.preload = preload
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
@@ -193,6 +197,21 @@ class DisaggregatedEngine:
         return None
 
 
+async def preload_pulled(engine, role: DecodeRole, tp: KVTransferParams, result) -> int:
+    """Copy a pull's blocks into the decode cache piece by piece, one engine call (between two
+    steps) per piece, before the request is added; returns the blocks that stay for a
+    first-step load: the last piece (so a short prompt's transfer costs no extra engine round
+    trip), and any that preload_piece left in the inbox."""
+    start = result.num_local_blocks
+    end = start + result.num_blocks
+    while end - start > role.piece_blocks:
+        num = await engine.call(lambda llm, s=start: role.preload_piece(llm, tp, s, end))
+        if num == 0:
+            break
+        start += num
+    return end - start
+
+
 class PDStream:
     """One disaggregated request's outputs: the prefill's first token, then the local decode."""
 
@@ -236,9 +255,15 @@ class PDStream:
 
     async def _start_decode(self) -> None:
         tp, pd = self._tp, self._pd
-        result = await asyncio.to_thread(pd.role.pull, tp)
+        future = pd.role.submit_pull(tp)
+        if future is None:
+            result = await asyncio.to_thread(pd.role.pull, tp)
+        else:
+            result = await asyncio.wrap_future(future)
         pd.transfers.append(dataclasses.asdict(result))
         del pd.transfers[:-256]
+        if pd.preload:
+            await preload_pulled(pd.engine, pd.role, tp, result)
         self._inner = await pd.engine.add_request(
             self._request_id,
             decode_prompt(tp),

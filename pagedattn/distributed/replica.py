@@ -47,7 +47,10 @@ class EngineReplica:
         engine_factory=None,
         events_endpoint: str | None = None,
         replay_endpoint: str | None = None,
+        cpu_bind=None,
+        cpu_slot_base: int = 0,
     ) -> None:
+        from pagedattn.distributed.cpu_bind import bind_replica
         from pagedattn.engine.async_engine import AsyncLLMEngine
         from pagedattn.entrypoints.openai.serving import OpenAIServing
 
@@ -55,6 +58,12 @@ class EngineReplica:
             from pagedattn.engine.llm_engine import LLMEngine
 
             engine_factory = LLMEngine
+        # NOTE: before the engine exists: its threads and the kernel tuner run on these CPUs.
+        self.cpus = None
+        if getattr(engine_config, "tensor_parallel_size", 1) == 1:
+            self.cpus = bind_replica(
+                cpu_bind, cpu_slot_base + _replica_rank(), engine_config.num_threads
+            )
         cache = engine_config.cache
         if getattr(cache, "kv_events_endpoint", None) is not None:
             # NOTE: this replica publishes (rank-offset port, with replay); the engine must not

@@ -344,8 +344,13 @@ def build_app(
     max_prompt_chars: int | None = None,
     metrics_public: bool = False,
     health_stall_s: float = DEFAULT_HEALTH_STALL_S,
+    cpu_bind: str | None = None,
 ):
-    """The Ray Serve application: `serve.run(build_app(...))`."""
+    """The Ray Serve application: `serve.run(build_app(...))`.
+
+    ``cpu_bind`` (default: PAGEDATTN_CPU_BIND, ``auto``) gives each replica CPUs of its own on a
+    shared node (distributed/cpu_bind.py).
+    """
     router_config = make_router_config(
         routing_stats_period_s,
         policy=router,
@@ -371,6 +376,8 @@ def build_app(
         None,
         kv_events_endpoint,
         kv_events_replay_endpoint,
+        replica_cpu_bind(cpu_bind),
+        0,
     )
     return bind_ingress(
         engine,
@@ -384,6 +391,15 @@ def build_app(
         metrics_public=metrics_public,
         health_stall_s=health_stall_s,
     )
+
+
+def replica_cpu_bind(cpu_bind: str | None):
+    """The parsed CPU binding for replicas: cpu_bind, else PAGEDATTN_CPU_BIND (read here, in
+    the driver, so replicas on other nodes see the same setting)."""
+    from pagedattn import envs
+    from pagedattn.distributed.cpu_bind import parse_cpu_bind
+
+    return parse_cpu_bind(envs.PAGEDATTN_CPU_BIND if cpu_bind is None else cpu_bind)
 
 
 def make_router_config(period_s: float, **policy_kwargs: Any) -> RequestRouterConfig:
@@ -482,7 +498,10 @@ def run_replicas(args, engine_config) -> int:
             from pagedattn.distributed.pd_app import pd_app_builder
 
             build = pd_app_builder(
-                args.prefill_replicas, args.decode_replicas, args.pd_min_prompt_tokens
+                args.prefill_replicas,
+                args.decode_replicas,
+                args.pd_min_prompt_tokens,
+                getattr(args, "pd_decode_step_time", None),
             )
         app = build(
             engine_config,

@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 ABORT_FINISH_REASON = "abort"
 # Seconds between health checks of an idle engine (a dead tensor-parallel rank).
 IDLE_HEALTH_CHECK_S = 1.0
+# Step durations kept (AsyncLLMEngine.step_seconds).
+STEP_HISTORY = 1 << 14
 
 
 class EngineDeadError(RuntimeError):
@@ -154,6 +157,8 @@ class AsyncLLMEngine:
         self._fault_listeners: list[Callable[[BaseException], None]] = []
         # The heartbeat: when the loop thread started its current step (None while it waits).
         self._busy_since: float | None = None
+        # Seconds of the last steps (commands applied plus step()), for benchmarks' stall checks.
+        self.step_seconds: deque[float] = deque(maxlen=STEP_HISTORY)
 
     @property
     def tokenizer(self):
@@ -323,6 +328,7 @@ class AsyncLLMEngine:
                     self._apply(cmd)
                 if self.engine.has_unfinished_requests():
                     self._deliver(self.engine.step())
+                    self.step_seconds.append(time.monotonic() - self._busy_since)
                 self.metrics.record_engine_stats(self.engine.get_stats())
                 self._busy_since = None
         except BaseException as exc:

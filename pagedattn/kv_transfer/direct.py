@@ -11,6 +11,7 @@ step (as for store hits). A value that is missing, late or fails verification me
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -142,15 +143,18 @@ class PeerUnreachableError(TransferError):
     """The BlockServer refused the connection or went away (its replica died): known at once."""
 
 
-def fetch_blocks(endpoint: str, keys: Sequence[str], timeout_s: float) -> list[memoryview | None]:
+def fetch_blocks(
+    endpoint: str, keys: Sequence[str], timeout_s: float, ctx: zmq.Context | None = None
+) -> list[memoryview | None]:
     """Pull keys' values from a BlockServer; None for a key it lacks. Raises TransferError.
 
     A refused or dropped connection raises PeerUnreachableError as soon as the socket reports
-    it, not at the deadline (a dead prefill replica's port refuses at once).
+    it, not at the deadline (a dead prefill replica's port refuses at once). ``ctx``: the ZMQ
+    context whose I/O thread receives (default: the process's shared one).
     """
     if not keys:
         return []
-    ctx = zmq.Context.instance()
+    ctx = ctx or zmq.Context.instance()
     socket = ctx.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.CONNECT_TIMEOUT, min(_CONNECT_TIMEOUT_MS, int(timeout_s * 1000)))
@@ -180,6 +184,50 @@ def fetch_blocks(endpoint: str, keys: Sequence[str], timeout_s: float) -> list[m
     return [frame.buffer if len(frame) else None for frame in frames[1:]]
 
 
+# Nice value of the decode side's pull threads (receive and verify): above the engine loop's,
+# so that on a replica's own cores a pull takes the CPU time decode steps leave.
+PULL_NICE = 10
+
+
+class PullWorker:
+    """Runs pulls on one thread of lower CPU priority (PULL_NICE) with a ZMQ context of its own,
+    whose I/O thread (the socket receives) it starts and so shares that priority.
+
+    NOTE: Linux nice values are per thread and inherited by the threads a thread starts; raising
+    one needs no privilege. Where setpriority is refused, pulls run at normal priority.
+    """
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._ctx: zmq.Context | None = None
+        self.nice: int | None = None
+        self._pool = ThreadPoolExecutor(1, "kv-pull", initializer=self._start)
+
+    def _start(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PULL_NICE)
+            self.nice = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        except (OSError, AttributeError):
+            logger.info("kv pulls run at normal priority (setpriority refused)")
+        self._ctx = zmq.Context(io_threads=1)
+        self._ctx.socket(zmq.REQ).close(linger=0)  # NOTE: starts the I/O thread from here
+
+    @property
+    def ctx(self) -> zmq.Context | None:
+        """The pull thread's context (None until the first pull started the thread)."""
+        return self._ctx
+
+    def submit(self, fn: Callable, *args):
+        """A Future of fn(*args) on the pull thread."""
+        return self._pool.submit(fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+
+
 def pull_into(
     inbox: KVStore,
     endpoint: str,
@@ -187,6 +235,7 @@ def pull_into(
     timeout_s: float,
     verify: Callable[[str, memoryview], bool] | None = None,
     on_unreachable: Callable[[str], None] | None = None,
+    ctx: zmq.Context | None = None,
 ) -> tuple[int, int, float]:
     """fetch_blocks, then put the leading present (and verified) values in the inbox:
     (blocks, bytes, seconds).
@@ -197,7 +246,7 @@ def pull_into(
     """
     start = time.perf_counter()
     try:
-        values = fetch_blocks(endpoint, keys, timeout_s)
+        values = fetch_blocks(endpoint, keys, timeout_s, ctx)
     except TransferError as exc:
         logger.warning("block transfer failed, recomputing the prompt: %s", exc)
         if on_unreachable is not None and isinstance(exc, PeerUnreachableError):

@@ -25,6 +25,7 @@ from pagedattn.kv_transfer.direct import (
     BlockServer,
     ExportConnector,
     ImportConnector,
+    PullWorker,
     attach_connector,
     pull_into,
 )
@@ -39,6 +40,10 @@ DEFAULT_TRANSFER_TIMEOUT_S = 10.0
 # A BlockServer found unreachable (its replica died) is not asked again for this long: pulls
 # from it recompute at once instead of each waiting for the connection to fail.
 UNREACHABLE_TTL_S = 30.0
+# Pulled blocks are copied into the decode cache at most this many bytes per engine call,
+# between steps, ahead of their request (DecodeRole.preload_piece): a 4,096-token float32
+# prompt of the default model (188 MB) is 12 pieces, none of which stalls a decode step long.
+PRELOAD_PIECE_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -194,6 +199,8 @@ class DecodeRole:
         # BlockServer endpoint -> time.monotonic() until which it counts as unreachable.
         self._unreachable: dict[str, float] = {}
         self.num_skipped_pulls = 0
+        self.num_preloaded_blocks = 0
+        self.puller = PullWorker()
 
     def _verify(self, key: str, value: memoryview) -> bool:
         """The codec's check (header, BLAKE2b over key and payload), in the pulling thread."""
@@ -227,6 +234,7 @@ class DecodeRole:
             self.timeout_s,
             self._verify,
             on_unreachable=self.mark_unreachable,
+            ctx=self.puller.ctx,
         )
         return TransferResult(num_local, num_blocks, num_bytes, seconds)
 
@@ -241,11 +249,70 @@ class DecodeRole:
             return False
         return True
 
+    @property
+    def piece_blocks(self) -> int:
+        """Blocks per preload piece (PRELOAD_PIECE_BYTES of this cache's blocks)."""
+        return max(1, PRELOAD_PIECE_BYTES // self._format.value_bytes)
+
+    def preload_piece(self, engine, tp: KVTransferParams, start: int, end: int) -> int:
+        """On the engine's loop thread, between steps: copy pulled blocks ``start..`` (at most
+        PRELOAD_PIECE_BYTES, never past ``end``) into free blocks of the cache and index them in
+        its prefix cache, unreferenced, as a finished request leaves its blocks. Returns how many
+        blocks it advanced (already cached ones included); 0 means stop here: what is left in
+        the inbox loads in the request's first step, as before, or is recomputed.
+
+        NOTE: the request then finds these blocks as a local prefix-cache hit, so its first
+        step copies at most the last piece; each call stalls the decode streams for one piece's
+        copy only.
+        """
+        manager = engine.kv_cache_manager
+        pool = manager.block_pool
+        if not manager.enable_caching or start >= end:
+            return 0
+        cached = pool.cached_block_hash_to_block
+        num_skipped = 0
+        while start + num_skipped < end and (
+            make_block_hash_with_group_id(tp.block_hashes[start + num_skipped], 0) in cached
+        ):
+            num_skipped += 1
+        if num_skipped:
+            self.inbox.discard(tp.block_keys[start : start + num_skipped])
+            return num_skipped
+        per_piece = self.piece_blocks
+        num = min(per_piece, end - start)
+        # NOTE: only while the rest of the prompt fits in free blocks with room to spare, so that
+        # these blocks evict nothing this prompt needs and the running streams keep their room.
+        if pool.get_num_free_blocks() < (end - start) + per_piece:
+            return 0
+        blocks = pool.get_new_blocks(num)
+        kv_caches = engine.runner.kv_caches
+        ids = [block.block_id for block in blocks]
+        num_loaded = self.connector.load_blocks(
+            kv_caches, ids, tp.block_hashes[start : start + num]
+        )
+        group = (0).to_bytes(4, "big")
+        # NOTE: padded so that block i lines up with hash i (BlockStored's parent is hash i-1).
+        pool.cache_full_blocks(
+            [None] * start + blocks, tp.block_hashes, start, start + num_loaded, group
+        )
+        pool.free_blocks(reversed(blocks))
+        self.num_preloaded_blocks += num_loaded
+        return num_loaded
+
     def release(self, tp: KVTransferParams) -> None:
         """Drop what the request's first step did not load (it finished or was aborted)."""
         self.inbox.discard(tp.block_keys)
 
+    def submit_pull(self, tp: KVTransferParams):
+        """A Future of pull(tp): on the pull thread (lower CPU priority than the engine loop)
+        when it is more than one preload piece, else None (pull it on a thread of normal
+        priority: its few milliseconds of CPU are worth more to the stream waiting on it)."""
+        if len(tp.block_keys) <= self.piece_blocks:
+            return None
+        return self.puller.submit(self.pull, tp)
+
     def close(self) -> None:
+        self.puller.close()
         self.connector.close()
 
 

@@ -8,6 +8,7 @@ tests/kv_transfer/test_pd.py, in the default suite.
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import pytest
@@ -101,6 +102,10 @@ def test_streams_and_whole_responses_equal_one_engine_and_leak_nothing(app, mode
     assert (second["num_local_blocks"], second["num_blocks"]) == (first["num_blocks"], 0)
     wait_for(lambda: idle(kv_usage("DecodeReplica")) and idle(kv_usage("PrefillReplica")), "idle")
     assert kv_usage("DecodeReplica")["num_inbox_entries"] == 0
+    # --threads 1 on a shared node: each replica on a core of its own (PAGEDATTN_CPU_BIND=auto).
+    cpus = [kv_usage(name)["cpus"] for name in ("PrefillReplica", "DecodeReplica")]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert cpus[0] and cpus[1] and not set(cpus[0]) & set(cpus[1]), cpus
 
 
 def idle(usage: dict) -> bool:

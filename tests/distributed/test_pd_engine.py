@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import shutil
+import threading
 import time
 
 import pytest
@@ -18,6 +20,7 @@ from transformers import PreTrainedTokenizerFast
 from pagedattn import LLM, SamplingParams
 from pagedattn.distributed.pd_engine import DisaggregatedEngine, run_prefill
 from pagedattn.engine.async_engine import AsyncLLMEngine
+from pagedattn.kv_transfer import pd as pd_module
 from pagedattn.kv_transfer.pd import DecodeRole, PrefillRole
 from pagedattn.metrics import PREFIX
 from tests.model.tiny import SPECIAL_TOKENS, TINY_VOCAB_SIZE, make_tiny_llama
@@ -280,4 +283,72 @@ def test_a_pull_from_a_dead_prefill_replica_recomputes_at_once(setup, single):
     # The next pull from it is not even tried.
     asyncio.run(_collect(pd, PROMPT[::-1]))
     assert decode_role.num_skipped_pulls == 1 and pd.num_disaggregated == 2
+    _assert_idle(prefill.engine, decode.engine)
+
+
+def test_pulled_blocks_load_in_pieces_between_steps(setup, single, monkeypatch):
+    prefill, prefill_role, decode, decode_role = setup
+    value_bytes = decode_role._format.value_bytes
+    monkeypatch.setattr(pd_module, "PRELOAD_PIECE_BYTES", 5 * value_bytes)
+    pieces, loads = [], []
+    preload_piece, load_blocks = decode_role.preload_piece, decode_role.connector.load_blocks
+
+    def record_piece(*args):
+        pieces.append(preload_piece(*args))
+        return pieces[-1]
+
+    def record_load(kv_caches, block_ids, block_hashes):
+        loads.append(len(block_ids))
+        return load_blocks(kv_caches, block_ids, block_hashes)
+
+    monkeypatch.setattr(decode_role, "preload_piece", record_piece)
+    monkeypatch.setattr(decode_role.connector, "load_blocks", record_load)
+    pd = DisaggregatedEngine(
+        decode, decode_role, PrefillHandle(prefill, prefill_role), 4, "pagedattn"
+    )
+    assert asyncio.run(_collect(pd))[-1].outputs[0].token_ids == single.token_ids
+    # 17 blocks: 3 engine calls of 5 before the request; its own first step loaded the last 2.
+    assert pieces == [5, 5, 5] and loads == [5, 5, 5, 2]
+    assert decode_role.num_preloaded_blocks == 15 and len(decode_role.inbox) == 0
+    _assert_idle(prefill.engine, decode.engine)
+    # A second request of the same prompt pulls nothing: the blocks stayed in the prefix cache.
+    asyncio.run(_collect(pd))
+    assert pd.transfers[-1]["num_local_blocks"] == 17 and pd.transfers[-1]["num_blocks"] == 0
+
+
+def test_decode_steps_go_on_while_a_pull_is_in_flight(setup, single, monkeypatch):
+    prefill, prefill_role, decode, decode_role = setup
+    # NOTE: a pull of more than one piece: it runs on the low-priority pull thread
+    monkeypatch.setattr(pd_module, "PRELOAD_PIECE_BYTES", 5 * decode_role._format.value_bytes)
+    pulling, release = threading.Event(), threading.Event()
+    get = prefill_role.outbox.get
+
+    def slow_get(key):
+        pulling.set()
+        release.wait(10.0)  # NOTE: let go once the other stream has stepped meanwhile
+        return get(key)
+
+    prefill_role.outbox.get = slow_get
+    pd = DisaggregatedEngine(
+        decode, decode_role, PrefillHandle(prefill, prefill_role), 4, "pagedattn"
+    )
+
+    async def main():
+        other = await decode.add_request(
+            "other", [7] * 9, dataclasses.replace(PARAMS, max_tokens=40)
+        )
+        pd_task = asyncio.ensure_future(_collect(pd))
+        num_during_pull = 0
+        async for _ in other:
+            if pulling.is_set() and not release.is_set():
+                num_during_pull += 1
+                if num_during_pull == 3:
+                    release.set()
+        return num_during_pull, await pd_task
+
+    num_during_pull, outs = asyncio.run(main())
+    assert num_during_pull >= 3
+    # The pull ran on a thread of lower CPU priority than the engine loop's.
+    assert decode_role.puller.nice > os.getpriority(os.PRIO_PROCESS, 0)
+    assert outs[-1].outputs[0].token_ids == single.token_ids
     _assert_idle(prefill.engine, decode.engine)

@@ -1,0 +1,101 @@
+"""Per-replica CPU sets: replicas that share a node each run on cores of their own.
+
+Each replica of an application gets a slot (its deployment's offset plus its Ray Serve rank:
+co-located replicas 0..N-1; PD's prefill replicas first, then its decode replicas). With
+``auto`` (the default, like vLLM's ``VLLM_CPU_OMP_THREADS_BIND=auto``) and ``--threads T``,
+slot ``s`` binds every thread of its process to CPUs ``[s*T, (s+1)*T)`` of the CPUs the process
+may use, so a replica's steps never share a core with another replica's (the OS would otherwise
+time-share them: a long prefill would slow the decode steps of its neighbour). When the slots do
+not fit (``(s+1)*T`` past the CPU count) or the thread count is unknown, nothing is bound.
+An explicit list, ``"0-3|4-7"``, gives slot ``s`` the ``s``-th CPU set; ``off`` binds nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+AUTO, OFF = "auto", "off"
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-3,8' -> [0, 1, 2, 3, 8]."""
+    cpus: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"CPU list {text!r} is invalid: use e.g. 0-3,8") from None
+        if first < 0 or last < first:
+            raise ValueError(f"CPU range {part!r} is invalid: use first-last with first <= last")
+        cpus += range(first, last + 1)
+    if not cpus:
+        raise ValueError(f"CPU list {text!r} is empty: use e.g. 0-3,8")
+    return cpus
+
+
+def parse_cpu_bind(value: str | None) -> str | list[list[int]]:
+    """``auto`` (also empty), ``off`` (also 0/none), or one CPU list per slot (``0-3|4-7``)."""
+    text = (value or AUTO).strip().lower()
+    if text in ("", AUTO):
+        return AUTO
+    if text in (OFF, "0", "none", "false", "no"):
+        return OFF
+    return [parse_cpu_list(part) for part in text.split("|")]
+
+
+def slot_cpus(
+    bind: str | list[list[int]], slot: int, num_threads: int | None, allowed: Sequence[int]
+) -> list[int] | None:
+    """The CPUs of replica slot ``slot``, or None (leave the process as it is)."""
+    if bind == OFF or slot < 0:
+        return None
+    if isinstance(bind, list):
+        return list(bind[slot]) if slot < len(bind) else None
+    allowed = sorted(allowed)
+    if not num_threads or (slot + 1) * num_threads > len(allowed):
+        return None
+    return allowed[slot * num_threads : (slot + 1) * num_threads]
+
+
+def bind_process(cpus: Sequence[int]) -> int:
+    """Bind every thread of this process (Ray's, the event loop's, any started later) to cpus;
+    returns how many threads were bound.
+
+    NOTE: sched_setaffinity(0) binds only the calling thread; threads inherit their creator's
+    set, so each thread alive now is bound by its id.
+    """
+    cpus = set(cpus)
+    num_bound = 0
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+            num_bound += 1
+        except (ProcessLookupError, FileNotFoundError):
+            continue  # NOTE: the thread ended meanwhile
+    os.sched_setaffinity(0, cpus)
+    return max(num_bound, 1)
+
+
+def bind_replica(bind: str | list[list[int]] | None, slot: int, num_threads: int | None):
+    """Bind this replica process to its slot's CPUs (see the module doc); the CPUs, or None."""
+    if bind is None:
+        return None
+    cpus = slot_cpus(bind, slot, num_threads, sorted(os.sched_getaffinity(0)))
+    if cpus is None:
+        if bind == AUTO and num_threads:
+            logger.info(
+                "replica slot %d: no free CPUs for %d threads; not bound", slot, num_threads
+            )
+        return None
+    bind_process(cpus)
+    logger.info("replica slot %d: bound to CPUs %s", slot, cpus)
+    return cpus

@@ -1,0 +1,68 @@
+"""Per-replica CPU sets: slots get disjoint CPUs, and binding covers every thread of a process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pagedattn.distributed.cpu_bind import (
+    AUTO,
+    OFF,
+    parse_cpu_bind,
+    parse_cpu_list,
+    slot_cpus,
+)
+
+
+def test_parse_cpu_bind():
+    assert parse_cpu_bind(None) == AUTO
+    assert parse_cpu_bind(" Auto ") == AUTO
+    assert parse_cpu_bind("off") == OFF
+    assert parse_cpu_bind("0") == OFF
+    assert parse_cpu_bind("0-2,5|3") == [[0, 1, 2, 5], [3]]
+    assert parse_cpu_list("4") == [4]
+    for bad in ("a-b", "3-1", ",", "0|"):
+        with pytest.raises(ValueError):
+            parse_cpu_bind(bad)
+
+
+def test_auto_slots_are_disjoint_and_stop_when_they_do_not_fit():
+    allowed = [8, 9, 10, 11, 12, 13, 14, 15]
+    sets = [slot_cpus(AUTO, slot, 2, allowed) for slot in range(4)]
+    assert sets == [[8, 9], [10, 11], [12, 13], [14, 15]]
+    assert slot_cpus(AUTO, 4, 2, allowed) is None  # NOTE: would share CPUs: leave it unbound
+    assert slot_cpus(AUTO, 0, None, allowed) is None  # thread count unknown
+    assert slot_cpus(OFF, 0, 1, allowed) is None
+    assert slot_cpus([[3], [1, 2]], 1, 1, allowed) == [1, 2]
+    assert slot_cpus([[3]], 1, 1, allowed) is None
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_bind_process_binds_threads_started_before_and_after():
+    cpu = min(os.sched_getaffinity(0))
+    code = textwrap.dedent(
+        f"""
+        import os, threading
+        from pagedattn.distributed.cpu_bind import bind_process
+        started = threading.Event(); stop = threading.Event(); ids = []
+        def run():
+            ids.append(threading.get_native_id()); started.set(); stop.wait()
+        before = threading.Thread(target=run); before.start(); started.wait()
+        bind_process([{cpu}])
+        after_set = []
+        after = threading.Thread(target=lambda: after_set.append(os.sched_getaffinity(0)))
+        after.start(); after.join()
+        print(sorted(os.sched_getaffinity(ids[0])), sorted(after_set[0]))
+        stop.set(); before.join()
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.split("]")[0] + "]" == f"[{cpu}]"
+    assert out.stdout.strip().endswith(f"[{cpu}]")
