@@ -1,12 +1,13 @@
 """u8 KV cache: asymmetric 8-bit K/V with a scale and a zero point per token per KV head.
 
-This is OpenVINO's CPU KV cache format (``KV_CACHE_PRECISION=u8``), hence the name; ``int8`` is
-accepted as an alias. Each (token, kv head) row of ``D`` values is stored as ``D`` bytes
-``q = round((x - min) / scale)`` in [0, 255], followed by ``U8_SCALE_BYTES`` bytes: the row's
-``scale = (max - min) / 255`` and ``min`` as two float32. A cache is a torch.uint8 tensor
-``[num_blocks, B, Hkv, D + 8]``: the scales live inside the block's bytes, so paging, prefix
-caching, copy-on-write, preemption, block freeing and the KV store move them with the block and
-need no special case. Reads give ``q * scale + min``.
+This is OpenVINO's CPU KV cache format (``KV_CACHE_PRECISION=u8``), hence the name (not
+``int8``: ``bench quant --kv-cache-dtype int8`` is the symmetric variant, measured only). Each
+(token, kv head) row of ``D`` values is stored as ``D`` bytes ``q = round((x - min) / scale)`` in
+[0, 255], followed by ``U8_SCALE_BYTES`` bytes: the row's ``scale = (max - min) / 255`` and
+``min`` as two float32 (the zero point, kept exact rather than rounded to a byte). A cache is a
+torch.uint8 tensor ``[num_blocks, B, Hkv, D + 8]``: the scales live inside the block's bytes, so
+paging, prefix caching, copy-on-write, preemption, block freeing and the KV store move them with
+the block and need no special case. Reads give ``q * scale + min``.
 
 The quantization is ``(x - min) * (1 / scale)`` rounded half to even in float32, the same
 operations in the same order as the compiled cache write (csrc/step_ops_cpu.cpp), so both give the
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 # --kv-cache-dtype names of the u8 cache.
-U8_NAMES = ("u8", "int8")
+U8_NAMES = ("u8",)
 # Bytes after each row's D values: float32 scale, float32 min.
 U8_SCALE_BYTES = 8
 U8_MAX = 255.0
