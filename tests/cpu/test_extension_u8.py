@@ -125,13 +125,16 @@ def test_gather_dequant_matches_torch(dtype, block_shape):
     assert torch.equal(out, u8.dequantize(cache.index_select(0, ids), dtype))
 
 
-@pytest.mark.parametrize("decode_kernel", ["compiled", "torch"])
-def test_backend_mixed_batch_matches_reference(decode_kernel):
+@pytest.mark.parametrize(
+    "use_extension,decode_kernel", [(True, "compiled"), (True, "torch"), (False, "torch")]
+)
+def test_backend_mixed_batch_matches_reference(use_extension, decode_kernel):
     """Decode rows and prefill spans (gather + dequantize + SDPA) of the cpu backend on a u8
-    cache with bf16 queries against the torch reference."""
+    cache with bf16 queries against the torch reference: compiled kernel and gather, compiled
+    gather only, and plain PyTorch."""
     case = u8_case(mixed_specs(16), block_size=16, num_kv_heads=2, group=3, head_size=64)
     query = case.query.to(torch.bfloat16)
-    backend = CpuBackend(use_extension=True, decode_kernel=decode_kernel)
+    backend = CpuBackend(use_extension=use_extension, decode_kernel=decode_kernel)
     out = backend.forward(query, case.key_cache, case.value_cache, case.metadata, scale=0.125)
     expected = TorchRefBackend().forward(
         query.float(), case.key_cache, case.value_cache, case.metadata, scale=0.125
