@@ -120,8 +120,10 @@ class CacheConfig:
         "auto",
         "KV cache dtype; auto: the model's. bfloat16 beside a float32 model halves the cache "
         "and runs attention in bf16 (not HF's float32 math; cpu backend only). fp8_e4m3 / "
-        "fp8_e5m2 (fp8 = e4m3, as vLLM) store one byte per element with per-layer k/v scales",
-        choices=("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        "fp8_e5m2 (fp8 = e4m3, as vLLM) store one byte per element with per-layer k/v scales; "
+        "u8 (OpenVINO's name) one byte per element plus a float32 scale and min per token and kv "
+        "head (cpu and torch backends)",
+        choices=("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "u8"),
     )
     calculate_kv_scales: bool = option(
         False,

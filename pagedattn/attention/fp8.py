@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedattn.attention import u8
+
 # --kv-cache-dtype name -> torch dtype; "fp8" is e4m3, as in vLLM.
 FP8_DTYPES = {
     "fp8": torch.float8_e4m3fn,
@@ -47,12 +49,18 @@ def dequantize(x: torch.Tensor, scale: float = 1.0, dtype: torch.dtype = torch.f
 
 
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """x in the cache's dtype: quantized for an fp8 cache, else a plain cast (scale unused)."""
+    """x in the cache's dtype: quantized for an fp8 cache, u8 rows (values, scale, min) for a
+    u8 cache (attention.u8; scale unused), else a plain cast (scale unused)."""
+    if u8.is_u8(cache_dtype):
+        return u8.quantize(x)
     return quantize(x, cache_dtype, scale) if is_fp8(cache_dtype) else x.to(cache_dtype)
 
 
 def from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """Cache contents in ``dtype``: dequantized (times scale) for fp8, else a plain cast."""
+    """Cache contents in ``dtype``: dequantized (times scale) for fp8, rows [..., D + 8] to
+    [..., D] for u8, else a plain cast."""
+    if u8.is_u8(x.dtype):
+        return u8.dequantize(x, dtype)
     return dequantize(x, scale, dtype) if is_fp8(x.dtype) else x.to(dtype)
 
 

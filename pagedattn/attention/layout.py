@@ -8,6 +8,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from pagedattn.attention.u8 import is_u8, row_elements
+
 # NOTE: a slot_mapping entry equal to PAD_SLOT_ID marks a padding token whose K/V is not written.
 PAD_SLOT_ID = -1
 
@@ -15,7 +17,8 @@ PAD_SLOT_ID = -1
 CACHE_VECTOR_BYTES = 16
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-_CPU_DTYPES = (torch.float32, torch.bfloat16, *_FP8_DTYPES)
+# torch.uint8: the u8 cache (attention.u8), rows of D bytes plus their scale and min; CPU only.
+_CPU_DTYPES = (torch.float32, torch.bfloat16, *_FP8_DTYPES, torch.uint8)
 _GPU_DTYPES = (torch.float32, torch.bfloat16, torch.float16, *_FP8_DTYPES)
 
 
@@ -58,10 +61,12 @@ def kv_cache_shapes(
     head_size: int,
     dtype: torch.dtype,
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shapes of (key_cache, value_cache) of one layer."""
+    """Shapes of (key_cache, value_cache) of one layer (a u8 row is D + 8 bytes, flash only)."""
     if layout is KVCacheLayout.FLASH:
-        shape = (num_blocks, block_size, num_kv_heads, head_size)
+        shape = (num_blocks, block_size, num_kv_heads, row_elements(head_size, dtype))
         return shape, shape
+    if is_u8(dtype):
+        raise ValueError("the u8 KV cache needs the flash layout, not the classic one")
     x = cache_x(dtype)
     if head_size % x:
         raise ValueError(
@@ -109,9 +114,10 @@ def block_size_of(key_cache: torch.Tensor) -> int:
 def bytes_per_block(
     num_layers: int, block_size: int, num_kv_heads: int, head_size: int, dtype: torch.dtype
 ) -> int:
-    """Bytes one block ID costs across all layers (K and V)."""
+    """Bytes one block ID costs across all layers (K and V); a u8 row is D + 8 bytes."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_size * element_size
+    row = row_elements(head_size, dtype)
+    return 2 * num_layers * block_size * num_kv_heads * row * element_size
 
 
 def kv_block_stride(num_kv_heads: int, head_size: int, block_size: int) -> int:

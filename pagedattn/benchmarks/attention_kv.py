@@ -1,8 +1,10 @@
-"""Paged decode attention per KV cache dtype: bf16 K/V against fp8 K/V (bench attention rows).
+"""Paged decode attention per KV cache dtype: bf16 K/V against fp8 and u8 K/V (bench attention
+rows).
 
-The same random K/V is stored in bf16 and in fp8 (computed scales); the compiled decode kernel
-reads each with bf16 queries, timed interleaved. bf16 runs on the vector kernel and, where the
-CPU has AMX, on the tiles too; fp8 always runs on the vector kernel (the tiles take bf16).
+The same random K/V is stored in bf16, in fp8 (computed scales) and in u8 (a scale and min per
+token and kv head, attention.u8); the compiled decode kernel reads each with bf16 queries, timed
+interleaved. bf16 runs on the vector kernel and, where the CPU has AMX, on the tiles too; fp8 and
+u8 always run on the vector kernel (the tiles take bf16).
 """
 
 from __future__ import annotations
@@ -11,19 +13,23 @@ import functools
 
 import torch
 
+from pagedattn.attention import u8
 from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.attention.fp8 import FP8_DTYPES, compute_scale, quantize
 from pagedattn.cpu import extension as cpu_ext
 
 DEFAULT_KV_CONTEXTS = (1024, 4096)
+# --kv-cache-dtype choices of the rows.
+KV_DTYPE_NAMES = (*sorted(FP8_DTYPES), *u8.U8_NAMES)
 
 
 def kv_dtype_rows(args, gen: torch.Generator, build_decode_batch, interleaved_ms, head_configs):
-    """Rows {heads, context, kernel, ms, speedup} for bf16 (vector, amx) and each fp8 dtype."""
+    """Rows {heads, context, kernel, ms, speedup} for bf16 (vector, amx), each fp8 dtype and u8."""
     if cpu_ext.get_extension() is None:
         print("note: the compiled kernel is unavailable; no KV dtype rows")
         return []
     names = [n for n in args.kv_cache_dtype if n in FP8_DTYPES]
+    with_u8 = any(n in u8.U8_NAMES for n in args.kv_cache_dtype)
     amx = cpu_ext.amx_available()
     rows = []
     for heads in args.heads:
@@ -56,6 +62,15 @@ def kv_dtype_rows(args, gen: torch.Generator, build_decode_batch, interleaved_ms
                     scale,
                     k_scale=k_scale,
                     v_scale=v_scale,
+                )
+            if with_u8:
+                fns["u8"] = _run(
+                    CpuBackend(decode_kernel="compiled"),
+                    query,
+                    u8.quantize(key_cache),
+                    u8.quantize(value_cache),
+                    meta,
+                    scale,
                 )
             expected = fns["bf16"]().float()
             diffs = {n: float((fn().float() - expected).abs().max()) for n, fn in fns.items()}

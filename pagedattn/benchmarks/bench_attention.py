@@ -5,7 +5,7 @@ reading K/V through the block tables, when it builds). Peers are timed interleav
 so that load from other processes hits them alike.
 
 Run: pagedattn bench attention --seed 0 [--threads 2] [--out bench_out/] [--quick]
-     [--kv-cache-dtype fp8_e4m3 fp8_e5m2 [--kv-only]]: fp8 K/V rows beside bf16
+     [--kv-cache-dtype fp8_e4m3 fp8_e5m2 u8 [--kv-only]]: fp8 / u8 K/V rows beside bf16
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 
 from pagedattn.attention.backends.cpu import CpuBackend
-from pagedattn.attention.fp8 import FP8_DTYPES
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.attention.ops import reshape_and_cache
 from pagedattn.benchmarks.attention_kv import (
     DEFAULT_KV_CONTEXTS,
+    KV_DTYPE_NAMES,
     kv_dtype_rows,
     kv_dtype_table,
 )
@@ -292,8 +292,8 @@ def main() -> None:
         "--kv-cache-dtype",
         nargs="+",
         default=[],
-        choices=sorted(FP8_DTYPES),
-        help="also time decode over fp8 K/V beside bf16 (--kv-contexts)",
+        choices=KV_DTYPE_NAMES,
+        help="also time decode over fp8 / u8 K/V beside bf16 (--kv-contexts)",
     )
     parser.add_argument("--kv-contexts", type=int, nargs="+", default=list(DEFAULT_KV_CONTEXTS))
     parser.add_argument("--kv-only", action="store_true",

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        choices=("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"),
+        choices=("auto", "float32", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "u8"),
         help="pagedattn's KV cache dtype (fp8: scales computed from the first prefill)",
     )
     p.add_argument("--llama-batched-bench", help="path of a llama-batched-bench binary")

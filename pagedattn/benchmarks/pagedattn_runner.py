@@ -160,7 +160,9 @@ def run_pagedattn(
         "prefix_cache_queries": stats.prefix_cache_queries - stats0.prefix_cache_queries,
         "num_preemptions": stats.num_preemptions - stats0.num_preemptions,
         "num_blocks": stats.num_blocks,
-        "kv_cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
+        "kv_cache_dtype": "u8"
+        if engine.kv_cache_dtype == torch.uint8
+        else str(engine.kv_cache_dtype).removeprefix("torch."),
     }
     if stats.spec_decode is not None:
         sd = stats.spec_decode

@@ -6,9 +6,11 @@ divergence) and the median batch-1 decode step. KV dtypes:
 
 - ``fp8_e4m3`` / ``fp8`` (per-layer scales computed from the first prefill's amax), ``fp8_e5m2``
   (scales 1.0, as vLLM's default): the engine's FP8 cache, kernels included;
-- ``int8`` (symmetric) and ``u8`` (asymmetric, zero point), one scale per token and KV head
-  (OpenVINO GenAI's CPU KV cache): measured here only, as quantize-dequantize on write into a
-  cache of the model's dtype; they have no kernel, so their step time is not theirs.
+- ``u8`` (asymmetric: a scale and min per token and KV head, OpenVINO GenAI's CPU KV cache): the
+  engine's u8 cache (attention.u8), kernels included;
+- ``int8`` (symmetric, one scale per token and KV head): measured here only, as
+  quantize-dequantize on write into a cache of the model's dtype; it has no kernel, so its step
+  time is not its own.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from pagedattn.attention import get_attn_backend
 from pagedattn.attention.fp8 import FP8_DTYPES
+from pagedattn.attention.u8 import U8_NAMES, U8_SCALE_BYTES
 from pagedattn.benchmarks.bench_quant import (
     BLOCK_SIZE,
     PROMPTS,
@@ -30,8 +33,9 @@ from pagedattn.benchmarks.bench_quant import (
 from pagedattn.model.layers import PagedAttention
 from pagedattn.model.loader import load_model
 
-PER_TOKEN_HEAD = ("int8", "u8")
-KV_DTYPES = (*FP8_DTYPES, *PER_TOKEN_HEAD)
+# Simulated (fake-quantized on write) per-token-head formats; u8 is a real cache.
+PER_TOKEN_HEAD = ("int8",)
+KV_DTYPES = (*FP8_DTYPES, *PER_TOKEN_HEAD, *U8_NAMES)
 
 
 def fake_quant_per_token_head(x: torch.Tensor, kind: str) -> torch.Tensor:
@@ -62,7 +66,7 @@ class PerTokenHeadWrites:
 
 
 class KVRunner(SequenceRunner):
-    """SequenceRunner over a KV cache of ``kv_dtype`` (fp8, or the model's dtype)."""
+    """SequenceRunner over a KV cache of ``kv_dtype`` (fp8, u8, or the model's dtype)."""
 
     def __init__(self, model, max_len: int, kv_dtype: torch.dtype) -> None:
         self.model = model
@@ -87,6 +91,8 @@ def configure(model, name: str) -> tuple[torch.dtype, list]:
         # NOTE: e4m3 with scales from the first prefill (vLLM's --calculate-kv-scales); e5m2's
         # range needs none (vLLM's default scales are 1.0).
         layer.calculate_kv_scales = name in ("fp8", "fp8_e4m3")
+    if name in U8_NAMES:
+        return torch.uint8, layers
     return FP8_DTYPES.get(name, model.dtype), layers
 
 
@@ -120,11 +126,13 @@ def run(args) -> int:
     for name, (outputs, nll, step_s) in rows.items():
         same, share = agreement(ref_out, outputs)
         nbytes = model.dtype.itemsize if name == "model" else 1
+        if name in U8_NAMES:
+            nbytes = f"1 + {U8_SCALE_BYTES}/{model.head_size}"
         step = f"{step_s * 1e3:.1f}" if name not in PER_TOKEN_HEAD else "- (no kernel)"
         label = f"{args.dtype} (reference)" if name == "model" else name
         print(f"| {label} | {nbytes} | {nll - ref_nll:+.4f} | {same}/{len(prompts)} | "
               f"{share * n:.1f} of {n} ({share:.0%}) | {step} |")  # fmt: skip
-    print(f"\nper-token-head int8/u8 also store a scale per token and head (u8: and a zero "
-          f"point): +{4 / model.head_size:.3f} (+{8 / model.head_size:.3f}) bytes per element "
-          "in fp32")  # fmt: skip
+    print(f"\nper-token-head int8/u8 also store a scale per token and head (u8: and a min), "
+          f"fp32: +{4 / model.head_size:.3f} (u8 +{U8_SCALE_BYTES / model.head_size:.3f}) bytes "
+          "per element")  # fmt: skip
     return 0 if math.isfinite(ref_nll) else 1

@@ -81,7 +81,8 @@ class DecodeStack:
         kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
         attn_metadata: Sequence[StepMetadata],
     ) -> bool:
-        """Whether this step can run on the stack (all rows decode, the cache in our dtype)."""
+        """Whether this step can run on the stack (all rows decode, the cache in our dtype, fp8
+        or u8)."""
         first = attn_metadata[0]
         return (
             0 < num_tokens < self.max_rows
@@ -89,7 +90,7 @@ class DecodeStack:
             and first.num_actual_tokens == num_tokens
             and (
                 kv_caches[0][0].dtype == self.dtype
-                or kv_caches[0][0].dtype in extension.FP8_CACHE_DTYPES
+                or kv_caches[0][0].dtype in extension.QUANTIZED_CACHE_DTYPES
             )
             and kv_caches[0][0].dim() == 4
         )

@@ -60,6 +60,8 @@ EXTENSION_NAME = "pagedattn_cpu_ext"
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 # Caches paged_decode reads beside float32/bfloat16 queries (the FP8 KV cache).
 FP8_CACHE_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# Quantized caches paged_decode reads beside float32/bfloat16 queries: fp8 and u8 (attention.u8).
+QUANTIZED_CACHE_DTYPES = (*FP8_CACHE_DTYPES, torch.uint8)
 # Tokens per work item of long contexts; shorter rows are one item (merged by log-sum-exp).
 DEFAULT_PARTITION_SIZE = 512
 # Kernel sentinels for "no sliding window" and "no soft-cap".
@@ -244,12 +246,12 @@ def step_ops(enabled: bool = True) -> ModuleType | None:
 
 
 def supports(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
-    """Whether paged_decode handles these tensors (CPU, one fp32/bf16 dtype or an fp8 cache,
-    D % 16 == 0)."""
+    """Whether paged_decode handles these tensors (CPU, one fp32/bf16 dtype or an fp8 / u8
+    cache, D % 16 == 0)."""
     return (
         query.device.type == "cpu"
         and key_cache.device.type == "cpu"
-        and (query.dtype == key_cache.dtype or key_cache.dtype in FP8_CACHE_DTYPES)
+        and (query.dtype == key_cache.dtype or key_cache.dtype in QUANTIZED_CACHE_DTYPES)
         and query.dtype in SUPPORTED_DTYPES
         and query.shape[-1] % HEAD_SIZE_MULTIPLE == 0
     )
@@ -262,6 +264,16 @@ def gather_dequant_fp8(
     ``out`` [len(block_ids), ...] (float32/bfloat16), as ``fp8.dequantize`` of the index_select.
     Raises ExtensionBuildError if the extension cannot be built."""
     load_extension().gather_dequant_fp8(out, cache, block_ids.to(torch.int64).contiguous(), scale)
+    return out
+
+
+def gather_dequant_u8(
+    cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor
+) -> torch.Tensor:
+    """Blocks ``block_ids`` of a u8 cache [num_blocks, B, Hkv, D + 8] dequantized into ``out``
+    [len(block_ids), B, Hkv, D] (float32/bfloat16), as ``u8.dequantize`` of the index_select.
+    Raises ExtensionBuildError if the extension cannot be built."""
+    load_extension().gather_dequant_u8(out, cache, block_ids.to(torch.int64).contiguous())
     return out
 
 
@@ -285,7 +297,8 @@ def paged_decode(
 
     ``amx``: bf16 on the AMX tiles where the CPU, the build and the shapes allow it (blocks of 16
     tokens, D % 32 == 0, no sliding window); elsewhere the vector kernel runs.
-    An fp8 cache (e4m3/e5m2) is read as stored * k_scale / * v_scale, on the vector kernel.
+    An fp8 cache (e4m3/e5m2) is read as stored * k_scale / * v_scale, on the vector kernel; a
+    u8 cache [num_blocks, B, Hkv, D + 8] (attention.u8) with each row's scale and min.
 
     query [N, Hq, D]; key/value_cache [num_blocks, B, Hkv, D]; block_tables [N, max_blocks];
     seq_lens [N] (row n attends to positions < seq_lens[n], its query sits at seq_lens[n] - 1).

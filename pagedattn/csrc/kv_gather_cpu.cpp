@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "ops_cpu.h"
 #include "vec_cpu.h"
@@ -80,5 +81,50 @@ void gather_dequant_fp8(torch::Tensor out, torch::Tensor cache, torch::Tensor bl
     gather_typed<pagedattn_vec::fp8_e4m3>(cache, ids, out, n, row, sc);
   } else {
     gather_typed<pagedattn_vec::fp8_e5m2>(cache, ids, out, n, row, sc);
+  }
+}
+
+// Whole blocks of a u8 cache [num_blocks, B, Hkv, D + 8] through a block list, dequantized into
+// out [n, B, Hkv, D]: q * scale + min per row (two roundings, as u8.dequantize).
+void gather_dequant_u8(torch::Tensor out, torch::Tensor cache, torch::Tensor block_ids) {
+  TORCH_CHECK(cache.scalar_type() == torch::kByte && cache.dim() == 4 && cache.is_contiguous(),
+              "gather_dequant_u8 reads a contiguous u8 cache [num_blocks, B, Hkv, D + 8]");
+  TORCH_CHECK(block_ids.dim() == 1 && block_ids.scalar_type() == torch::kInt64 &&
+                  block_ids.is_contiguous(),
+              "block_ids must be a contiguous 1-D int64 tensor");
+  TORCH_CHECK(out.scalar_type() == torch::kFloat32 || out.scalar_type() == torch::kBFloat16,
+              "out must be float32 or bfloat16");
+  const int64_t n = block_ids.size(0), num_blocks = cache.size(0);
+  const int64_t row = cache.size(3), D = row - 8;
+  const int64_t rows_per_block = cache.size(1) * cache.size(2);
+  TORCH_CHECK(D > 0 && out.is_contiguous() && out.numel() == n * rows_per_block * D,
+              "out must be contiguous [n, B, Hkv, D]");
+  const int64_t* ids = block_ids.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < num_blocks, "block id ", ids[i], " is out of range [0, ",
+                num_blocks, ")");
+  }
+  const uint8_t* src = cache.data_ptr<uint8_t>();
+  auto run = [&](auto* dst) {
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        for (int64_t r = 0; r < rows_per_block; ++r) {
+          const uint8_t* q = src + (ids[b] * rows_per_block + r) * row;
+          auto* o = dst + (b * rows_per_block + r) * D;
+          float sc, mn;
+          std::memcpy(&sc, q + D, sizeof(float));
+          std::memcpy(&mn, q + D + sizeof(float), sizeof(float));
+          const fVec vsc(sc), vmn(mn);
+          int64_t j = 0;
+          for (; j + kWidth <= D; j += kWidth) store(o + j, load(q + j) * vsc + vmn);
+          if (j < D) store(o + j, load(q + j, D - j) * vsc + vmn, D - j);
+        }
+      }
+    });
+  };
+  if (out.scalar_type() == torch::kFloat32) {
+    run(out.data_ptr<float>());
+  } else {
+    run(reinterpret_cast<bf16*>(out.data_ptr()));
   }
 }

@@ -33,3 +33,4 @@ void register_decode_stack(pybind11::module& m);
 // kv_gather_cpu.cpp
 void gather_dequant_fp8(torch::Tensor out, torch::Tensor cache, torch::Tensor block_ids,
                         double scale);
+void gather_dequant_u8(torch::Tensor out, torch::Tensor cache, torch::Tensor block_ids);

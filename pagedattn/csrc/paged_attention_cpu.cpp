@@ -37,6 +37,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -52,6 +53,8 @@ namespace {
 constexpr int64_t kChunk = 64;      // tokens per online-softmax step
 constexpr int kMaxHeadsPerPass = 4;  // query heads whose accumulators stay in registers
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kU8ScaleBytes = 8;  // a u8 row's trailer: float32 scale, float32 min
+constexpr int64_t kU8MaxHeads = 1024;  // query heads of a u8 row's sum(q) scratch
 
 using bf16 = c10::BFloat16;
 using pagedattn_vec::fp8_e4m3;
@@ -223,6 +226,8 @@ struct Params {
   int64_t sliding_window;  // 0: none
   float scale, soft_cap;   // soft_cap 0: none
   float v_scale = 1.0f;    // output factor: an FP8 cache's v_scale * kFp8Unit, else 1
+  // Cache elements per (token, kv head) row: D, or D + 8 bytes for u8 (its scale and min).
+  int64_t head_stride = 0;
   int64_t partition_size;
   bool amx = false;  // bf16 on AMX tiles (set only where amx_attention_fits)
 };
@@ -260,7 +265,7 @@ inline void softmax_update(float* sc, int64_t count, float soft_cap, float& max,
 inline int64_t chunk_row_offsets(const Params& p, const int32_t* block_table, int64_t c0,
                                  int64_t tok_end, int64_t* offsets) {
   const int64_t count = std::min(kChunk, tok_end - c0);
-  const int64_t row_stride = p.num_kv_heads * p.head_size;
+  const int64_t row_stride = p.num_kv_heads * p.head_stride;
   int64_t table_idx = c0 / p.block_size, offset = c0 % p.block_size;
   int64_t block = block_table[table_idx];
   if (block < 0 || block >= p.num_blocks) return 0;
@@ -291,8 +296,8 @@ template <typename T>
 inline void prefetch_rows(const Params& p, const T* key_cache, const T* value_cache,
                           const int64_t* offsets, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
-    prefetch_row(key_cache + offsets[t], p.num_kv_heads * p.head_size);
-    prefetch_row(value_cache + offsets[t], p.num_kv_heads * p.head_size);
+    prefetch_row(key_cache + offsets[t], p.num_kv_heads * p.head_stride);
+    prefetch_row(value_cache + offsets[t], p.num_kv_heads * p.head_stride);
   }
 }
 
@@ -305,13 +310,35 @@ void prefetch_chunk(const Params& p, const T* key_cache, const T* value_cache,
   prefetch_rows(p, key_cache, value_cache, offsets, 0, count);
 }
 
+// A u8 row's scale and min (the float32 pair after its D bytes).
+inline void u8_scale_min(const uint8_t* row, int64_t D, float& scale, float& min) {
+  std::memcpy(&scale, row + D, sizeof(float));
+  std::memcpy(&min, row + D + sizeof(float), sizeof(float));
+}
+
 // Attention of one (row, partition) over every kv head: a chunk's blocks are read once, whole,
 // in order. Leaves unnormalised acc, max and sum in scratch; false on an out-of-range block id.
+//
+// A u8 cache (C = uint8_t) runs the same loops on the bytes q_t, with each row's scale s_t and
+// min m_t applied around them: score = s_t * (q . k_bytes) + m_t * sum(q), and the value sum
+// sum_t p_t (s_t v_bytes + m_t) = sum_t (p_t s_t) v_bytes + sum_t p_t m_t.
 template <typename T, typename C>
 bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
                       const int32_t* block_table, int64_t tok_begin, int64_t tok_end, const T* q,
                       Scratch& s) {
   const int64_t G = p.group, D = p.head_size;
+  constexpr bool kU8 = std::is_same_v<C, uint8_t>;
+  // u8: p.scale * sum(q[g]) per query head, and the chunk's per-row scales and mins.
+  float qsum[kU8 ? kU8MaxHeads : 1];
+  float kscale[kU8 ? kChunk : 1], kmin[kU8 ? kChunk : 1];
+  float vscale[kU8 ? kChunk : 1], vmin[kU8 ? kChunk : 1];
+  if constexpr (kU8) {
+    for (int64_t g = 0; g < p.num_heads; ++g) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < D; ++i) sum += static_cast<float>(q[g * D + i]);
+      qsum[g] = p.scale * sum;
+    }
+  }
   std::fill(s.acc.begin(), s.acc.end(), 0.0f);
   std::fill(s.max.begin(), s.max.end(), kNegInf);
   std::fill(s.sum.begin(), s.sum.end(), 0.0f);
@@ -335,13 +362,33 @@ bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
       prefetch_rows(p, key_cache, value_cache, next_offsets, h * next_count / p.num_kv_heads,
                     (h + 1) * next_count / p.num_kv_heads);
       for (int64_t t = 0; t < count; ++t) {
-        krows[t] = key_cache + row_offsets[t] + h * D;
-        vrows[t] = value_cache + row_offsets[t] + h * D;
+        krows[t] = key_cache + row_offsets[t] + h * p.head_stride;
+        vrows[t] = value_cache + row_offsets[t] + h * p.head_stride;
       }
       score_rows<T, C>(q + h * G * D, G, D, krows, count, p.scale, s.scores.data() + h * G * kChunk);
+      if constexpr (kU8) {
+        for (int64_t t = 0; t < count; ++t) {
+          u8_scale_min(krows[t], D, kscale[t], kmin[t]);
+          u8_scale_min(vrows[t], D, vscale[t], vmin[t]);
+        }
+        for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+          float* sc = s.scores.data() + g * kChunk;
+          for (int64_t t = 0; t < count; ++t) sc[t] = sc[t] * kscale[t] + kmin[t] * qsum[g];
+        }
+      }
       for (int64_t g = h * G; g < (h + 1) * G; ++g) {
         softmax_update(s.scores.data() + g * kChunk, count, p.soft_cap, s.max[g], s.sum[g],
                        s.acc.data() + g * D, D);
+        if constexpr (kU8) {
+          float* pr = s.scores.data() + g * kChunk;
+          float bias = 0.0f;
+          for (int64_t t = 0; t < count; ++t) {
+            bias += pr[t] * vmin[t];
+            pr[t] *= vscale[t];
+          }
+          float* a = s.acc.data() + g * D;
+          for (int64_t i = 0; i < D; ++i) a[i] += bias;
+        }
       }
       for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxHeadsPerPass) {
         const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, (h + 1) * G - g0));
@@ -684,9 +731,10 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
   TORCH_CHECK(key_cache.sizes() == value_cache.sizes(), "key and value caches differ in shape");
   const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn ||
                    key_cache.scalar_type() == at::kFloat8_e5m2;
-  TORCH_CHECK((fp8 || query.dtype() == key_cache.dtype()) &&
+  const bool u8 = key_cache.scalar_type() == at::kByte;
+  TORCH_CHECK((fp8 || u8 || query.dtype() == key_cache.dtype()) &&
                   value_cache.dtype() == key_cache.dtype() && out.dtype() == query.dtype(),
-              "query, caches and output must share one dtype (or the caches be fp8)");
+              "query, caches and output must share one dtype (or the caches be fp8 or u8)");
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   out.is_contiguous() && block_tables.is_contiguous() && seq_lens.is_contiguous(),
               "paged_decode needs contiguous tensors");
@@ -699,7 +747,10 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
   p.num_blocks = key_cache.size(0);
   p.block_size = key_cache.size(1);
   p.num_kv_heads = key_cache.size(2);
-  TORCH_CHECK(key_cache.size(3) == p.head_size, "cache head_size ", key_cache.size(3),
+  // NOTE: a u8 row is D bytes, then its float32 scale and min.
+  p.head_stride = key_cache.size(3);
+  const int64_t cache_head_size = u8 ? p.head_stride - kU8ScaleBytes : p.head_stride;
+  TORCH_CHECK(cache_head_size == p.head_size, "cache head_size ", cache_head_size,
               " != query head_size ", p.head_size);
   TORCH_CHECK(p.head_size % 16 == 0, "head_size must be a multiple of 16, got ", p.head_size);
   TORCH_CHECK(p.num_heads % p.num_kv_heads == 0, "num_heads ", p.num_heads,
@@ -720,6 +771,22 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
   if (p.num_rows == 0) return;
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  if (u8) {
+    p.amx = false;  // NOTE: the tiles take bf16; a u8 cache runs the vector path
+    TORCH_CHECK(p.num_heads <= kU8MaxHeads, "a u8 cache supports at most ", kU8MaxHeads,
+                " query heads, got ", p.num_heads);
+    const uint8_t* k = key_cache.data_ptr<uint8_t>();
+    const uint8_t* v = value_cache.data_ptr<uint8_t>();
+    if (query.scalar_type() == at::kFloat) {
+      paged_decode_impl(p, query.data_ptr<float>(), k, v, tables, lens, out.data_ptr<float>());
+    } else {
+      TORCH_CHECK(query.scalar_type() == at::kBFloat16,
+                  "a u8 cache needs float32 or bfloat16 queries, got ", query.dtype());
+      paged_decode_impl(p, reinterpret_cast<const bf16*>(query.data_ptr<at::BFloat16>()), k, v,
+                        tables, lens, reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()));
+    }
+    return;
+  }
   if (fp8) {
     p.amx = false;  // NOTE: the tiles take bf16; an fp8 cache runs the vector path
     TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
@@ -813,6 +880,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gather_dequant_fp8", &gather_dequant_fp8,
         "Whole blocks of an fp8 cache through a block list, dequantized (x * scale) into out",
         py::arg("out"), py::arg("cache"), py::arg("block_ids"), py::arg("scale"));
+  m.def("gather_dequant_u8", &gather_dequant_u8,
+        "Whole blocks of a u8 cache through a block list, dequantized (q * scale + min) into out",
+        py::arg("out"), py::arg("cache"), py::arg("block_ids"));
   m.def("rotary_inplace", &rotary_inplace, "Neox rotary embedding of [T, H, D] in place");
   m.def("rms_norm", &rms_norm, "RMSNorm of [T, H], optionally adding a residual in place first");
   m.def("silu_and_mul", &silu_and_mul, "SwiGLU of a fused [T, 2I] gate/up projection");

@@ -39,6 +39,7 @@ using pagedattn_vec::store;
 
 // The slot value the engine uses for padding tokens (pagedattn.attention.layout.PAD_SLOT_ID).
 constexpr int64_t kPadSlot = -1;
+constexpr int64_t kU8ScaleBytes = 8;  // a u8 cache row's trailer: float32 scale, float32 min
 
 template <typename S>
 void write_rows(const torch::Tensor& src, torch::Tensor& cache, const S* slots, int64_t T) {
@@ -79,6 +80,49 @@ void write_rows_fp8(const torch::Tensor& src, torch::Tensor& cache, const S* slo
         out[h * D + i] = F(x).x;
       }
     }
+  }
+}
+
+// write_rows into a u8 cache (pagedattn/attention/u8.py): each [D] row as D bytes
+// round((x - min) * (1 / scale)) with scale = (max - min) / 255, then scale and min as float32.
+// The float32 operations and their order are u8.quantize's, so the bytes are the same.
+template <typename S, typename Src>
+void write_rows_u8(const torch::Tensor& src, torch::Tensor& cache, const S* slots, int64_t T) {
+  const int64_t heads = src.size(1), D = src.size(2), row = D + kU8ScaleBytes;
+  const int64_t s0 = src.stride(0), s1 = src.stride(1);
+  const Src* base = static_cast<const Src*>(src.data_ptr());
+  uint8_t* dst = static_cast<uint8_t*>(cache.data_ptr());
+  const float inv255 = static_cast<float>(1.0 / 255.0);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t slot = static_cast<int64_t>(slots[t]);
+    if (slot == kPadSlot) continue;
+    for (int64_t h = 0; h < heads; ++h) {
+      const Src* x = base + t * s0 + h * s1;
+      uint8_t* out = dst + (slot * heads + h) * row;
+      float lo = static_cast<float>(x[0]), hi = lo;
+      for (int64_t i = 1; i < D; ++i) {
+        const float v = static_cast<float>(x[i]);
+        lo = std::min(lo, v);
+        hi = std::max(hi, v);
+      }
+      const float scale = (hi - lo) * inv255;
+      const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+      for (int64_t i = 0; i < D; ++i) {
+        const float q = std::nearbyint((static_cast<float>(x[i]) - lo) * inv);
+        out[i] = static_cast<uint8_t>(std::min(std::max(q, 0.0f), 255.0f));
+      }
+      std::memcpy(out + D, &scale, sizeof(float));
+      std::memcpy(out + D + sizeof(float), &lo, sizeof(float));
+    }
+  }
+}
+
+template <typename S>
+void write_rows_u8_any(const torch::Tensor& src, torch::Tensor& cache, const S* slots, int64_t T) {
+  if (src.scalar_type() == torch::kFloat32) {
+    write_rows_u8<S, float>(src, cache, slots, T);
+  } else {
+    write_rows_u8<S, bf16>(src, cache, slots, T);
   }
 }
 
@@ -355,19 +399,32 @@ void cache_write(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache
               "caches must be contiguous [num_blocks, B, Hkv, D] (flash layout)");
   const bool fp8 = key_cache.scalar_type() == torch::kFloat8_e4m3fn ||
                    key_cache.scalar_type() == torch::kFloat8_e5m2;
-  TORCH_CHECK(fp8 ? (value_cache.scalar_type() == key_cache.scalar_type() &&
+  const bool u8 = key_cache.scalar_type() == torch::kByte;
+  TORCH_CHECK((fp8 || u8) ? (value_cache.scalar_type() == key_cache.scalar_type() &&
                      key.scalar_type() == value.scalar_type() &&
                      (key.scalar_type() == torch::kFloat32 || key.scalar_type() == torch::kBFloat16))
                   : (key.scalar_type() == key_cache.scalar_type() &&
                      value.scalar_type() == value_cache.scalar_type()),
-              "key/value and the caches must share a dtype (fp8 caches: float32/bfloat16 K/V)");
-  TORCH_CHECK(key.size(1) == key_cache.size(2) && key.size(2) == key_cache.size(3) &&
+              "key/value and the caches must share a dtype (fp8/u8 caches: float32/bfloat16 K/V)");
+  const int64_t cache_row = key.size(2) + (u8 ? kU8ScaleBytes : 0);
+  TORCH_CHECK(key.size(1) == key_cache.size(2) && cache_row == key_cache.size(3) &&
                   value.sizes() == key.sizes(),
               "key/value heads and head size must match the cache");
   TORCH_CHECK(slot_mapping.dim() == 1 && slot_mapping.is_contiguous(), "slot_mapping must be 1-D");
   const int64_t T = slot_mapping.size(0);
   TORCH_CHECK(key.size(0) >= T, "slot_mapping has ", T, " entries but key has ", key.size(0),
               " tokens");
+  if (u8) {
+    if (slot_mapping.scalar_type() == torch::kInt64) {
+      write_rows_u8_any<int64_t>(key, key_cache, slot_mapping.data_ptr<int64_t>(), T);
+      write_rows_u8_any<int64_t>(value, value_cache, slot_mapping.data_ptr<int64_t>(), T);
+    } else {
+      TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt32, "slot_mapping must be int32/int64");
+      write_rows_u8_any<int32_t>(key, key_cache, slot_mapping.data_ptr<int32_t>(), T);
+      write_rows_u8_any<int32_t>(value, value_cache, slot_mapping.data_ptr<int32_t>(), T);
+    }
+    return;
+  }
   if (fp8) {
     TORCH_CHECK(k_scale > 0 && v_scale > 0, "k_scale and v_scale must be positive");
     if (slot_mapping.scalar_type() == torch::kInt64) {

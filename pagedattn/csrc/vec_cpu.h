@@ -11,7 +11,8 @@
 // - load from fp8 (e4m3 / e5m2 bytes, the FP8 KV cache): the bytes become fp16 bits by shifts and
 //   the hardware's fp16 -> fp32 conversion widens them (F16C; exact, subnormals included, and
 //   unaffected by DAZ). e5m2 is an fp16's top byte; e4m3 lands at 2^-8 times its value, so its
-//   callers multiply by kFp8Unit (folded into the layer's k/v scale).
+//   callers multiply by kFp8Unit (folded into the layer's k/v scale);
+// - load from u8 (the u8 KV cache's bytes): zero-extended to int32 and converted (exact).
 //
 // kWidth is 16 on AVX-512, 8 on AVX2 (and the scalar build's generic vectors), 4 on NEON.
 #pragma once
@@ -133,6 +134,24 @@ inline fVec load_fp8(const F* p, int64_t n) {
 }
 inline fVec load(const fp8_e4m3* p, int64_t n) { return load_fp8(p, n); }
 inline fVec load(const fp8_e5m2* p, int64_t n) { return load_fp8(p, n); }
+
+// u8 KV cache bytes (attention/u8.py): kWidth bytes zero-extended to int32 and converted, exact.
+inline fVec load(const uint8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  __at_align__ float out[kWidth];
+  for (int i = 0; i < kWidth; ++i) out[i] = static_cast<float>(p[i]);
+  return fVec::loadu(out);
+#endif
+}
+inline fVec load(const uint8_t* p, int64_t n) {
+  __at_align__ uint8_t tmp[kWidth] = {};
+  std::memcpy(tmp, p, n);
+  return load(tmp);
+}
 
 inline void store(float* p, const fVec& v) { v.store(p); }
 inline void store(float* p, const fVec& v, int64_t n) { v.store(p, static_cast<int>(n)); }

@@ -147,6 +147,11 @@ def validate_distributed_args(args: argparse.Namespace) -> None:
             "each replica computes its own fp8 scales, and pulled blocks would be read with the "
             "decode replica's; drop --calculate-kv-scales (fixed scales)"
         )
+    if pd and getattr(args, "kv_cache_dtype", "auto") == "u8":
+        raise ValueError(
+            "--kv-cache-dtype u8 with --prefill-replicas/--decode-replicas is not supported yet: "
+            "the block transfer is untested with u8 blocks; use fp8 or the model's dtype"
+        )
     for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
         value = getattr(args, name, None)
         if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):

@@ -403,6 +403,8 @@ class LLMEngine:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
+    if dtype == torch.uint8:  # NOTE: the u8 KV cache (attention.u8), by its option's name
+        return "u8"
     return str(dtype).removeprefix("torch.")
 
 

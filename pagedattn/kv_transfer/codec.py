@@ -37,6 +37,7 @@ _DTYPE_CODES = {
     torch.float16: 3,
     torch.float8_e4m3fn: 4,
     torch.float8_e5m2: 5,
+    torch.uint8: 6,  # the u8 cache: each row's scale and min travel inside the block
 }
 # NOTE: fp8 blocks hold K / k_scale and V / v_scale: a reader must use the writer's scales
 # (the defaults, 1.0, or scales computed from the same first prefill).
@@ -46,6 +47,7 @@ _DTYPE_NAMES = {
     torch.float16: "float16",
     torch.float8_e4m3fn: "fp8_e4m3",
     torch.float8_e5m2: "fp8_e5m2",
+    torch.uint8: "u8",
 }
 
 

@@ -10,7 +10,10 @@ from pagedattn.sim.paged import run_paged
 from pagedattn.sim.traces import TraceRequest
 
 # --kv-cache-dtype name -> bytes per element.
-KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+KV_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "u8": 1}
+# Bytes after each (token, kv head) row: the u8 cache's float32 scale and min (attention.u8).
+# NOTE: attention.u8.U8_SCALE_BYTES, written out: the simulator does not import torch.
+KV_ROW_EXTRA_BYTES = {"u8": 8}
 
 
 def compare_kv_dtypes(
@@ -19,7 +22,11 @@ def compare_kv_dtypes(
     """One row per dtype: the paged run of ``trace`` with setup's memory in that dtype."""
     rows = []
     for name in dtypes:
-        geometry = replace(setup.geometry, dtype_bytes=KV_DTYPE_BYTES[name])
+        geometry = replace(
+            setup.geometry,
+            dtype_bytes=KV_DTYPE_BYTES[name],
+            row_extra_bytes=KV_ROW_EXTRA_BYTES.get(name, 0),
+        )
         dtype_setup = replace(setup, geometry=geometry)
         slots = dtype_setup.capacity_slots
         result = run_paged(

@@ -23,6 +23,8 @@ class KVGeometry:
     head_size: int
     dtype_bytes: int = 2
     max_seq_len: int = 2048
+    # Bytes after each (token, kv head) row: 8 for the u8 cache's float32 scale and min.
+    row_extra_bytes: int = 0
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "num_kv_heads", "head_size", "dtype_bytes", "max_seq_len"):
@@ -32,7 +34,7 @@ class KVGeometry:
     @property
     def bytes_per_token_per_layer(self) -> int:
         """Bytes of one K (or one V) vector of one token in one layer."""
-        return self.num_kv_heads * self.head_size * self.dtype_bytes
+        return self.num_kv_heads * (self.head_size * self.dtype_bytes + self.row_extra_bytes)
 
     @property
     def bytes_per_token(self) -> int:

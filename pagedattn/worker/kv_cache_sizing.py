@@ -9,6 +9,7 @@ import torch
 
 from pagedattn.attention.fp8 import FP8_DTYPES, is_fp8
 from pagedattn.attention.layout import bytes_per_block
+from pagedattn.attention.u8 import U8_NAMES, is_u8
 from pagedattn.config import ConfigError
 
 if TYPE_CHECKING:
@@ -19,9 +20,12 @@ DTYPES = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     **FP8_DTYPES,
+    **dict.fromkeys(U8_NAMES, torch.uint8),
 }
 # Backends that read an fp8 cache (flash_attn does not).
 FP8_BACKENDS = ("cpu", "torch", "triton")
+# Backends that read a u8 cache (the Triton and flash_attn kernels do not, yet).
+U8_BACKENDS = ("cpu", "torch")
 # The default pool (no num_blocks, kv_cache_memory or fraction) takes this share of free memory,
 # at most DEFAULT_MAX_KV_CACHE_BYTES, or enough for MIN_FULL_LENGTH_SEQS sequences of
 # max_model_len where that is more.
@@ -60,10 +64,18 @@ def free_memory_bytes(device: torch.device) -> int:
 
 def kv_cache_dtype(cache: CacheConfig, model_dtype: torch.dtype, backend_name: str) -> torch.dtype:
     """The cache's dtype: the model's, bfloat16 beside a float32 model on the cpu backend, or
-    fp8 (e4m3 / e5m2) on a backend that reads it."""
+    fp8 (e4m3 / e5m2) or u8 (torch.uint8) on a backend that reads it."""
     if cache.kv_cache_dtype == "auto":
         return model_dtype
     dtype = DTYPES[cache.kv_cache_dtype]
+    if is_u8(dtype):
+        if backend_name not in U8_BACKENDS:
+            raise ConfigError(
+                f"kv_cache_dtype={cache.kv_cache_dtype} needs an attention backend that reads "
+                f"the u8 cache ({', '.join(U8_BACKENDS)}), not {backend_name}: the Triton and "
+                "flash_attn kernels do not dequantize it; use fp8 on GPU"
+            )
+        return dtype
     if is_fp8(dtype):
         if backend_name not in FP8_BACKENDS:
             raise ConfigError(

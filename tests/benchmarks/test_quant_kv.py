@@ -35,7 +35,8 @@ def test_kv_dtypes_configure_the_layers_and_the_cache(tmp_path):
     for name in ("fp8_e4m3", "fp8_e5m2", "u8"):
         dtype, layers = configure(model, name)
         runner = KVRunner(model, 32, dtype)
-        assert runner.kv_caches[0][0].dtype == (torch.float32 if name == "u8" else dtype)
+        assert runner.kv_caches[0][0].dtype == dtype
+        assert (dtype == torch.uint8) == (name == "u8")  # u8: the engine's real u8 cache
         logits = runner.forward(tokens, 0)
         assert (logits - ref).abs().max() < 0.5  # close, not equal: the cache is lossy
         assert not torch.equal(logits, ref)

@@ -1,10 +1,11 @@
-"""The compiled decode stack over an FP8 KV cache: the Python layers' logits, bit for bit."""
+"""The compiled decode stack over an FP8 or u8 KV cache: the Python layers' logits, bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pagedattn.attention import u8
 from pagedattn.cpu import extension as cpu_ext
 from pagedattn.model.layers import PagedAttention
 from tests.cpu.test_decode_stack import _count_stack_steps, _load
@@ -62,3 +63,28 @@ def test_scales_to_calculate_are_set_by_the_layers_before_the_stack_runs(tmp_pat
     assert all(not a.calculate_kv_scales and a.k_scale != 1.0 for a in layers)
     driver.step([(s, [int(g[-1].argmax())]) for s, g in enumerate(got)])
     assert calls == [2]  # then the stack takes the decode steps
+
+
+def test_stack_reads_u8_as_the_layers_do(tmp_path, monkeypatch):
+    model = _load(make_tiny_llama(tmp_path), "bfloat16", "torch")
+    stack = model.decode_stack
+    assert stack is not None
+    calls = _count_stack_steps(monkeypatch)
+    with_stack, python = (PagedDriver(model, seed=1, backend="cpu") for _ in range(2))
+    for driver in (with_stack, python):
+        driver.kv_caches = [(u8.quantize(k), u8.quantize(v)) for k, v in driver.kv_caches]
+    gen = torch.Generator().manual_seed(0)
+    chunks = [
+        (s, torch.randint(5, 128, (n,), generator=gen).tolist()) for s, n in enumerate((9, 3))
+    ]
+    for step in range(4):
+        model.decode_stack = stack
+        got = with_stack.step(chunks)
+        model.decode_stack = None
+        want = python.step(chunks)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), f"step {step}: the stack's logits differ"
+        chunks = [(s, [int(g[-1].argmax())]) for s, g in enumerate(got)]
+    assert calls == [2] * 3  # every decode step ran on the stack
+    for a, b in zip(with_stack.kv_caches, python.kv_caches, strict=True):
+        assert torch.equal(a[0], b[0])

@@ -21,11 +21,12 @@ import pytest
 from pagedattn.cpu import features
 
 ROOT = Path(__file__).resolve().parents[2]
-# Paged decode (GQA, sliding window, soft-cap, fp32/bf16, fp8 caches, partitions), the step ops
-# and the panel GEMM.
+# Paged decode (GQA, sliding window, soft-cap, fp32/bf16, fp8 and u8 caches, partitions), the
+# step ops and the panel GEMM.
 KERNEL_TESTS = (
     "tests/cpu/test_extension.py",
     "tests/cpu/test_extension_fp8.py",
+    "tests/cpu/test_extension_u8.py",
     "tests/attention/backends/test_step_ops_cpu.py",
     "tests/cpu/test_panel_gemm.py",
 )

@@ -62,6 +62,7 @@ def test_half_a_layout_is_refused_with_the_fix(argv, message):
             + ("--calculate-kv-scales",),
             "its own fp8 scales",
         ),
+        (("--prefill-replicas", "1", "--decode-replicas", "1", "--kv-cache-dtype", "u8"), "u8"),
     ],
 )
 def test_options_replicas_cannot_honour_are_refused_before_ray_starts(extra, message):

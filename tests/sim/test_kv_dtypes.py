@@ -22,3 +22,11 @@ def test_fp8_holds_twice_the_blocks_and_runs_more_sequences():
     assert fp8["tokens_per_step"] > bf16["tokens_per_step"]
     table = kv_dtype_table("alpaca", rows)
     assert "| fp8 |" in table and "x bfloat16 concurrent" in table
+
+
+def test_u8_holds_2d_over_d_plus_8_times_the_bf16_blocks():
+    setup = MemorySetup(load_geometry("smollm2-135m"), 32 << 20, 256, SimSchedulerConfig(512, 256))
+    trace = generate_trace("alpaca", 20, max_seq_len=256, seed=0)
+    bf16, u8 = compare_kv_dtypes(trace, setup, 16, ["bfloat16", "u8"])
+    # SmolLM2: D = 64, so a row is 72 bytes against bf16's 128: 16/9 the blocks (floor rounding).
+    assert 0 <= u8["num_blocks"] - 16 * bf16["num_blocks"] // 9 <= 1

@@ -29,7 +29,13 @@ from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.fp8 import from_cache, is_fp8
 from pagedattn.attention.layout import KVCacheLayout, layout_of
 from pagedattn.attention.metadata import AttentionMetadata
+from pagedattn.attention.u8 import head_size_of, is_u8
 from pagedattn.cpu import extension as cpu_ext
+
+
+def is_quantized(dtype: torch.dtype) -> bool:
+    """Whether a cache of dtype is read dequantized beside the query's dtype (fp8 or u8)."""
+    return is_fp8(dtype) or is_u8(dtype)
 
 
 class GatherBuffers:
@@ -66,8 +72,15 @@ def gather_dequantized(
     compiled: bool,
 ) -> torch.Tensor:
     """Whole blocks [n, B, Hkv, D] of a flash-layout cache in ``dtype``: an fp8 cache's blocks
-    dequantized (times scale) as they are gathered, in one compiled pass where ``compiled``."""
+    dequantized (times scale) as they are gathered, in one compiled pass where ``compiled``; a u8
+    cache's rows [.., D + 8] come back as [.., D] (scale unused: each row carries its own)."""
     shape = (block_ids.numel(), *cache.shape[1:])
+    if is_u8(cache.dtype):
+        if compiled and dtype in cpu_ext.SUPPORTED_DTYPES and cache.is_contiguous():
+            out_shape = (*shape[:-1], head_size_of(shape[-1], cache.dtype))
+            out = buffers.get(name, out_shape, torch.empty(0, dtype=dtype))
+            return cpu_ext.gather_dequant_u8(cache, block_ids, out)
+        return from_cache(gather_blocks(cache, block_ids, buffers.get(name, shape, cache)), dtype)
     if not is_fp8(cache.dtype):
         return from_cache(gather_blocks(cache, block_ids, buffers.get(name, shape, cache)), dtype)
     if compiled and dtype in cpu_ext.SUPPORTED_DTYPES and cache.is_contiguous():
@@ -175,7 +188,7 @@ class CpuBackend(AttentionBackend):
         """
         ext = cpu_ext.step_ops(self._step_ops) if self._use_extension else None
         if ext is not None and key_cache.dim() == 4:
-            if not is_fp8(key_cache.dtype):
+            if not is_quantized(key_cache.dtype):
                 # kv_cache_dtype: cast first (.to is a no-op when the dtypes already match).
                 key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
             if (
@@ -210,11 +223,12 @@ class CpuBackend(AttentionBackend):
 
         A cache in another dtype than the query (kv_cache_dtype) runs the attention in the
         cache's dtype: the query is cast to it and the output back. An fp8 cache runs in the
-        query's dtype, its K/V dequantized as read (k_scale, v_scale).
+        query's dtype, its K/V dequantized as read (k_scale, v_scale); so does a u8 cache (each
+        row with its own scale and min).
         """
         if layout_of(key_cache) is not KVCacheLayout.FLASH:
             raise ValueError("the cpu backend needs the flash KV cache layout; use 'torch'")
-        if query.dtype != key_cache.dtype and not is_fp8(key_cache.dtype):
+        if query.dtype != key_cache.dtype and not is_quantized(key_cache.dtype):
             out = self.forward(
                 query.to(key_cache.dtype),
                 key_cache,

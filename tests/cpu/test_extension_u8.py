@@ -1,0 +1,143 @@
+"""The compiled kernels on a u8 KV cache (per-token-head scale and min): cache write, gather and
+paged decode against the PyTorch reference (attention.u8).
+
+Run for every ISA build by tests/cpu/test_kernels_per_isa.py (avx2, avx512; scalar with -m slow).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedattn.attention import u8
+from pagedattn.attention.backends.cpu import CpuBackend
+from pagedattn.attention.backends.torch_ref import TorchRefBackend
+from pagedattn.attention.layout import PAD_SLOT_ID, KVCacheLayout, allocate_kv_cache
+from pagedattn.attention.metadata import AttentionMetadata
+from pagedattn.attention.ops import reshape_and_cache
+from pagedattn.cpu import extension as cpu_ext
+from tests.attention.paged_case import make_case, mixed_specs
+
+
+@pytest.fixture(scope="module", autouse=True)
+def extension():
+    return cpu_ext.load_extension()  # raises (fails the tests) if the build fails
+
+
+def u8_case(specs, *, block_size, num_kv_heads, group, head_size):
+    """make_case in fp32, its K/V (and other rows' garbage) written into a u8 cache."""
+    case = make_case(
+        specs, dtype=torch.float32, block_size=block_size, num_kv_heads=num_kv_heads,
+        group=group, head_size=head_size,
+    )  # fmt: skip
+    key_cache, value_cache = allocate_kv_cache(
+        KVCacheLayout.FLASH, case.key_cache.shape[0], block_size, num_kv_heads, head_size,
+        torch.uint8,
+    )  # fmt: skip
+    # NOTE: garbage rows elsewhere, so reading a wrong slot changes the output.
+    gen = torch.Generator().manual_seed(1)
+    shape = (*key_cache.shape[:-1], head_size)
+    key_cache.copy_(u8.quantize(torch.randn(shape, generator=gen) * 30))
+    value_cache.copy_(u8.quantize(torch.randn(shape, generator=gen) * 30))
+    seq_lens = [len(k) for k in case.keys]
+    full = AttentionMetadata.build(seq_lens, seq_lens, case.metadata.block_tables.tolist(),
+                                   block_size)  # fmt: skip
+    reshape_and_cache(torch.cat(case.keys), torch.cat(case.values), key_cache, value_cache,
+                      full.slot_mapping)  # fmt: skip
+    case.key_cache, case.value_cache = key_cache, value_cache
+    return case
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_cache_write_same_bytes_as_torch_and_round_trips(dtype, slot_dtype):
+    gen = torch.Generator().manual_seed(0)
+    num_blocks, block, heads, dim = 5, 4, 2, 32
+    fused = (torch.randn(7, 3 * heads * dim, generator=gen) * 4).to(dtype)
+    key = fused[:, heads * dim : 2 * heads * dim].view(7, heads, dim)  # strided rows
+    value = fused[:, 2 * heads * dim :].view(7, heads, dim)
+    key[1, 1] = 2.5  # a constant row: scale 0, read back exactly
+    slots = torch.tensor([3, 17, PAD_SLOT_ID, 0, 19, 8], dtype=slot_dtype)
+    filler = u8.quantize(torch.full((num_blocks, block, heads, dim), -7.0))
+    expected = [filler.clone(), filler.clone()]
+    got = [filler.clone(), filler.clone()]
+    reshape_and_cache(key, value, *expected, slots)
+    CpuBackend(use_extension=True).reshape_and_cache(key, value, *got, slots)
+    for g, e in zip(got, expected, strict=True):
+        assert g.shape == (num_blocks, block, heads, dim + u8.U8_SCALE_BYTES)
+        assert torch.equal(g, e)
+    # Round trip: within half a step (scale / 2) of every element of its row.
+    rows = got[0].view(-1, heads, dim + 8)[slots.long()[slots >= 0]]
+    back = u8.dequantize(rows)
+    src = key[:6][slots >= 0].float()
+    step = rows[..., dim:].contiguous().view(torch.float32)[..., :1]
+    assert ((back - src).abs() <= step / 2 * 1.001 + 1e-6).all()
+    assert torch.equal(back[1, 1], src[1, 1])  # token 1 (slot 17), head 1: the constant row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "block_size,num_kv_heads,group,head_size,partition_size",
+    [(16, 2, 1, 32, 512), (1, 3, 3, 16, 16), (32, 1, 8, 64, 16), (16, 3, 3, 64, 512)],
+)
+def test_decode_matches_reference(dtype, block_size, num_kv_heads, group, head_size,
+                                  partition_size):  # fmt: skip
+    specs = [(5 * block_size + 3, 1), (3 * block_size - 1, 1), (1, 1), (150, 1)]
+    case = u8_case(specs, block_size=block_size, num_kv_heads=num_kv_heads, group=group,
+                   head_size=head_size)  # fmt: skip
+    query, meta, scale = case.query.to(dtype), case.metadata, head_size**-0.5
+    out = cpu_ext.paged_decode(
+        query, case.key_cache, case.value_cache, meta.block_tables, meta.seq_lens,
+        scale=scale, partition_size=partition_size,
+    )  # fmt: skip
+    expected = TorchRefBackend().forward(
+        query.float(), case.key_cache, case.value_cache, meta, scale=scale
+    )
+    assert out.dtype == dtype
+    atol = 5e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, atol=atol, rtol=atol)
+
+
+def test_decode_window_and_soft_cap():
+    case = u8_case([(40, 1), (77, 1)], block_size=16, num_kv_heads=2, group=2, head_size=32)
+    meta, scale = case.metadata, 32**-0.5
+    for kwargs in ({"sliding_window": 20}, {"logits_soft_cap": 2.0}):
+        out = cpu_ext.paged_decode(
+            case.query, case.key_cache, case.value_cache, meta.block_tables, meta.seq_lens,
+            scale=scale, **kwargs,
+        )  # fmt: skip
+        expected = TorchRefBackend().forward(
+            case.query, case.key_cache, case.value_cache, meta, scale=scale, **kwargs
+        )
+        torch.testing.assert_close(out, expected, atol=5e-5, rtol=5e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_shape", [(16, 2, 64), (3, 1, 24)])
+def test_gather_dequant_matches_torch(dtype, block_shape):
+    """gather_dequant_u8 == u8.dequantize(index_select) bit for bit, repeated and shuffled ids,
+    rows not a multiple of the vector width."""
+    gen = torch.Generator().manual_seed(0)
+    cache = u8.quantize(torch.randn(20, *block_shape, generator=gen) * 5)
+    ids = torch.tensor([7, 0, 19, 7, 3, 12])
+    out = torch.empty(len(ids), *block_shape, dtype=dtype)
+    cpu_ext.gather_dequant_u8(cache, ids, out)
+    assert torch.equal(out, u8.dequantize(cache.index_select(0, ids), dtype))
+
+
+@pytest.mark.parametrize(
+    "use_extension,decode_kernel", [(True, "compiled"), (True, "torch"), (False, "torch")]
+)
+def test_backend_mixed_batch_matches_reference(use_extension, decode_kernel):
+    """Decode rows and prefill spans (gather + dequantize + SDPA) of the cpu backend on a u8
+    cache with bf16 queries against the torch reference: compiled kernel and gather, compiled
+    gather only, and plain PyTorch."""
+    case = u8_case(mixed_specs(16), block_size=16, num_kv_heads=2, group=3, head_size=64)
+    query = case.query.to(torch.bfloat16)
+    backend = CpuBackend(use_extension=use_extension, decode_kernel=decode_kernel)
+    out = backend.forward(query, case.key_cache, case.value_cache, case.metadata, scale=0.125)
+    expected = TorchRefBackend().forward(
+        query.float(), case.key_cache, case.value_cache, case.metadata, scale=0.125
+    )
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
