@@ -31,11 +31,14 @@ def compiled_ops_for(x: torch.Tensor, enabled: bool = True):
 
 class LinearKernels(NamedTuple):
     """The CPU kernels of one Linear layer: below ``prefill_rows`` rows ``decode``, else
-    ``prefill`` (names from pagedattn.cpu.linear)."""
+    ``prefill``; with ``verify``, calls of 2 .. verify_rows - 1 rows (speculation's verify
+    steps) run it (names from pagedattn.cpu.linear)."""
 
     decode: str
     prefill: str
     prefill_rows: float = math.inf
+    verify: str | None = None
+    verify_rows: int = 0
 
 
 class Linear(nn.Module):
@@ -57,6 +60,8 @@ class Linear(nn.Module):
         self.decode: PackedLinear | None = None
         self.prefill: PackedLinear | None = None
         self.prefill_rows = math.inf
+        self.verify: PackedLinear | None = None  # rows 2 .. verify_rows - 1, where planned
+        self.verify_rows = 0
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for the layer's kernels (a CPU weight that some kernel other
@@ -68,15 +73,23 @@ class Linear(nn.Module):
         decode = pack_weight(kernels.decode, w, b)
         same = kernels.prefill == kernels.decode
         prefill = decode if same else pack_weight(kernels.prefill, w, b)
-        if decode.name == prefill.name == "torch":
+        verify = None
+        if kernels.verify is not None and kernels.verify != decode.name:
+            verify = pack_weight(kernels.verify, w, b)
+            verify = None if verify.name == decode.name else verify
+        if decode.name == prefill.name == "torch" and verify is None:
             return
         self.decode, self.prefill, self.prefill_rows = decode, prefill, kernels.prefill_rows
+        if verify is not None:
+            self.verify, self.verify_rows = verify, kernels.verify_rows
         self.weight = None  # NOTE: freed unless a kernel keeps it (torch, MKL)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.decode is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features if self.in_features else 0
+        if self.verify is not None and 2 <= rows < self.verify_rows:
+            return self.verify(x)
         return (self.prefill if rows >= self.prefill_rows else self.decode)(x)
 
     def extra_repr(self) -> str:

@@ -28,6 +28,7 @@ from pagedattn.model.loader import (
 )
 from pagedattn.model.parallel_layers import shard_key_name, shard_text_config
 from pagedattn.sampling_params import SamplingParams
+from pagedattn.spec_decode.policy import verify_row_bound
 from pagedattn.spec_decode.verify_rows import verify_rows
 from pagedattn.worker.input_batch import InputBatch, build_input_batch
 from pagedattn.worker.kv_cache_sizing import plan_kv_cache
@@ -103,6 +104,7 @@ class ModelRunner:
             # NOTE: the decode stack runs whole layers in one call: no room for an all-reduce.
             decode_stack=model_config.decode_stack and parallel is None,
             step_ops=model_config.step_ops,
+            verify_rows=verify_row_bound(config.speculative),
         )
         text_config = checkpoint_config(checkpoint)
         if parallel is not None:
