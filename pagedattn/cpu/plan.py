@@ -88,7 +88,7 @@ class KernelOptions:
     quantization: str | None = None
     decode_stack: bool = True
     step_ops: bool = True
-    # Speculative decoding: steps of 2 .. verify_rows - 1 rows verify drafts (0: no speculation).
+    # Speculative decoding: steps that verify drafts have at most verify_rows - 1 rows (0: none).
     verify_rows: int = 0
 
     def __post_init__(self) -> None:
@@ -126,8 +126,8 @@ class KernelPlan:
     decode_stack: bool = False  # the compiled decode stack (Llama-family models)
     step_ops: bool = False  # compiled norms, rotary, activations and cache writes
     isa: str = "scalar"  # the vector instructions the plan was chosen for (features.vector_isa)
-    # Steps of 2 .. verify_rows - 1 rows (speculative verification) run this linear kernel in
-    # the layers and the LM head; None: the decode and head kernels (see verify_fields).
+    # Steps that verify draft tokens, 2 .. verify_rows - 1 rows, run this linear kernel in the
+    # decode stack and the LM head; None: the decode and head kernels (see verify_fields).
     linear_verify: str | None = None
     verify_rows: int = 0
 
@@ -138,8 +138,6 @@ class KernelPlan:
 
     def linear_for(self, rows: int) -> str:
         """The linear kernel of a call with ``rows`` rows."""
-        if self.linear_verify is not None and 2 <= rows < self.verify_rows:
-            return self.linear_verify
         return self.linear_prefill if rows >= self.prefill_rows else self.linear_decode
 
     def describe(self) -> str:
@@ -206,10 +204,11 @@ VERIFY_KERNEL = "panels"
 
 def verify_fields(options: KernelOptions, dtype: torch.dtype, plan: KernelPlan) -> dict:
     """The plan's linear_verify and verify_rows for ``options`` (replace() keywords): the panel
-    kernel for verify steps where speculation asks for it, auto chose another decode kernel
-    and panels run ``dtype`` here."""
+    kernel for verify steps where speculation asks for it, the decode stack may run them, auto
+    chose another decode kernel and panels run ``dtype`` here."""
     use = (
         options.verify_rows > 2
+        and options.decode_stack
         and options.linear_kernel == AUTO
         and options.quantization is None
         and plan.linear_decode != VERIFY_KERNEL

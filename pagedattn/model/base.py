@@ -43,19 +43,13 @@ class WeightLoadError(RuntimeError):
 def linear_kernels(plan: KernelPlan) -> LinearKernels:
     """The kernels of a model's projections under ``plan``."""
     return LinearKernels(
-        plan.linear_decode,
-        plan.linear_prefill,
-        plan.prefill_rows,
-        plan.linear_verify,
-        plan.verify_rows,
+        plan.linear_decode, plan.linear_prefill, plan.prefill_rows, plan.linear_verify
     )
 
 
 def head_kernels(plan: KernelPlan) -> LinearKernels:
     """The kernel of an (untied) LM head under ``plan``: the same for every row count."""
-    return LinearKernels(
-        plan.linear_head, plan.linear_head, verify=plan.linear_verify, verify_rows=plan.verify_rows
-    )
+    return LinearKernels(plan.linear_head, plan.linear_head, verify=plan.linear_verify)
 
 
 def group_layers(layer_windows: list[int | None]) -> tuple[list[int], list[int | None]]:
@@ -133,11 +127,16 @@ class PagedCausalLM(nn.Module):
                 verify = pack_weight(self.plan.linear_verify, weight.detach())
                 self.tied_head_verify = None if verify.name == packed.name else verify
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, V] (soft-capped when the model says so)."""
+    def compute_logits(self, hidden: torch.Tensor, verify: bool = False) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, V] (soft-capped when the model says so).
+
+        verify: the rows score draft tokens (the plan's verify kernel, where it has one)."""
+        verify = verify and 2 <= hidden.shape[0] < self.plan.verify_rows
         if not self.tie_word_embeddings:
-            logits = self.lm_head(hidden).float()  # [N, V]
-        elif self.tied_head_verify is not None and 2 <= hidden.shape[0] < self.plan.verify_rows:
+            head = self.lm_head
+            packed = head.verify if verify and head.verify is not None else None
+            logits = (packed(hidden) if packed is not None else head(hidden)).float()  # [N, V]
+        elif verify and self.tied_head_verify is not None:
             logits = self.tied_head_verify(hidden).float()  # [N, V]
         elif self.tied_head is not None:
             logits = self.tied_head(hidden).float()  # [N, V]

@@ -31,14 +31,13 @@ def compiled_ops_for(x: torch.Tensor, enabled: bool = True):
 
 class LinearKernels(NamedTuple):
     """The CPU kernels of one Linear layer: below ``prefill_rows`` rows ``decode``, else
-    ``prefill``; with ``verify``, calls of 2 .. verify_rows - 1 rows (speculation's verify
-    steps) run it (names from pagedattn.cpu.linear)."""
+    ``prefill``; ``verify``: a copy for the steps that verify draft tokens (the decode stack's
+    verify stack; names from pagedattn.cpu.linear)."""
 
     decode: str
     prefill: str
     prefill_rows: float = math.inf
     verify: str | None = None
-    verify_rows: int = 0
 
 
 class Linear(nn.Module):
@@ -60,8 +59,9 @@ class Linear(nn.Module):
         self.decode: PackedLinear | None = None
         self.prefill: PackedLinear | None = None
         self.prefill_rows = math.inf
-        self.verify: PackedLinear | None = None  # rows 2 .. verify_rows - 1, where planned
-        self.verify_rows = 0
+        # NOTE: packed for the verify stack only: a call here never picks it, so a step without
+        # drafts computes the same numbers whether or not the engine speculates.
+        self.verify: PackedLinear | None = None
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for the layer's kernels (a CPU weight that some kernel other
@@ -80,16 +80,13 @@ class Linear(nn.Module):
         if decode.name == prefill.name == "torch" and verify is None:
             return
         self.decode, self.prefill, self.prefill_rows = decode, prefill, kernels.prefill_rows
-        if verify is not None:
-            self.verify, self.verify_rows = verify, kernels.verify_rows
+        self.verify = verify
         self.weight = None  # NOTE: freed unless a kernel keeps it (torch, MKL)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.decode is None:
             return F.linear(x, self.weight, self.bias)
         rows = x.numel() // self.in_features if self.in_features else 0
-        if self.verify is not None and 2 <= rows < self.verify_rows:
-            return self.verify(x)
         return (self.prefill if rows >= self.prefill_rows else self.decode)(x)
 
     def extra_repr(self) -> str:

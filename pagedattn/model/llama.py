@@ -278,8 +278,8 @@ class LlamaForCausalLM(PagedCausalLM):
         )
         self.decode_stack = build(stack_layers)
         if self.decode_stack is not None and first.qkv_proj.verify is not None:
-            # NOTE: the same stack over the layers' verify kernels, for steps of 2 ..
-            # verify_rows - 1 rows (speculation's verify steps; plan.linear_verify).
+            # NOTE: the same stack over the layers' verify kernels (plan.linear_verify), for the
+            # steps that verify draft tokens (AttentionMetadata.verifies_drafts).
             self.verify_stack = build([verify_layer(layer) for layer in stack_layers])
 
     def _attention_layers(self) -> list:
@@ -296,8 +296,9 @@ class LlamaForCausalLM(PagedCausalLM):
         hidden = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, 1, head_size] each
         stack = self.decode_stack
-        if self.verify_stack is not None and 2 <= hidden.shape[0] < self.plan.verify_rows:
-            stack = self.verify_stack
+        rows = hidden.shape[0]
+        if self.verify_stack is not None and attn_metadata[0].verifies_drafts:
+            stack = self.verify_stack if 2 <= rows < self.plan.verify_rows else stack
         # NOTE: a layer still waiting for its fp8 scales (--calculate-kv-scales) sets them in
         # PagedAttention.forward, which the stack bypasses: run the layers until it has.
         pending_scales = stack is not None and any(

@@ -236,7 +236,9 @@ class ModelRunner:
                 batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata
             )
         # NOTE: the LM head runs only on the rows that are sampled (the last token of each span).
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        logits = self.model.compute_logits(
+            hidden.index_select(0, batch.logits_indices), verify=batch.logits_rows is not None
+        )
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         t2 = time.perf_counter()
         rows = []

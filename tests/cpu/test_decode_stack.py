@@ -151,14 +151,16 @@ def test_verify_steps_run_the_verify_stack_on_the_verify_kernel(checkpoints, mon
 
     monkeypatch.setattr(decode_stack_module.DecodeStack, "forward", counted)
     with_stack, python = (PagedDriver(model, backend="cpu") for _ in range(2))
-    steps = [[(0, [5, 6, 7]), (1, [8, 9])], [(0, [10])], [(0, [11]), (1, [12]), (2, [13])]]
-    steps += [[(0, [14]), (1, [15]), (2, [16]), (3, [17])]]
-    for chunks in steps:
+    three = [(0, [11]), (1, [12]), (2, [13])]
+    steps = [([(0, [5, 6, 7]), (1, [8, 9])], True), ([(0, [10])], True), (three, True)]
+    steps += [(three, False), ([(0, [14]), (1, [15]), (2, [16]), (3, [17])], True)]
+    for chunks, verifies in steps:
         model.decode_stack, model.verify_stack = stacks
-        got = with_stack.step(chunks)
+        got = with_stack.step(chunks, verifies)
         model.decode_stack = model.verify_stack = None
-        want = python.step(chunks)  # the Python layers pick the verify kernel by rows too
+        want = python.step(chunks)  # the Python layers: the decode kernel, torch here
         for g, w in zip(got, want, strict=True):
-            assert torch.equal(g, w)
-    # 1 row: the decode stack; 2 .. 3 rows: the verify stack; 4 rows: the decode stack again.
-    assert used == [(1, False), (3, True), (4, False)]
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    # A prefill step: the Python layers; a verify step of 2 .. 3 rows: the verify stack; one
+    # row, a step without drafts and a verify step of 4 rows: the decode stack.
+    assert used == [(1, False), (3, True), (3, False), (4, False)]
