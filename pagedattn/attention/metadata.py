@@ -24,6 +24,7 @@ class AttentionMetadata:
     max_seq_len: int
     query_start_loc_cpu: list[int]  # host copy of query_start_loc
     seq_lens_cpu: list[int]  # host copy of seq_lens
+    verifies_drafts: bool = False  # some rows score draft tokens (speculative decoding)
 
     @property
     def num_seqs(self) -> int:
@@ -49,6 +50,7 @@ class AttentionMetadata:
         block_tables: Sequence[Sequence[int]],
         block_size: int,
         device: torch.device | str = "cpu",
+        verifies_drafts: bool = False,
     ) -> AttentionMetadata:
         """Build metadata from host lists; slot_mapping addresses each new token's cache slot.
 
@@ -97,6 +99,7 @@ class AttentionMetadata:
             max_seq_len=int(seq_lens.max(initial=0)),
             query_start_loc_cpu=query_start_loc.tolist(),
             seq_lens_cpu=seq_lens.tolist(),
+            verifies_drafts=verifies_drafts,
         )
 
 

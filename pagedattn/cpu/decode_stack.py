@@ -56,6 +56,30 @@ class StepMetadata(Protocol):
     seq_lens: torch.Tensor
 
 
+class _VerifyLinear(NamedTuple):
+    """A layer as the stack reads it, with its verify kernel in the decode kernel's place."""
+
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    out_features: int
+    decode: PackedLinear | None
+    prefill_rows: float
+
+
+def verify_layer(layer: StackLayer) -> StackLayer:
+    """``layer`` with each projection's verify kernel (Linear.verify) as its decode kernel."""
+
+    def swap(linear) -> _VerifyLinear:
+        packed = linear.verify if linear.verify is not None else linear.decode
+        return _VerifyLinear(
+            linear.weight, linear.bias, linear.out_features, packed, linear.prefill_rows
+        )
+
+    return layer._replace(
+        qkv=swap(layer.qkv), o=swap(layer.o), gate_up=swap(layer.gate_up), down=swap(layer.down)
+    )
+
+
 def _decode_linear(ext, layer: PackedLayer):
     """(the compiled DecodeLinear of the layer's decode kernel, rows from which it prefills)."""
     packed = layer.decode

@@ -42,12 +42,14 @@ class WeightLoadError(RuntimeError):
 
 def linear_kernels(plan: KernelPlan) -> LinearKernels:
     """The kernels of a model's projections under ``plan``."""
-    return LinearKernels(plan.linear_decode, plan.linear_prefill, plan.prefill_rows)
+    return LinearKernels(
+        plan.linear_decode, plan.linear_prefill, plan.prefill_rows, plan.linear_verify
+    )
 
 
 def head_kernels(plan: KernelPlan) -> LinearKernels:
     """The kernel of an (untied) LM head under ``plan``: the same for every row count."""
-    return LinearKernels(plan.linear_head, plan.linear_head)
+    return LinearKernels(plan.linear_head, plan.linear_head, verify=plan.linear_verify)
 
 
 def group_layers(layer_windows: list[int | None]) -> tuple[list[int], list[int | None]]:
@@ -81,6 +83,7 @@ class PagedCausalLM(nn.Module):
     final_logit_softcapping: float | None = None
     plan: KernelPlan = KernelPlan()  # the CPU kernels the model was built for
     tied_head: PackedLinear | None = None  # a tied LM head's packed copy of the embedding
+    tied_head_verify: PackedLinear | None = None  # its copy for verify steps (plan.linear_verify)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -120,11 +123,21 @@ class PagedCausalLM(nn.Module):
         if self.tie_word_embeddings and weight.device.type == "cpu":
             packed = pack_weight(self.plan.linear_head, weight.detach())
             self.tied_head = None if packed.name == "torch" else packed
+            if self.plan.linear_verify is not None:
+                verify = pack_weight(self.plan.linear_verify, weight.detach())
+                self.tied_head_verify = None if verify.name == packed.name else verify
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, H] -> float32 logits [N, V] (soft-capped when the model says so)."""
+    def compute_logits(self, hidden: torch.Tensor, verify: bool = False) -> torch.Tensor:
+        """hidden [N, H] -> float32 logits [N, V] (soft-capped when the model says so).
+
+        verify: the rows score draft tokens (the plan's verify kernel, where it has one)."""
+        verify = verify and 2 <= hidden.shape[0] < self.plan.verify_rows
         if not self.tie_word_embeddings:
-            logits = self.lm_head(hidden).float()  # [N, V]
+            head = self.lm_head
+            packed = head.verify if verify and head.verify is not None else None
+            logits = (packed(hidden) if packed is not None else head(hidden)).float()  # [N, V]
+        elif verify and self.tied_head_verify is not None:
+            logits = self.tied_head_verify(hidden).float()  # [N, V]
         elif self.tied_head is not None:
             logits = self.tied_head(hidden).float()  # [N, V]
         else:

@@ -31,11 +31,13 @@ def compiled_ops_for(x: torch.Tensor, enabled: bool = True):
 
 class LinearKernels(NamedTuple):
     """The CPU kernels of one Linear layer: below ``prefill_rows`` rows ``decode``, else
-    ``prefill`` (names from pagedattn.cpu.linear)."""
+    ``prefill``; ``verify``: a copy for the steps that verify draft tokens (the decode stack's
+    verify stack; names from pagedattn.cpu.linear)."""
 
     decode: str
     prefill: str
     prefill_rows: float = math.inf
+    verify: str | None = None
 
 
 class Linear(nn.Module):
@@ -57,6 +59,9 @@ class Linear(nn.Module):
         self.decode: PackedLinear | None = None
         self.prefill: PackedLinear | None = None
         self.prefill_rows = math.inf
+        # NOTE: packed for the verify stack only: a call here never picks it, so a step without
+        # drafts computes the same numbers whether or not the engine speculates.
+        self.verify: PackedLinear | None = None
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for the layer's kernels (a CPU weight that some kernel other
@@ -68,9 +73,14 @@ class Linear(nn.Module):
         decode = pack_weight(kernels.decode, w, b)
         same = kernels.prefill == kernels.decode
         prefill = decode if same else pack_weight(kernels.prefill, w, b)
-        if decode.name == prefill.name == "torch":
+        verify = None
+        if kernels.verify is not None and kernels.verify != decode.name:
+            verify = pack_weight(kernels.verify, w, b)
+            verify = None if verify.name == decode.name else verify
+        if decode.name == prefill.name == "torch" and verify is None:
             return
         self.decode, self.prefill, self.prefill_rows = decode, prefill, kernels.prefill_rows
+        self.verify = verify
         self.weight = None  # NOTE: freed unless a kernel keeps it (torch, MKL)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -10,7 +11,12 @@ from torch import nn
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.attention.metadata import AttentionMetadata
-from pagedattn.cpu.decode_stack import DecodeStack, StackLayer, build_decode_stack
+from pagedattn.cpu.decode_stack import (
+    DecodeStack,
+    StackLayer,
+    build_decode_stack,
+    verify_layer,
+)
 from pagedattn.cpu.plan import KernelPlan
 from pagedattn.model.base import PagedCausalLM, group_layers, head_kernels, linear_kernels
 from pagedattn.model.layers import (
@@ -229,6 +235,7 @@ class LlamaForCausalLM(PagedCausalLM):
         self.rotary_emb = RotaryEmbedding(config, self.head_size)
         self.qk_norm = variant.qk_norm
         self.decode_stack: DecodeStack | None = None
+        self.verify_stack: DecodeStack | None = None  # on plan.linear_verify's kernels
 
     def process_weights_after_loading(self) -> None:
         """Pack the weights (PagedCausalLM), then build the compiled decode stack over them where
@@ -261,14 +268,19 @@ class LlamaForCausalLM(PagedCausalLM):
             )
             for i, layer in enumerate(layers)
         ]
-        self.decode_stack = build_decode_stack(
-            stack_layers,
-            first.num_heads,
-            first.num_kv_heads,
-            first.head_size,
-            self.dtype,
+        build = functools.partial(
+            build_decode_stack,
+            num_heads=first.num_heads,
+            num_kv_heads=first.num_kv_heads,
+            head_size=first.head_size,
+            dtype=self.dtype,
             amx_attention=backend.uses_amx_decode,
         )
+        self.decode_stack = build(stack_layers)
+        if self.decode_stack is not None and first.qkv_proj.verify is not None:
+            # NOTE: the same stack over the layers' verify kernels (plan.linear_verify), for the
+            # steps that verify draft tokens (AttentionMetadata.verifies_drafts).
+            self.verify_stack = build([verify_layer(layer) for layer in stack_layers])
 
     def _attention_layers(self) -> list:
         return [layer.self_attn.attn for layer in self.model.layers]
@@ -284,6 +296,10 @@ class LlamaForCausalLM(PagedCausalLM):
         hidden = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, 1, head_size] each
         stack = self.decode_stack
+        # NOTE: only where the decode stack is on: LoRA switches it off while rows adapt.
+        rows = hidden.shape[0]
+        if stack is not None and self.verify_stack is not None and attn_metadata[0].verifies_drafts:
+            stack = self.verify_stack if 2 <= rows < self.plan.verify_rows else stack
         # NOTE: a layer still waiting for its fp8 scales (--calculate-kv-scales) sets them in
         # PagedAttention.forward, which the stack bypasses: run the layers until it has.
         pending_scales = stack is not None and any(

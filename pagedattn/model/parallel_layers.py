@@ -194,12 +194,12 @@ class TensorParallelMixin:
             else:
                 yield name, self.tp_shard.slice_weight(name, tensor)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, verify: bool = False) -> torch.Tensor:
         """Rank 0: the full [N, V] logits; other ranks: zeros of that shape (a free view).
 
         NOTE: only rank 0 samples; the others call this only to send their vocab rows.
         """
-        local = super().compute_logits(hidden)  # [N, vocab_per_rank]
+        local = super().compute_logits(hidden, verify)  # [N, vocab_per_rank]
         gathered = self.tp_group.gather_first(local)
         vocab = self.tp_shard.full_vocab_size
         if self.tp_group.is_first:

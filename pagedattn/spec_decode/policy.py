@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pagedattn.cpu.tuner import DECODE_ROWS
 from pagedattn.sampling_params import SAMPLING_EPS
 
 if TYPE_CHECKING:
+    from pagedattn.config import SpeculativeConfig
     from pagedattn.core.request import Request
 
 
@@ -55,3 +57,16 @@ class BatchSizePolicy:
     def enabled(self, num_unfinished: int) -> bool:
         """True when this step may carry drafts."""
         return num_unfinished <= self.max_batch_size
+
+
+def verify_row_bound(spec: SpeculativeConfig) -> int:
+    """Exclusive bound on the rows of a step that verifies drafts (KernelOptions.verify_rows):
+    K + 1 per sequence, at most speculative_disable_by_batch_size sequences; 0 without
+    speculation.
+
+    NOTE: capped below tuner.DECODE_ROWS, the batch at which the decode kernel was measured.
+    """
+    if spec.speculative_method is None:
+        return 0
+    rows = (spec.num_speculative_tokens + 1) * spec.speculative_disable_by_batch_size
+    return min(rows, DECODE_ROWS - 1) + 1

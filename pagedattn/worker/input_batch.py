@@ -49,7 +49,8 @@ def build_input_batch(
     )
     rows = range(num_seqs)
     attn_query_lens, attn_seq_lens = query_lens, seq_lens
-    if any(s.spec_token_ids for s in scheduled):
+    verifies_drafts = any(s.spec_token_ids for s in scheduled)
+    if verifies_drafts:
         rows, attn_query_lens, attn_seq_lens = _split_draft_spans(scheduled, starts, query_lens)
     metadata = [
         AttentionMetadata.build(
@@ -58,6 +59,7 @@ def build_input_batch(
             [scheduled[i].block_ids[g] for i in rows],
             block_size,
             device,
+            verifies_drafts,
         )
         for g in range(num_groups)
     ]

@@ -28,6 +28,7 @@ from pagedattn.model.loader import (
 )
 from pagedattn.model.parallel_layers import shard_key_name, shard_text_config
 from pagedattn.sampling_params import SamplingParams
+from pagedattn.spec_decode.policy import verify_row_bound
 from pagedattn.spec_decode.verify_rows import verify_rows
 from pagedattn.worker.input_batch import InputBatch, build_input_batch
 from pagedattn.worker.kv_cache_sizing import plan_kv_cache
@@ -103,6 +104,7 @@ class ModelRunner:
             # NOTE: the decode stack runs whole layers in one call: no room for an all-reduce.
             decode_stack=model_config.decode_stack and parallel is None,
             step_ops=model_config.step_ops,
+            verify_rows=verify_row_bound(config.speculative),
         )
         text_config = checkpoint_config(checkpoint)
         if parallel is not None:
@@ -234,7 +236,9 @@ class ModelRunner:
                 batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata
             )
         # NOTE: the LM head runs only on the rows that are sampled (the last token of each span).
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        logits = self.model.compute_logits(
+            hidden.index_select(0, batch.logits_indices), verify=batch.logits_rows is not None
+        )
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         t2 = time.perf_counter()
         rows = []

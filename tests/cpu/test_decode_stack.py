@@ -3,6 +3,8 @@ where it can."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -126,3 +128,42 @@ def test_kv_cache_in_another_dtype_runs_python_layers(checkpoints, monkeypatch) 
     driver.step([(0, [5, 6, 7])])
     driver.step([(0, [8])])
     assert calls == []
+
+
+def test_verify_steps_run_the_verify_stack_on_the_verify_kernel(checkpoints, monkeypatch) -> None:
+    if not kernel_available("panels", torch.float32):
+        pytest.skip("the panel kernel cannot run float32 here")
+    path = checkpoints[make_tiny_llama]
+    config = checkpoint_config(resolve_checkpoint(str(path)))
+    plan = choose_model_plan(config, torch.float32, "cpu", KernelOptions(linear_kernel="torch"))
+    plan = dataclasses.replace(plan, linear_verify="panels", verify_rows=4)
+    model = load_model(str(path), "float32", "cpu", "cpu", plan=plan).model
+    assert model.model.layers[0].mlp.down_proj.verify.name == "panels"
+    assert model.tied_head_verify is not None or model.lm_head.verify is not None
+    stacks = (model.decode_stack, model.verify_stack)
+    assert None not in stacks and stacks[0] is not stacks[1]
+    used: list[tuple[int, bool]] = []
+    real = decode_stack_module.DecodeStack.forward
+
+    def counted(self, hidden, *args):
+        used.append((hidden.shape[0], self is stacks[1]))
+        return real(self, hidden, *args)
+
+    monkeypatch.setattr(decode_stack_module.DecodeStack, "forward", counted)
+    with_stack, python = (PagedDriver(model, backend="cpu") for _ in range(2))
+    three = [(0, [11]), (1, [12]), (2, [13])]
+    steps = [([(0, [5, 6, 7]), (1, [8, 9])], True), ([(0, [10])], True), (three, True)]
+    steps += [(three, False), ([(0, [14]), (1, [15]), (2, [16]), (3, [17])], True)]
+    for chunks, verifies in steps:
+        model.decode_stack, model.verify_stack = stacks
+        got = with_stack.step(chunks, verifies)
+        model.decode_stack = model.verify_stack = None
+        want = python.step(chunks)  # the Python layers: the decode kernel, torch here
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    # A prefill step: the Python layers; a verify step of 2 .. 3 rows: the verify stack; one
+    # row, a step without drafts and a verify step of 4 rows: the decode stack.
+    assert used == [(1, False), (3, True), (3, False), (4, False)]
+    model.decode_stack = None  # as LoRA does while rows adapt: no verify stack either
+    with_stack.step(three, True)
+    assert len(used) == 4

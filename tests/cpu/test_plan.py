@@ -330,3 +330,19 @@ def test_int8_quantized_model_tracks_float32(tmp_path: Path):
     assert (got - expected).abs().max() < 0.05 * expected.abs().max()
     with pytest.raises(ValueError, match="quantization='int4' is invalid"):
         load_model(path, "float32", "cpu", "torch", quantization="int4")
+
+
+def test_speculation_runs_verify_rows_on_panels_where_decode_chose_another():
+    if "panels" not in fp32_kernels() or len(fp32_kernels()) < 2:
+        pytest.skip("the panel kernel cannot run float32 here")
+    table = {r: dict.fromkeys(ALL, 1.0) | {"torch": 0.5} for r in (DECODE_ROWS, PREFILL_ROWS)}
+    plan = choose(fake_measure(table), verify_rows=21)
+    assert (plan.linear_decode, plan.linear_verify, plan.verify_rows) == ("torch", "panels", 21)
+    assert plan.linear_for(5) == "torch"  # steps without drafts keep the decode kernel
+    # The cached plan is the same with or without speculation: only the verify fields differ.
+    assert choose(fake_measure(table)).linear_verify is None
+    assert choose(linear_kernel="torch", verify_rows=21).linear_verify is None  # forced kernel
+    panels = {r: dict.fromkeys(ALL, 1.0) | {"panels": 0.5} for r in (DECODE_ROWS, PREFILL_ROWS)}
+    other = SHAPES._replace(layers=((64, 32),))
+    on_panels = choose(fake_measure(panels), shapes=other, verify_rows=9)
+    assert on_panels.linear_decode == "panels" and on_panels.linear_verify is None

@@ -48,8 +48,12 @@ class PagedDriver:
                 table.append(self.free_blocks.pop())
 
     @torch.inference_mode()
-    def step(self, chunks: Sequence[tuple[int, Sequence[int]]]) -> list[torch.Tensor]:
-        """Run one step over (seq_id, new token ids) chunks; return each chunk's logits [q, V]."""
+    def step(
+        self, chunks: Sequence[tuple[int, Sequence[int]]], verifies_drafts: bool = False
+    ) -> list[torch.Tensor]:
+        """Run one step over (seq_id, new token ids) chunks; return each chunk's logits [q, V].
+
+        verifies_drafts: mark the step as one that verifies draft tokens (speculation)."""
         input_ids, positions, query_lens, seq_lens = [], [], [], []
         for seq_id, tokens in chunks:
             start = self.num_computed.get(seq_id, 0)
@@ -65,11 +69,12 @@ class PagedDriver:
                 seq_lens,
                 [self.block_tables[s][g] for s, _ in chunks],
                 self.block_size,
+                verifies_drafts=verifies_drafts,
             )
             for g in range(self.num_groups)
         ]
         hidden = self.model(
             torch.tensor(input_ids), torch.tensor(positions), self.kv_caches, metadata
         )
-        logits = self.model.compute_logits(hidden)  # [T, V]
+        logits = self.model.compute_logits(hidden, verifies_drafts)  # [T, V]
         return list(logits.split(query_lens))
