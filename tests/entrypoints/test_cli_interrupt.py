@@ -40,6 +40,14 @@ def _torch_mapped(pid: int) -> bool:
         return False
 
 
+def _as_from_a_terminal() -> None:
+    """In the child before exec: SIGINT unblocked and at its default action, as a shell started
+    from a terminal leaves it (an ignored or blocked SIGINT is inherited through exec, and Python
+    then installs no KeyboardInterrupt handler)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _interrupt_generate(model: Path, delay_s: float) -> tuple[bool, int, str, str]:
     """Start `pagedattn generate`, Ctrl-C it `delay_s` after torch starts loading.
 
@@ -49,7 +57,12 @@ def _interrupt_generate(model: Path, delay_s: float) -> tuple[bool, int, str, st
            "--dtype", "float32", "--threads", "1", "--max-tokens", "4"]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_as_from_a_terminal,
     )
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
