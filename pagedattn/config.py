@@ -319,7 +319,7 @@ class SpeculativeConfig:
         default_text="none",
     )
     speculative_disable_by_batch_size: int = option(
-        4,
+        8,
         "speculate only while at most this many sequences run (above it a wider forward costs "
         "more than the accepted tokens save)",
     )
