@@ -33,6 +33,7 @@ import torch
 
 from pagedattn.config import EngineConfig
 from pagedattn.core.scheduler_output import RunnerOutput, SchedulerOutput
+from pagedattn.distributed.cpu_bind import parse_cpu_list
 from pagedattn.distributed.parallel_state import TensorParallelGroup
 from pagedattn.distributed.shm_all_reduce import new_shm_path
 from pagedattn.worker.model_runner import ModelRunner
@@ -57,13 +58,9 @@ def numa_nodes() -> list[list[int]]:
     """The CPUs of each NUMA node of this machine (one list when there is no NUMA info)."""
     nodes = []
     for path in sorted(Path("/sys/devices/system/node").glob("node[0-9]*/cpulist")):
-        cpus: list[int] = []
-        for part in path.read_text().strip().split(","):
-            if part:
-                lo, _, hi = part.partition("-")
-                cpus += range(int(lo), int(hi or lo) + 1)
-        if cpus:
-            nodes.append(cpus)
+        text = path.read_text().strip()
+        if text:  # NOTE: a node with memory and no CPUs lists none
+            nodes.append(parse_cpu_list(text))
     return nodes or [sorted(os.sched_getaffinity(0))]
 
 
