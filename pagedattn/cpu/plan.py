@@ -270,7 +270,7 @@ def choose_plan(
     plan, times, seconds, busy = _measure(
         shapes, dtype, linear, attention, measure_attention, measure_linear
     )
-    plan = dataclasses.replace(plan, **fixed, linear_verify=None, verify_rows=0)
+    plan = dataclasses.replace(plan, **fixed)
     disk_cache.update_json(
         path,
         key,
