@@ -30,6 +30,8 @@ torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_last_dim(torch::Tensor logits);
 // decode_stack_cpu.cpp
 void register_decode_stack(pybind11::module& m);
+// shm_collectives_cpu.cpp
+void register_shm_collectives(pybind11::module& m);
 // kv_gather_cpu.cpp
 void gather_dequant_fp8(torch::Tensor out, torch::Tensor cache, torch::Tensor block_ids,
                         double scale);

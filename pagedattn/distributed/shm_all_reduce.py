@@ -7,6 +7,11 @@ rank has published, and sums the slots in rank order, so every rank gets the sam
 
 Two slot sets alternate by sequence parity: a rank writes set ``p`` again only two calls later,
 after every peer has published the call in between, i.e. has finished reading set ``p``.
+
+Float32 and bfloat16 tensors go through the compiled extension (csrc/shm_collectives_cpu.cpp:
+one call publishes, waits and sums; the Python steps below cost 65-140 us per all-reduce of a
+[32, 576] float32 tensor here, the compiled call about a tenth of that). Other dtypes, and
+builds without the extension, take the Python steps; both follow the same protocol.
 """
 
 from __future__ import annotations
@@ -24,6 +29,17 @@ import torch
 _FLAG_STRIDE = 8  # int64s
 DEFAULT_SLOT_BYTES = 8 << 20
 _SPINS_BEFORE_YIELD = 64
+# The compiled call's wait slice: after it, check() runs (a dead peer raises) and waiting resumes.
+_COMPILED_WAIT_SLICE_S = 0.5
+_COMPILED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _compiled_collectives():
+    """The extension when it has the compiled collectives, else None (the Python steps)."""
+    from pagedattn.cpu.extension import get_extension
+
+    ext = get_extension()
+    return ext if ext is not None and hasattr(ext, "shm_all_reduce") else None
 
 
 def new_shm_path() -> Path:
@@ -73,6 +89,7 @@ class ShmAllReduce:
         ]
         self._seq = 0
         self.wait_seconds = 0.0  # of the calls' time: waiting for the last peer to arrive
+        self._ext = _compiled_collectives()
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)
@@ -112,12 +129,38 @@ class ShmAllReduce:
         self.wait_seconds += time.perf_counter() - t0
         return slots
 
+    def _compiled(self, op: Callable, *args) -> None:
+        """Run one compiled collective (``op(buf, *args, rank, world, seq, ...)``) to the end,
+        checking the peers between wait slices."""
+        self._seq += 1
+        deadline = time.monotonic() + self.timeout_s
+        first = True
+        while True:
+            done, waited = op(
+                self._buf, *args, self.rank, self.world_size, self._seq, self.slot_bytes,
+                first, _COMPILED_WAIT_SLICE_S,
+            )  # fmt: skip
+            self.wait_seconds += waited
+            if done:
+                return
+            first = False
+            if self.check is not None:
+                self.check()
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"shared-memory all-reduce: a peer did not arrive in {self.timeout_s:.0f} s"
+                )
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of ``x`` over the ranks, written into ``x`` (contiguous)."""
         flat = x.view(-1)
         step = self.slot_bytes // x.element_size()
+        compiled = self._ext is not None and x.dtype in _COMPILED_DTYPES
         for start in range(0, flat.numel(), step):
             chunk = flat[start : start + step]
+            if compiled:
+                self._compiled(self._ext.shm_all_reduce, chunk)
+                continue
             slots = self._exchange(chunk)
             chunk.copy_(slots[0])
             for s in slots[1:]:
@@ -131,6 +174,10 @@ class ShmAllReduce:
         out = torch.empty(x.shape[0], self.world_size * x.shape[1], dtype=x.dtype)
         for start in range(0, x.shape[0], rows):
             chunk = x[start : start + rows]
+            if self._ext is not None:
+                target = out[start : start + rows] if self.rank == 0 else None
+                self._compiled(self._ext.shm_gather_first, chunk, target)
+                continue
             slots = self._exchange(chunk)
             if self.rank == 0:
                 torch.cat(slots, dim=-1, out=out[start : start + rows])
