@@ -13,7 +13,6 @@ from pagedattn.distributed.parallel_state import TensorParallelGroup
 from pagedattn.distributed.shm_all_reduce import new_shm_path
 from pagedattn.worker.tp_executor import free_port
 
-
 # Rows of the all-reduces: a slot of 8 MiB holds 52428 rows of 40 floats (60000: two chunks);
 # 5 and 9 rows also go as bfloat16.
 SUM_CASES = ((1, torch.float32), (7, torch.float32), (60000, torch.float32), (5, torch.bfloat16),
