@@ -94,10 +94,10 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     ),
     "PAGEDATTN_CPU_BIND": EnvVar(
         _text("PAGEDATTN_CPU_BIND", "auto"),
-        "CPU sets of Ray Serve replicas sharing a node (--data-parallel-size, --prefill-replicas): "
-        "auto (default: with --threads T, replica slot s runs on CPUs s*T..(s+1)*T-1 of the "
-        "node when they all fit), off, or one list per slot, e.g. 0-3|4-7 (as vLLM's "
-        "VLLM_CPU_OMP_THREADS_BIND).",
+        "CPU sets of Ray Serve replicas sharing a node (--data-parallel-size, --prefill-replicas) "
+        "and of tensor-parallel ranks on one NUMA node: auto (default: with T threads, replica "
+        "slot or rank s runs on CPUs s*T..(s+1)*T-1 of the node when they all fit), off, or one "
+        "list per slot, e.g. 0-3|4-7 (as vLLM's VLLM_CPU_OMP_THREADS_BIND).",
     ),
     "PAGEDATTN_API_KEY": EnvVar(
         _text("PAGEDATTN_API_KEY"),

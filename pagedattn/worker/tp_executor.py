@@ -31,9 +31,17 @@ from pathlib import Path
 
 import torch
 
+from pagedattn import envs
 from pagedattn.config import EngineConfig
 from pagedattn.core.scheduler_output import RunnerOutput, SchedulerOutput
-from pagedattn.distributed.cpu_bind import parse_cpu_list
+from pagedattn.distributed.cpu_bind import (
+    AUTO,
+    OFF,
+    bind_process,
+    parse_cpu_bind,
+    parse_cpu_list,
+    slot_cpus,
+)
 from pagedattn.distributed.parallel_state import TensorParallelGroup
 from pagedattn.distributed.shm_all_reduce import new_shm_path
 from pagedattn.worker.model_runner import ModelRunner
@@ -64,16 +72,26 @@ def numa_nodes() -> list[list[int]]:
     return nodes or [sorted(os.sched_getaffinity(0))]
 
 
-def rank_placement(rank: int, world_size: int, num_threads: int | None) -> tuple[list[int], int]:
-    """(CPUs to bind to, torch threads) of ``rank``: on a multi-node machine, node
-    ``rank % nodes`` (vLLM's one rank per NUMA node); on one node, no binding and an equal
-    share of this process's CPUs. ``num_threads`` (--threads) wins where given."""
+def rank_placement(
+    rank: int, world_size: int, num_threads: int | None, bind: str | list[list[int]] | None = None
+) -> tuple[list[int], int]:
+    """(CPUs to bind to, torch threads) of ``rank``; ``num_threads`` (--threads) wins where
+    given. On a multi-node machine: node ``rank % nodes`` (vLLM's one rank per NUMA node). On one
+    node: an equal share of this process's CPUs, and CPUs of its own as replicas get them
+    (``bind``, default PAGEDATTN_CPU_BIND; cpu_bind.slot_cpus with the rank as the slot): with
+    ``auto``, rank r runs on the r-th run of ``threads`` CPUs when every rank's run fits, so no
+    two ranks time-share a core (a rank the OS puts beside its peer makes every other rank wait
+    in the next all-reduce). ``off`` binds nothing; [] means "leave the process as it is"."""
+    bind = parse_cpu_bind(envs.PAGEDATTN_CPU_BIND) if bind is None else bind
     nodes = numa_nodes()
     if len(nodes) > 1:
         cpus = nodes[rank % len(nodes)]
-        return cpus, num_threads or len(cpus)
-    share = max(1, len(os.sched_getaffinity(0)) // world_size)
-    return [], num_threads or share
+        return ([] if bind == OFF else cpus), num_threads or len(cpus)
+    allowed = sorted(os.sched_getaffinity(0))
+    threads = num_threads or max(1, len(allowed) // world_size)
+    if bind == AUTO and world_size * threads > len(allowed):
+        return [], threads  # NOTE: not every rank fits: none is bound
+    return slot_cpus(bind, rank, threads, allowed) or [], threads
 
 
 class TPWorkerRunner(ModelRunner):
@@ -97,6 +115,7 @@ class TPDriverRunner(ModelRunner):
         self._conns: list[Connection] = []
         self._fault: str | None = None
         self._closed = False
+        self._unbound_cpus: list[int] | None = None  # what close() restores (rank 0 bound)
         self.pickle_seconds = 0.0
         try:
             for rank in range(1, world_size):
@@ -106,7 +125,9 @@ class TPDriverRunner(ModelRunner):
                 self._conns.append(conn)
             cpus, threads = rank_placement(0, world_size, config.num_threads)
             if cpus:
-                os.sched_setaffinity(0, cpus)
+                # NOTE: rank 0 is the caller's process (an LLM in a script): close() unbinds it.
+                self._unbound_cpus = sorted(os.sched_getaffinity(0))
+                bind_process(cpus)
             torch.set_num_threads(threads)
             group = TensorParallelGroup(
                 0,
@@ -230,6 +251,8 @@ class TPDriverRunner(ModelRunner):
         self._listener.close()
         if getattr(self, "parallel", None) is not None:
             self.parallel.close()
+        if self._unbound_cpus is not None:
+            bind_process(self._unbound_cpus)
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self._procs]

@@ -38,6 +38,7 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def serve(host: str, port: int, authkey: bytes) -> int:
+    from pagedattn.distributed.cpu_bind import bind_process
     from pagedattn.distributed.parallel_state import TensorParallelGroup
     from pagedattn.worker.tp_executor import (
         CLOSE,
@@ -55,7 +56,7 @@ def serve(host: str, port: int, authkey: bytes) -> int:
     try:
         cpus, threads = rank_placement(rank, world_size, config.num_threads)
         if cpus:
-            os.sched_setaffinity(0, cpus)
+            bind_process(cpus)
         torch.set_num_threads(threads)
         config = rank_config(config, rank)
         if config.model.device.startswith("cuda"):

@@ -62,6 +62,30 @@ def test_greedy_output_matches_one_rank(model, tiny_llama, tmp_path):
     assert stats.kv_cache_usage == 0.0
 
 
+def test_rank_placement_gives_ranks_cores_of_their_own_when_all_fit(monkeypatch):
+    from pagedattn.distributed.cpu_bind import AUTO, OFF
+    from pagedattn.worker import tp_executor
+
+    monkeypatch.setattr(tp_executor, "numa_nodes", lambda: [[0, 1, 2, 3]])
+    monkeypatch.setattr(tp_executor.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    place = tp_executor.rank_placement
+    assert [place(r, 2, None, AUTO) for r in (0, 1)] == [([0, 1], 2), ([2, 3], 2)]
+    assert [place(r, 4, 1, AUTO) for r in (0, 3)] == [([0], 1), ([3], 1)]
+    assert place(1, 2, 3, AUTO) == ([], 3)  # 2 x 3 threads do not fit in 4 CPUs: none bound
+    assert place(1, 2, 1, OFF) == ([], 1)
+    assert place(1, 2, 1, [[3], [0, 2]]) == ([0, 2], 1)
+    # Two NUMA nodes: a node per rank, unless binding is off.
+    monkeypatch.setattr(tp_executor, "numa_nodes", lambda: [[0, 1], [2, 3]])
+    assert place(1, 2, None, AUTO) == ([2, 3], 2)
+    assert place(1, 2, None, OFF) == ([], 2)
+
+
+def _affinity(pid: int) -> set[frozenset[int]]:
+    """The CPU sets of every thread of process ``pid``."""
+    tasks = os.listdir(f"/proc/{pid}/task")
+    return {frozenset(os.sched_getaffinity(int(t))) for t in tasks}
+
+
 def test_preemption_forks_and_abort_share_block_ids_on_every_rank(tiny_llama):
     """A pool too small for the batch (preemption, recompute), n=2 siblings sharing prompt
     blocks (copy-on-write on every rank) and an abort mid-run: every rank must read the blocks
@@ -69,6 +93,7 @@ def test_preemption_forks_and_abort_share_block_ids_on_every_rank(tiny_llama):
     prompts = _prompts()
     params = SamplingParams(temperature=0.8, seed=7, n=2, max_tokens=NUM_NEW, ignore_eos=True)
     results = {}
+    before = sorted(os.sched_getaffinity(0))
     for tp in (1, 2):
         llm = LLM(
             tiny_llama,
@@ -80,6 +105,10 @@ def test_preemption_forks_and_abort_share_block_ids_on_every_rank(tiny_llama):
         )
         engine = llm.engine
         try:
+            if tp == 2 and len(before) >= 2:  # PAGEDATTN_CPU_BIND=auto: a core per rank
+                (worker,) = engine.runner.worker_pids()
+                assert _affinity(os.getpid()) == {frozenset([before[0]])}
+                assert _affinity(worker) == {frozenset([before[1]])}
             for i, p in enumerate(prompts):
                 engine.add_request(f"r{i}", p, params)
             engine.add_request("aborted", prompts[3], params)
@@ -99,6 +128,7 @@ def test_preemption_forks_and_abort_share_block_ids_on_every_rank(tiny_llama):
             engine.close()
     assert "aborted" not in results[2]
     assert results[2] == results[1]
+    assert _affinity(os.getpid()) == {frozenset(before)}  # close() unbinds the caller
 
 
 def test_a_killed_worker_ends_requests_with_an_error_within_seconds(tiny_llama):
