@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import tempfile
@@ -43,8 +45,26 @@ def write_atomic(path: Path, data: bytes) -> bool:
         return False
 
 
+@contextlib.contextmanager
+def _locked(path: Path):
+    """Hold an exclusive lock on ``path``'s lock file (no lock where it cannot be made)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path.with_name(f".{path.name}.lock"), "a")  # noqa: SIM115
+    except OSError:
+        yield
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def update_json(path: Path, key: str, value: object) -> bool:
-    """Set ``key`` in the JSON object stored at ``path`` (read, change, write atomically)."""
-    data = read_json(path)
-    data[key] = value
-    return write_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode())
+    """Set ``key`` in the JSON object stored at ``path`` (read, change, write atomically).
+
+    Read and write happen under a lock file, so processes that update different keys at once
+    (tensor-parallel ranks, replicas) keep each other's entries."""
+    with _locked(path):
+        data = read_json(path)
+        data[key] = value
+        return write_atomic(path, json.dumps(data, indent=1, sort_keys=True).encode())
