@@ -117,6 +117,9 @@ def summarize(layout: str, shorts: dict, longs: dict, makespan: float) -> dict:
         return [r for r in rs.values() if r["ok"]]
 
     itls = [b - a for r in ok(shorts) for a, b in zip(r["times"], r["times"][1:], strict=False)]
+    # The first ITL of a stream: in PD, the handoff from the prefill replica to the decode one.
+    gaps = [r["times"][1] - r["times"][0] for r in ok(shorts) if len(r["times"]) > 1]
+    rest = [b - a for r in ok(shorts) for a, b in zip(r["times"][1:], r["times"][2:], strict=False)]
     num_out = sum(len(r["times"]) for r in [*ok(shorts), *ok(longs)])
     return {
         "layout": layout,
@@ -126,6 +129,9 @@ def summarize(layout: str, shorts: dict, longs: dict, makespan: float) -> dict:
         "itl_p50_ms": 1000 * _pct(itls, 0.5),
         "itl_p99_ms": 1000 * _pct(itls, 0.99),
         "itl_max_ms": 1000 * max(itls, default=float("nan")),
+        "first_itl_p50_ms": 1000 * _pct(gaps, 0.5),
+        "first_itl_p99_ms": 1000 * _pct(gaps, 0.99),
+        "later_itl_p99_ms": 1000 * _pct(rest, 0.99),
         "short_ttft_p50_s": _pct([r["times"][0] for r in ok(shorts)], 0.5),
         "short_ttft_p99_s": _pct([r["times"][0] for r in ok(shorts)], 0.99),
         "long_ttft_p50_s": _pct([r["times"][0] for r in ok(longs)], 0.5),
@@ -139,13 +145,16 @@ def summarize(layout: str, shorts: dict, longs: dict, makespan: float) -> dict:
     }
 
 
-def _config(args):
+def _config(args, threshold: int = 0):
     from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, seed=args.seed),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            long_prefill_token_threshold=threshold,
+        ),
         num_threads=1,
     )
 
@@ -165,7 +174,7 @@ def deploy(layout: str, args) -> None:
     )
     if layout == "pd":
         app = build_pd_app(
-            _config(args),
+            _config(args, args.long_prefill_token_threshold),
             1,
             1,
             min_prompt_tokens=args.pd_min_prompt_tokens,
@@ -201,6 +210,13 @@ def replica_check(layout: str, base: str, timeout_s: float = 120.0) -> dict:
     if layout == "pd":
         steps = usages[1]["step_seconds"]
         transfers = [t for t in usages[1]["transfers"] if t["num_blocks"]]
+        # The handoffs of the short prompts: pull, queued in the engine, first decoded token.
+        short = [t for t in usages[1]["transfers"] if "first_decode_s" in t]
+        short = [t for t in short if t["num_local_blocks"] + t["num_blocks"] <= 32]
+        for key in ("pulled_s", "added_s", "first_decode_s"):
+            name = key.removesuffix("_s")
+            out[f"handoff_{name}_ms_p50"] = 1000 * _pct([t[key] for t in short], 0.5)
+            out[f"handoff_{name}_ms_p99"] = 1000 * _pct([t[key] for t in short], 0.99)
         out.update(
             cpus=[u["cpus"] for u in usages],
             decode_step_ms_p50=1000 * _pct(steps, 0.5),
@@ -230,6 +246,12 @@ def print_report(rows: dict[str, dict]) -> None:
     for row in rows.values():
         cells = [row.get(c, row.get("check", {}).get(c)) for c in COLUMNS]
         print("| " + " | ".join(f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells))
+    for row in rows.values():
+        gaps = [row.get(k, float("nan")) for k in ("first_itl_p50_ms", "first_itl_p99_ms")]
+        print(
+            f"{row['layout']}: first ITL (PD: the handoff) p50 {gaps[0]:.0f} ms, p99 "
+            f"{gaps[1]:.0f} ms; later ITLs p99 {row.get('later_itl_p99_ms', float('nan')):.0f} ms"
+        )
     pd = rows.get("pd")
     if pd and pd.get("check", {}).get("num_transfers"):
         c = pd["check"]
@@ -244,6 +266,12 @@ def print_report(rows: dict[str, dict]) -> None:
             f"pd decode replica steps: p50 {c['decode_step_ms_p50']:.0f} ms, p99 "
             f"{c['decode_step_ms_p99']:.0f} ms, max {c['decode_step_ms_max']:.0f} ms; "
             f"CPUs (prefill, decode): {c['cpus']}"
+        )
+        print(
+            "pd handoffs of short prompts (p50 / p99 ms from the first token): pulled "
+            f"{c['handoff_pulled_ms_p50']:.0f} / {c['handoff_pulled_ms_p99']:.0f}, in the engine "
+            f"{c['handoff_added_ms_p50']:.0f} / {c['handoff_added_ms_p99']:.0f}, first decoded "
+            f"{c['handoff_first_decode_ms_p50']:.0f} / {c['handoff_first_decode_ms_p99']:.0f}"
         )
     co = rows.get("colocated")
     if co and pd:
@@ -276,6 +304,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-start", type=float, default=5.0)
     p.add_argument("--long-interval", type=float, default=20.0)
     p.add_argument("--pd-min-prompt-tokens", type=int, default=256)
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=0,
+        help="the engine option of the PD layout's replicas (the co-located layout runs the "
+        "engine's default, 0: no cap)",
+    )
     p.add_argument(
         "--pd-decode-step-time",
         type=float,

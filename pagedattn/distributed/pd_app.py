@@ -117,6 +117,9 @@ class DecodeReplica(EngineReplica):
             events_host,
             cpu_bind=cpu_bind,
             cpu_slot_base=cpu_slot_base,
+            # NOTE: decode replicas are routed by load: nobody reads their KV events, and a
+            # drainer thread waking every 5 ms would take the GIL from the engine loop.
+            publish_kv_events=False,
         )
         self.role = DecodeRole(self.llm_engine, fallback=shared)
         cache = engine_config.cache
