@@ -67,7 +67,7 @@ async def _stream(client, base, model, prompt, max_tokens, timeout) -> dict:
         error = f"{type(exc).__name__}: {exc}"
     ok = not error and bool(times)
     return {"ok": ok, "error": error, "times": times, "text": "".join(text),
-            "end": time.perf_counter()}  # fmt: skip
+            "start": start, "end": time.perf_counter()}  # fmt: skip
 
 
 async def run_traffic(base: str, model: str, args) -> tuple[dict, dict, float]:
@@ -142,6 +142,18 @@ def summarize(layout: str, shorts: dict, longs: dict, makespan: float) -> dict:
             :3
         ],
         "texts": {k: r["text"] for k, r in [*shorts.items(), *longs.items()] if r["ok"]},
+        # Per request: its start (s, after the first start) and its token times (ms after it).
+        "timelines": _timelines({**shorts, **longs}),
+    }
+
+
+def _timelines(results: dict) -> dict[str, list]:
+    starts = [r["start"] for r in results.values() if "start" in r]
+    t0 = min(starts, default=0.0)
+    return {
+        k: [round(r["start"] - t0, 4), [round(1000 * t, 1) for t in r["times"]]]
+        for k, r in results.items()
+        if r.get("ok")
     }
 
 
@@ -179,6 +191,7 @@ def deploy(layout: str, args) -> None:
             1,
             min_prompt_tokens=args.pd_min_prompt_tokens,
             decode_step_time_s=args.pd_decode_step_time,
+            prefill_nice=args.pd_prefill_nice,
             **common,
         )
     else:
@@ -305,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-interval", type=float, default=20.0)
     p.add_argument("--pd-min-prompt-tokens", type=int, default=256)
     p.add_argument(
+        "--pd-prefill-nice",
+        type=int,
+        default=5,
+        help="nice value of the prefill replica's threads (serve's --pd-prefill-nice)",
+    )
+    p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=0,
@@ -356,7 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             row["load"] = open("/proc/loadavg").read().strip()
             row["cpu_bind"] = args.cpu_bind
             rows[layout] = row
-            print(json.dumps({k: v for k, v in row.items() if k != "texts"}), flush=True)
+            brief = {k: v for k, v in row.items() if k not in ("texts", "timelines")}
+            print(json.dumps(brief), flush=True)
             # NOTE: written per layout, so a later layout that fails keeps this one's row.
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))
