@@ -344,6 +344,13 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="replica CPU sets (PAGEDATTN_CPU_BIND): auto (one core per replica), off, or 0|1",
     )
+    p.add_argument(
+        "--driver-cpus",
+        default=None,
+        help="CPU list (e.g. 0) for this process and the Ray processes it starts (proxy, ingress, "
+        "controller, the clients): by default they float over every core; give replicas "
+        "explicit --cpu-bind lists with it (e.g. --driver-cpus 0 --cpu-bind '0|1')",
+    )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", default="bench_out/pd.json")
     args = p.parse_args(argv)
@@ -356,6 +363,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     rows: dict[str, dict] = json.loads(out.read_text())["rows"] if out.exists() else {}
     print(f"load before: {open('/proc/loadavg').read().strip()}", flush=True)
+    if args.driver_cpus is not None:
+        from pagedattn.distributed.cpu_bind import parse_cpu_list
+
+        # NOTE: before ray.init: Ray's processes inherit the set (the replicas bind their own).
+        os.sched_setaffinity(0, parse_cpu_list(args.driver_cpus))
     ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     try:
         port = 8766
