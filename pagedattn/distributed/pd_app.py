@@ -60,6 +60,7 @@ def _kv_usage(replica: EngineReplica) -> dict[str, Any]:
         "num_requests": len(replica.llm_engine.requests),
         "cpus": replica.cpus,
         "step_seconds": list(replica.engine.step_seconds),
+        "itl_seconds": list(replica.engine.itl_seconds),
     }
 
 

@@ -159,6 +159,8 @@ class AsyncLLMEngine:
         self._busy_since: float | None = None
         # Seconds of the last steps (commands applied plus step()), for benchmarks' stall checks.
         self.step_seconds: deque[float] = deque(maxlen=STEP_HISTORY)
+        # The last inter-token latencies as this loop delivered them (before any network hop).
+        self.itl_seconds: deque[float] = deque(maxlen=STEP_HISTORY)
 
     @property
     def tokenizer(self):
@@ -440,6 +442,7 @@ class AsyncLLMEngine:
                 self.metrics.observe_tokens(num_new, None)
             else:
                 self.metrics.observe_tokens(num_new, now - state.last_token_time)
+                self.itl_seconds.append(now - state.last_token_time)
             state.last_token_time = now
         if out.finished:
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")
