@@ -236,7 +236,7 @@ def replica_check(layout: str, base: str, timeout_s: float = 120.0) -> dict:
             decode_step_ms_p50=1000 * _pct(steps, 0.5),
             decode_step_ms_p99=1000 * _pct(steps, 0.99),
             decode_step_ms_max=1000 * max(steps, default=float("nan")),
-            # As the decode engine's loop delivered the tokens (the first: from the prefill's).
+            # As the decode engine's loop delivered the tokens (but the handoffs).
             decode_itl_ms_p50=1000 * _pct(usages[1].get("itl_seconds", []), 0.5),
             decode_itl_ms_p99=1000 * _pct(usages[1].get("itl_seconds", []), 0.99),
             load_ms_mean=1000 * usages[1]["load_time_s"] / max(1, len(transfers)),
@@ -282,7 +282,7 @@ def print_report(rows: dict[str, dict]) -> None:
         print(
             f"pd decode replica steps: p50 {c['decode_step_ms_p50']:.0f} ms, p99 "
             f"{c['decode_step_ms_p99']:.0f} ms, max {c['decode_step_ms_max']:.0f} ms; "
-            f"CPUs (prefill, decode): {c['cpus']}; ITLs as its engine delivered them: p50 "
+            f"CPUs (prefill, decode): {c['cpus']}; later ITLs as its engine delivered them: p50 "
             f"{c['decode_itl_ms_p50']:.0f} ms, p99 {c['decode_itl_ms_p99']:.0f} ms"
         )
         print(
