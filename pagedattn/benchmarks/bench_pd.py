@@ -196,7 +196,8 @@ def deploy(layout: str, args) -> None:
             **common,
         )
     else:
-        app = build_app(_config(args), 2, router="prefix", **common)
+        threshold = args.long_prefill_token_threshold if args.cap_colocated else 0
+        app = build_app(_config(args, threshold), 2, router="prefix", **common)
     serve.run(app, name=APP, route_prefix="/")
 
 
@@ -327,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="serve's option; 0 (every prompt to the prefill replica) with the prefill cap below "
         "measured the lowest ITL p99 at >= 0.8x throughput (serve's default is 256)",
+    )
+    p.add_argument(
+        "--cap-colocated",
+        action="store_true",
+        help="give the co-located layout's replicas --long-prefill-token-threshold too",
     )
     p.add_argument(
         "--pd-prefill-nice",
