@@ -203,6 +203,13 @@ class SchedulerConfig:
         "prefill chunk is sized from the measured cost per token, so that streams decoding "
         "beside a long prompt are not stalled",
     )
+    long_prefill_token_threshold: int = option(
+        0,
+        "the most prompt tokens one request computes in a step (as vLLM's option): a long "
+        "prompt is prefilled this many tokens at a time, so shorter prompts that arrive behind "
+        "it are admitted beside it in the next step instead of after all its chunks (0: no cap, "
+        "a prompt takes what the step budget leaves)",
+    )
     max_num_seqs: int = option(128, "sequences running at once")
     max_model_len: int | None = option(
         None, "longest prompt + output in tokens", default_text="the model's context length"
@@ -227,6 +234,16 @@ class SchedulerConfig:
         _require(
             isinstance(self.target_step_time, int | float) and 0 < self.target_step_time <= 60,
             f"target_step_time={self.target_step_time!r} is invalid: use seconds in (0, 60]",
+        )
+        _require(
+            self.long_prefill_token_threshold >= 0,
+            f"long_prefill_token_threshold={self.long_prefill_token_threshold!r} is invalid: use "
+            ">= 1 tokens, or 0 for no cap",
+        )
+        _require(
+            self.long_prefill_token_threshold == 0 or self.enable_chunked_prefill,
+            f"long_prefill_token_threshold={self.long_prefill_token_threshold} splits prompts "
+            "into chunks, and chunked prefill is off: enable chunked prefill or use 0",
         )
         _require(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs!r} is invalid: use >= 1")
         _require(

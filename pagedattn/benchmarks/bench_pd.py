@@ -2,6 +2,7 @@
 
     pagedattn bench pd --layouts colocated,pd [--duration 90] [--num-short 4] [--short-len 64]
                        [--short-tokens 32] [--long-len 4096] [--long-interval 20] [--long-tokens 8]
+                       [--pd-min-prompt-tokens 0] [--long-prefill-token-threshold 64]
     (also: pagedattn bench replicas --layouts colocated,pd ...)
 
 Both layouts run on one local Ray instance, in turn, on the same cores (one torch thread per
@@ -67,7 +68,7 @@ async def _stream(client, base, model, prompt, max_tokens, timeout) -> dict:
         error = f"{type(exc).__name__}: {exc}"
     ok = not error and bool(times)
     return {"ok": ok, "error": error, "times": times, "text": "".join(text),
-            "end": time.perf_counter()}  # fmt: skip
+            "start": start, "end": time.perf_counter()}  # fmt: skip
 
 
 async def run_traffic(base: str, model: str, args) -> tuple[dict, dict, float]:
@@ -117,6 +118,9 @@ def summarize(layout: str, shorts: dict, longs: dict, makespan: float) -> dict:
         return [r for r in rs.values() if r["ok"]]
 
     itls = [b - a for r in ok(shorts) for a, b in zip(r["times"], r["times"][1:], strict=False)]
+    # The first ITL of a stream: in PD, the handoff from the prefill replica to the decode one.
+    gaps = [r["times"][1] - r["times"][0] for r in ok(shorts) if len(r["times"]) > 1]
+    rest = [b - a for r in ok(shorts) for a, b in zip(r["times"][1:], r["times"][2:], strict=False)]
     num_out = sum(len(r["times"]) for r in [*ok(shorts), *ok(longs)])
     return {
         "layout": layout,
@@ -126,6 +130,9 @@ def summarize(layout: str, shorts: dict, longs: dict, makespan: float) -> dict:
         "itl_p50_ms": 1000 * _pct(itls, 0.5),
         "itl_p99_ms": 1000 * _pct(itls, 0.99),
         "itl_max_ms": 1000 * max(itls, default=float("nan")),
+        "first_itl_p50_ms": 1000 * _pct(gaps, 0.5),
+        "first_itl_p99_ms": 1000 * _pct(gaps, 0.99),
+        "later_itl_p99_ms": 1000 * _pct(rest, 0.99),
         "short_ttft_p50_s": _pct([r["times"][0] for r in ok(shorts)], 0.5),
         "short_ttft_p99_s": _pct([r["times"][0] for r in ok(shorts)], 0.99),
         "long_ttft_p50_s": _pct([r["times"][0] for r in ok(longs)], 0.5),
@@ -136,16 +143,31 @@ def summarize(layout: str, shorts: dict, longs: dict, makespan: float) -> dict:
             :3
         ],
         "texts": {k: r["text"] for k, r in [*shorts.items(), *longs.items()] if r["ok"]},
+        # Per request: its start (s, after the first start) and its token times (ms after it).
+        "timelines": _timelines({**shorts, **longs}),
     }
 
 
-def _config(args):
+def _timelines(results: dict) -> dict[str, list]:
+    starts = [r["start"] for r in results.values() if "start" in r]
+    t0 = min(starts, default=0.0)
+    return {
+        k: [round(r["start"] - t0, 4), [round(1000 * t, 1) for t in r["times"]]]
+        for k, r in results.items()
+        if r.get("ok")
+    }
+
+
+def _config(args, threshold: int = 0):
     from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
     return EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, seed=args.seed),
         cache=CacheConfig(block_size=args.block_size, num_blocks=args.num_blocks),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            long_prefill_token_threshold=threshold,
+        ),
         num_threads=1,
     )
 
@@ -165,15 +187,17 @@ def deploy(layout: str, args) -> None:
     )
     if layout == "pd":
         app = build_pd_app(
-            _config(args),
+            _config(args, args.long_prefill_token_threshold),
             1,
             1,
             min_prompt_tokens=args.pd_min_prompt_tokens,
             decode_step_time_s=args.pd_decode_step_time,
+            prefill_nice=args.pd_prefill_nice,
             **common,
         )
     else:
-        app = build_app(_config(args), 2, router="prefix", **common)
+        threshold = args.long_prefill_token_threshold if args.cap_colocated else 0
+        app = build_app(_config(args, threshold), 2, router="prefix", **common)
     serve.run(app, name=APP, route_prefix="/")
 
 
@@ -201,11 +225,21 @@ def replica_check(layout: str, base: str, timeout_s: float = 120.0) -> dict:
     if layout == "pd":
         steps = usages[1]["step_seconds"]
         transfers = [t for t in usages[1]["transfers"] if t["num_blocks"]]
+        # The handoffs of the short prompts: pull, queued in the engine, first decoded token.
+        short = [t for t in usages[1]["transfers"] if "first_decode_s" in t]
+        short = [t for t in short if t["num_local_blocks"] + t["num_blocks"] <= 32]
+        for key in ("pulled_s", "added_s", "first_decode_s"):
+            name = key.removesuffix("_s")
+            out[f"handoff_{name}_ms_p50"] = 1000 * _pct([t[key] for t in short], 0.5)
+            out[f"handoff_{name}_ms_p99"] = 1000 * _pct([t[key] for t in short], 0.99)
         out.update(
             cpus=[u["cpus"] for u in usages],
             decode_step_ms_p50=1000 * _pct(steps, 0.5),
             decode_step_ms_p99=1000 * _pct(steps, 0.99),
             decode_step_ms_max=1000 * max(steps, default=float("nan")),
+            # As the decode engine's loop delivered the tokens (but the handoffs).
+            decode_itl_ms_p50=1000 * _pct(usages[1].get("itl_seconds", []), 0.5),
+            decode_itl_ms_p99=1000 * _pct(usages[1].get("itl_seconds", []), 0.99),
             load_ms_mean=1000 * usages[1]["load_time_s"] / max(1, len(transfers)),
         )
         out.update(
@@ -230,6 +264,12 @@ def print_report(rows: dict[str, dict]) -> None:
     for row in rows.values():
         cells = [row.get(c, row.get("check", {}).get(c)) for c in COLUMNS]
         print("| " + " | ".join(f"{c:.3f}" if isinstance(c, float) else str(c) for c in cells))
+    for row in rows.values():
+        gaps = [row.get(k, float("nan")) for k in ("first_itl_p50_ms", "first_itl_p99_ms")]
+        print(
+            f"{row['layout']}: first ITL (PD: the handoff) p50 {gaps[0]:.0f} ms, p99 "
+            f"{gaps[1]:.0f} ms; later ITLs p99 {row.get('later_itl_p99_ms', float('nan')):.0f} ms"
+        )
     pd = rows.get("pd")
     if pd and pd.get("check", {}).get("num_transfers"):
         c = pd["check"]
@@ -243,7 +283,14 @@ def print_report(rows: dict[str, dict]) -> None:
         print(
             f"pd decode replica steps: p50 {c['decode_step_ms_p50']:.0f} ms, p99 "
             f"{c['decode_step_ms_p99']:.0f} ms, max {c['decode_step_ms_max']:.0f} ms; "
-            f"CPUs (prefill, decode): {c['cpus']}"
+            f"CPUs (prefill, decode): {c['cpus']}; later ITLs as its engine delivered them: p50 "
+            f"{c['decode_itl_ms_p50']:.0f} ms, p99 {c['decode_itl_ms_p99']:.0f} ms"
+        )
+        print(
+            "pd handoffs of short prompts (p50 / p99 ms from the first token): pulled "
+            f"{c['handoff_pulled_ms_p50']:.0f} / {c['handoff_pulled_ms_p99']:.0f}, in the engine "
+            f"{c['handoff_added_ms_p50']:.0f} / {c['handoff_added_ms_p99']:.0f}, first decoded "
+            f"{c['handoff_first_decode_ms_p50']:.0f} / {c['handoff_first_decode_ms_p99']:.0f}"
         )
     co = rows.get("colocated")
     if co and pd:
@@ -275,7 +322,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-tokens", type=int, default=8)
     p.add_argument("--long-start", type=float, default=5.0)
     p.add_argument("--long-interval", type=float, default=20.0)
-    p.add_argument("--pd-min-prompt-tokens", type=int, default=256)
+    p.add_argument(
+        "--pd-min-prompt-tokens",
+        type=int,
+        default=0,
+        help="serve's option; 0 (every prompt to the prefill replica) with the prefill cap below "
+        "measured the lowest ITL p99 at >= 0.8x throughput (serve's default is 256)",
+    )
+    p.add_argument(
+        "--cap-colocated",
+        action="store_true",
+        help="give the co-located layout's replicas --long-prefill-token-threshold too",
+    )
+    p.add_argument(
+        "--pd-prefill-nice",
+        type=int,
+        default=5,
+        help="nice value of the prefill replica's threads (serve's --pd-prefill-nice)",
+    )
+    p.add_argument(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=64,
+        help="the engine option of the PD layout's replicas, so short prompts are prefilled "
+        "beside a long one (the co-located layout runs the engine's default, 0: no cap)",
+    )
     p.add_argument(
         "--pd-decode-step-time",
         type=float,
@@ -290,6 +361,13 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="replica CPU sets (PAGEDATTN_CPU_BIND): auto (one core per replica), off, or 0|1",
     )
+    p.add_argument(
+        "--driver-cpus",
+        default=None,
+        help="CPU list (e.g. 0) for this process and the Ray processes it starts (proxy, ingress, "
+        "controller, the clients): by default they float over every core; give replicas "
+        "explicit --cpu-bind lists with it (e.g. --driver-cpus 0 --cpu-bind '0|1')",
+    )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", default="bench_out/pd.json")
     args = p.parse_args(argv)
@@ -302,6 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     rows: dict[str, dict] = json.loads(out.read_text())["rows"] if out.exists() else {}
     print(f"load before: {open('/proc/loadavg').read().strip()}", flush=True)
+    if args.driver_cpus is not None:
+        from pagedattn.distributed.cpu_bind import parse_cpu_list
+
+        # NOTE: before ray.init: Ray's processes inherit the set (the replicas bind their own).
+        os.sched_setaffinity(0, parse_cpu_list(args.driver_cpus))
     ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
     try:
         port = 8766
@@ -321,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             row["load"] = open("/proc/loadavg").read().strip()
             row["cpu_bind"] = args.cpu_bind
             rows[layout] = row
-            print(json.dumps({k: v for k, v in row.items() if k != "texts"}), flush=True)
+            brief = {k: v for k, v in row.items() if k not in ("texts", "timelines")}
+            print(json.dumps(brief), flush=True)
             # NOTE: written per layout, so a later layout that fails keeps this one's row.
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=2))

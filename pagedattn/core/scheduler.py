@@ -76,7 +76,10 @@ class Scheduler:
         if fixed is None and not scheduler_config.enable_chunked_prefill:
             fixed = DEFAULT_MAX_STEP_TOKENS
         self.step_budget = StepTokenBudget(
-            fixed, scheduler_config.target_step_time, min_tokens=scheduler_config.max_num_seqs
+            fixed,
+            scheduler_config.target_step_time,
+            min_tokens=scheduler_config.max_num_seqs,
+            long_prefill_token_threshold=scheduler_config.long_prefill_token_threshold,
         )
 
     # Requests in and out.
@@ -205,7 +208,12 @@ class Scheduler:
             if len(num_scheduled) >= config.max_num_seqs:
                 break
             request = self.running[req_index]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            # NOTE: a capped long prompt (long_prefill_token_threshold) leaves the rest of the
+            # budget to the requests behind it; a decode step (1 token) is never capped.
+            num_left = self.step_budget.cap_request(
+                request.num_tokens - request.num_computed_tokens
+            )
+            num_new_tokens = min(num_left, token_budget)
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
@@ -262,7 +270,9 @@ class Scheduler:
             else:
                 computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
                 num_external = self._num_external_tokens(request, num_computed)
-            num_new_tokens = request.num_tokens - num_computed - num_external
+            num_new_tokens = self.step_budget.cap_request(
+                request.num_tokens - num_computed - num_external
+            )
             if num_new_tokens > token_budget:
                 # NOTE: without chunked prefill a prompt waits for a step with room for all of it;
                 # a resumed request longer than any step (prompt + outputs) is chunked anyway.

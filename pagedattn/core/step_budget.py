@@ -4,6 +4,9 @@ With a fixed budget (``--max-num-batched-tokens``) every step may hold that many
 one, the budget follows the measured cost per token so that a step takes about the target time:
 a long prompt is prefilled in chunks small enough that the streams decoding beside it are not
 stalled for seconds on a slow CPU, and as large as the cap where the hardware is fast.
+
+Within the step, ``long_prefill_token_threshold`` (vLLM's option of that name) caps what one
+request computes: a long prompt's chunk leaves the rest of the budget to prompts queued behind it.
 """
 
 from __future__ import annotations
@@ -29,9 +32,17 @@ class StepTokenBudget:
         target_step_time_s: float,
         min_tokens: int,
         max_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         if fixed_tokens is not None and fixed_tokens < 1:
             raise ValueError(f"fixed_tokens={fixed_tokens!r} is invalid: use >= 1 or None")
+        if long_prefill_token_threshold < 0:
+            raise ValueError(
+                f"long_prefill_token_threshold={long_prefill_token_threshold!r} is invalid: "
+                "use >= 1, or 0 for no cap"
+            )
+        # The most tokens one request computes in a step; 0: no cap but the step's budget.
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         if target_step_time_s <= 0:
             raise ValueError(f"target_step_time_s={target_step_time_s!r} is invalid: use > 0")
         self.fixed_tokens = fixed_tokens
@@ -52,6 +63,12 @@ class StepTokenBudget:
     def tokens(self) -> int:
         """The token budget of the next step."""
         return self.max_tokens if self.fixed_tokens is not None else self._tokens
+
+    def cap_request(self, num_new_tokens: int) -> int:
+        """The tokens a request with num_new_tokens left may compute this step, before the
+        step's remaining budget applies: at most long_prefill_token_threshold (when set)."""
+        threshold = self.long_prefill_token_threshold
+        return threshold if 0 < threshold < num_new_tokens else num_new_tokens
 
     def observe(self, num_tokens: int, step_time_s: float) -> None:
         """A step computed num_tokens in step_time_s: update the cost and the next budget."""

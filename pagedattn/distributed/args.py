@@ -54,6 +54,15 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "--target-step-time); a small value chunks the short prompts they compute",
     )
     g.add_argument(
+        "--pd-prefill-nice",
+        type=int,
+        default=5,
+        metavar="N",
+        help="with --prefill-replicas: the nice value of the prefill replicas' threads (0: "
+        "unchanged), so that what shares their node (ingress, proxy, clients) takes CPU time "
+        "from prefills before decode steps",
+    )
+    g.add_argument(
         "--ray-address",
         default=None,
         metavar="ADDR",
@@ -124,6 +133,9 @@ def validate_distributed_args(args: argparse.Namespace) -> None:
             raise ValueError(
                 f"--pd-decode-step-time={step_time} is invalid: use seconds in (0, 60]"
             )
+        nice = getattr(args, "pd_prefill_nice", 5)
+        if not 0 <= nice <= 19:
+            raise ValueError(f"--pd-prefill-nice={nice} is invalid: use 0..19")
         _check_pd_ignores(args)
     if args.replica_cpus < 0:
         raise ValueError(f"--replica-cpus={args.replica_cpus} is invalid: use >= 0")

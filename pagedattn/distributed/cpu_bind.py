@@ -85,6 +85,25 @@ def bind_process(cpus: Sequence[int]) -> int:
     return max(num_bound, 1)
 
 
+def renice_process(nice: int) -> int | None:
+    """Raise the nice value of every thread of this process (and so of the threads they start)
+    to nice; returns the calling thread's nice value after, or None where it was refused.
+
+    NOTE: Linux nice values are per thread and inherited at creation; raising one needs no
+    privilege (lowering does).
+    """
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if os.getpriority(os.PRIO_PROCESS, int(task.name)) < nice:
+                os.setpriority(os.PRIO_PROCESS, int(task.name), nice)
+        except (ProcessLookupError, FileNotFoundError):
+            continue  # NOTE: the thread ended meanwhile
+        except PermissionError:
+            logger.info("nice %d refused; this replica runs at normal priority", nice)
+            return None
+    return os.getpriority(os.PRIO_PROCESS, 0)
+
+
 def bind_replica(bind: str | list[list[int]] | None, slot: int, num_threads: int | None):
     """Bind this replica process to its slot's CPUs (see the module doc); the CPUs, or None."""
     if bind is None:

@@ -25,6 +25,10 @@ logger = logging.getLogger(__name__)
 
 # Prompts shorter than this are computed on the decode replica (--pd-min-prompt-tokens).
 DEFAULT_PD_MIN_PROMPT_TOKENS = 256
+# The nice value of the prefill replicas' threads (--pd-prefill-nice): where replicas share a node
+# with the ingress, the proxy and clients, those take their CPU time from the prefill replicas
+# (throughput work) before the decode replicas' streams.
+DEFAULT_PD_PREFILL_NICE = 5
 # --target-step-time of the decode replicas (--pd-decode-step-time); None: --target-step-time.
 # NOTE: 0.1 s (chunking the short prompts they compute) measured no lower ITL p99 and 33% less
 # throughput than the default in bf16 (README, "bench pd"), so it is not the default.
@@ -56,6 +60,7 @@ def _kv_usage(replica: EngineReplica) -> dict[str, Any]:
         "num_requests": len(replica.llm_engine.requests),
         "cpus": replica.cpus,
         "step_seconds": list(replica.engine.step_seconds),
+        "itl_seconds": list(replica.engine.itl_seconds),
     }
 
 
@@ -63,8 +68,14 @@ class PrefillReplica(EngineReplica):
     """An engine replica that computes prompts: their first token, and blocks to pull."""
 
     def __init__(
-        self, engine_config, served_model_name=None, events_host=None, cpu_bind=None
+        self,
+        engine_config,
+        served_model_name=None,
+        events_host=None,
+        cpu_bind=None,
+        nice=DEFAULT_PD_PREFILL_NICE,
     ) -> None:
+        from pagedattn.distributed.cpu_bind import renice_process
         from pagedattn.kv_transfer.pd import PrefillRole
 
         engine_config, shared = _split_store(engine_config)
@@ -72,6 +83,8 @@ class PrefillReplica(EngineReplica):
         host = events_host or _node_ip()
         # NOTE: attached before any request: the engine loop is idle.
         self.role = PrefillRole(self.llm_engine, endpoint=f"tcp://{host}:*", fallback=shared)
+        # NOTE: last, so every thread started above (the engine loop's, ZMQ's, Ray's) has it.
+        self.nice = renice_process(nice) if nice else None
 
     async def prefill(
         self, request_id, prompt, params, cache_salt=None, priority=0, routing_hashes=None
@@ -85,7 +98,7 @@ class PrefillReplica(EngineReplica):
 
     async def kv_usage(self) -> dict[str, Any]:
         """Blocks free and held now (no request in flight: all usable blocks free)."""
-        return _kv_usage(self)
+        return {**_kv_usage(self), "nice": self.nice}
 
 
 class DecodeReplica(EngineReplica):
@@ -117,6 +130,9 @@ class DecodeReplica(EngineReplica):
             events_host,
             cpu_bind=cpu_bind,
             cpu_slot_base=cpu_slot_base,
+            # NOTE: decode replicas are routed by load: nobody reads their KV events, and a
+            # drainer thread waking every 5 ms would take the GIL from the engine loop.
+            publish_kv_events=False,
         )
         self.role = DecodeRole(self.llm_engine, fallback=shared)
         cache = engine_config.cache
@@ -157,6 +173,7 @@ def build_pd_app(
     min_prompt_tokens: int = DEFAULT_PD_MIN_PROMPT_TOKENS,
     cpu_bind: str | None = None,
     decode_step_time_s: float | None = DEFAULT_PD_DECODE_STEP_TIME_S,
+    prefill_nice: int = DEFAULT_PD_PREFILL_NICE,
     **ingress_options,
 ):
     """The PD application: `serve.run(build_pd_app(...))`.
@@ -185,7 +202,7 @@ def build_pd_app(
             routing_stats_period_s, policy="prefix", seed=seed
         ),
         **common,
-    ).bind(engine_config, served_model_name, events_host, bind)
+    ).bind(engine_config, served_model_name, events_host, bind, prefill_nice)
     decode = serve.deployment(
         DecodeReplica,
         name="DecodeReplica",
@@ -218,6 +235,7 @@ def pd_app_builder(
     num_decode: int,
     min_prompt_tokens: int,
     decode_step_time_s: float | None = None,
+    prefill_nice: int = DEFAULT_PD_PREFILL_NICE,
 ):
     """A builder with serve_app.build_app's signature, for run_replicas (`pagedattn serve`).
 
@@ -236,6 +254,7 @@ def pd_app_builder(
             num_decode,
             min_prompt_tokens=min_prompt_tokens,
             decode_step_time_s=step_time,
+            prefill_nice=prefill_nice,
             **options,
         )
 

@@ -226,6 +226,11 @@ class PDStream:
         tokenizer = owner_engine.engine.engine.tokenizer
         self._joined = JoinedOutput(first, params, tokenizer, *times)
         self._inner = None
+        # The pull and the add of the decode half: started with the first token (so they run
+        # while it travels to the client), awaited by the second __anext__.
+        self._starting: asyncio.Task | None = None
+        self._handoff: dict[str, float] = {}
+        self._handoff_start = 0.0
         self._sent_first = False
         self._finished = tp is None
         self._closed = False
@@ -242,11 +247,15 @@ class PDStream:
             raise StopAsyncIteration
         if not self._sent_first:
             self._sent_first = True
+            if self._tp is not None:
+                self._starting = asyncio.ensure_future(self._start_decode())
             self._pd.observe_first_token(self._joined, self._tp is None)
             return self._joined.first_output(finished=self._tp is None)
         if self._inner is None:
-            await self._start_decode()
+            await self._starting
         decoded = await self._inner.__anext__()
+        if "first_decode_s" not in self._handoff:
+            self._handoff["first_decode_s"] = time.monotonic() - self._handoff_start
         out = self._joined.add(decoded)
         self._finished = out.finished
         if out.finished and not decoded.finished:
@@ -255,12 +264,24 @@ class PDStream:
 
     async def _start_decode(self) -> None:
         tp, pd = self._tp, self._pd
+        handoff = self._handoff
+        self._handoff_start = start = time.monotonic()
         future = pd.role.submit_pull(tp)
         if future is None:
-            result = await asyncio.to_thread(pd.role.pull, tp)
+            pulling = asyncio.get_running_loop().run_in_executor(None, pd.role.pull, tp)
         else:
-            result = await asyncio.wrap_future(future)
-        pd.transfers.append(dataclasses.asdict(result))
+            pulling = asyncio.wrap_future(future)
+        try:
+            result = await asyncio.shield(pulling)
+        except asyncio.CancelledError:
+            # NOTE: the client left: the pull's thread runs on, and what it puts in the inbox
+            # after aclose() released the request's keys is dropped when it ends.
+            pulling.add_done_callback(lambda _: pd.role.release(tp))
+            raise
+        # NOTE: the handoff's timings (pull, queued in the engine, first decoded token) are
+        # filled in as they happen; `bench pd` reports them.
+        handoff.update(dataclasses.asdict(result), pulled_s=time.monotonic() - start)
+        pd.transfers.append(handoff)
         del pd.transfers[:-256]
         if pd.preload:
             await preload_pulled(pd.engine, pd.role, tp, result)
@@ -273,11 +294,17 @@ class PDStream:
             owner=self._owner,
             continued_from=self._times,
         )
+        handoff["added_s"] = time.monotonic() - start
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
+        if self._starting is not None and not self._starting.done():
+            # NOTE: a decode half being added when the client left is aborted by the cancel.
+            self._starting.cancel()
+        if self._starting is not None:
+            await asyncio.gather(self._starting, return_exceptions=True)
         if self._inner is not None:
             await self._inner.aclose()
         if self._tp is not None:

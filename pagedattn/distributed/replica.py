@@ -49,7 +49,10 @@ class EngineReplica:
         replay_endpoint: str | None = None,
         cpu_bind=None,
         cpu_slot_base: int = 0,
+        publish_kv_events: bool = True,
     ) -> None:
+        """publish_kv_events=False: no router reads this replica's cache (a PD decode replica,
+        routed by load), so its engine records no KV events and no thread drains them."""
         from pagedattn.distributed.cpu_bind import bind_replica
         from pagedattn.engine.async_engine import AsyncLLMEngine
         from pagedattn.entrypoints.openai.serving import OpenAIServing
@@ -74,7 +77,8 @@ class EngineReplica:
         self.llm_engine = engine_factory(engine_config)
         self.kv_cache_manager = self.llm_engine.kv_cache_manager
         # NOTE: events on after construction: the engine is not running yet, nothing is lost.
-        self.llm_engine.enable_kv_cache_events()
+        if publish_kv_events:
+            self.llm_engine.enable_kv_cache_events()
         self.engine = AsyncLLMEngine(self.llm_engine)
         self.engine.start()
         self.serving = OpenAIServing(self.engine, served_model_name or self.engine.model_name)
@@ -82,6 +86,11 @@ class EngineReplica:
         self.node_id = _node_id()
         host = events_host or _node_ip()
         rank = _replica_rank()
+        self._stop = threading.Event()
+        self.publisher = self.external_publisher = None
+        self.events_endpoint = self.replay_endpoint = None
+        if not publish_kv_events:
+            return
         # The router's feed: bound here on a free port, with replay, whatever the user asked for.
         self.publisher = ZmqEventPublisher(
             f"tcp://{host}:*", replay_endpoint=f"tcp://{host}:*", topic=EVENTS_TOPIC
@@ -90,7 +99,6 @@ class EngineReplica:
         self.replay_endpoint = _advertised(self.publisher.replay_endpoint, host)
         # --kv-events-endpoint: the same batches for external consumers, port + rank (vLLM's rule;
         # a wildcard binds, a host address connects to the consumer).
-        self.external_publisher = None
         if events_endpoint is not None:
             self.external_publisher = ZmqEventPublisher(
                 offset_endpoint_port(events_endpoint, rank),
@@ -98,7 +106,6 @@ class EngineReplica:
                 topic=EVENTS_TOPIC,
                 data_parallel_rank=rank,
             )
-        self._stop = threading.Event()
         self._drainer = threading.Thread(target=self._drain_events, name="kv-events", daemon=True)
         self._drainer.start()
         logger.info(
@@ -186,7 +193,7 @@ class EngineReplica:
             "kv_events_endpoint": self.events_endpoint,
             "kv_events_replay_endpoint": self.replay_endpoint,
             "kv_events_topic": EVENTS_TOPIC,
-            "kv_events_last_seq": self.publisher.next_seq - 1,
+            "kv_events_last_seq": None if self.publisher is None else self.publisher.next_seq - 1,
             "kv_events_external_endpoint": (
                 self.external_publisher.endpoint if self.external_publisher else None
             ),
@@ -217,7 +224,8 @@ class EngineReplica:
             return
         stop.set()
         self.engine.shutdown()
-        self.publisher.shutdown()
+        if self.publisher is not None:
+            self.publisher.shutdown()
         if self.external_publisher is not None:
             self.external_publisher.shutdown()
 

@@ -502,6 +502,7 @@ def run_replicas(args, engine_config) -> int:
                 args.decode_replicas,
                 args.pd_min_prompt_tokens,
                 getattr(args, "pd_decode_step_time", None),
+                getattr(args, "pd_prefill_nice", 5),
             )
         app = build(
             engine_config,

@@ -159,6 +159,9 @@ class AsyncLLMEngine:
         self._busy_since: float | None = None
         # Seconds of the last steps (commands applied plus step()), for benchmarks' stall checks.
         self.step_seconds: deque[float] = deque(maxlen=STEP_HISTORY)
+        # The last inter-token latencies as this loop delivered them (before any network hop),
+        # but a PD decode half's first (see _observe).
+        self.itl_seconds: deque[float] = deque(maxlen=STEP_HISTORY)
 
     @property
     def tokenizer(self):
@@ -427,6 +430,9 @@ class AsyncLLMEngine:
                 self.engine.abort_request(out.request_id)
 
     def _observe(self, state: _RequestState, out: RequestOutput, now: float) -> None:
+        # NOTE: the first local token of a continued request (a PD decode half) has an ITL from
+        # the prefill's token: the handoff, which itl_seconds leaves out.
+        seen_before = bool(state.num_tokens_seen)
         num_new = 0
         for comp in out.outputs:
             num_new += len(comp.token_ids) - state.num_tokens_seen.get(comp.index, 0)
@@ -440,6 +446,8 @@ class AsyncLLMEngine:
                 self.metrics.observe_tokens(num_new, None)
             else:
                 self.metrics.observe_tokens(num_new, now - state.last_token_time)
+                if seen_before:
+                    self.itl_seconds.append(now - state.last_token_time)
             state.last_token_time = now
         if out.finished:
             reason = next((c.finish_reason for c in out.outputs if c.finish_reason), "stop")

@@ -26,6 +26,7 @@ def make_scheduler(
     policy: str = "fcfs",
     caching: bool = True,
     max_model_len: int = 256,
+    long_prefill_token_threshold: int = 0,
 ) -> Scheduler:
     groups = [KVCacheGroupSpec(("layers.0",), FullAttentionSpec(block_size=BLOCK_SIZE))]
     manager = KVCacheManager(groups, num_blocks, enable_caching=caching)
@@ -34,6 +35,7 @@ def make_scheduler(
         max_num_seqs=max_num_seqs,
         enable_chunked_prefill=chunked,
         policy=policy,
+        long_prefill_token_threshold=long_prefill_token_threshold,
     )
     cache_config = CacheConfig(
         block_size=BLOCK_SIZE, num_blocks=num_blocks, enable_prefix_caching=caching
@@ -512,3 +514,53 @@ def test_a_long_prompt_does_not_stall_decoders_for_seconds(max_num_batched_token
         assert step_times[0] <= 256 * seconds_per_token + seconds_per_token
     else:  # the explicit budget is kept: 2048-token chunks, a 10 s stall each
         assert max(step_times) > 10.0
+
+
+def _long_and_shorts(threshold: int) -> tuple[FakeEngine, list[SchedulerOutput]]:
+    """A 60-token prompt, then two 6-token prompts queued one step later; budget 24 a step."""
+    engine = FakeEngine(
+        make_scheduler(max_num_batched_tokens=24, long_prefill_token_threshold=threshold)
+    )
+    engine.add(make_request("long", list(range(100, 160))), max_tokens=3)
+    outs = [engine.step()]
+    engine.add(make_request("s0", list(range(1, 7))), max_tokens=4)
+    engine.add(make_request("s1", list(range(7, 13))), max_tokens=4)
+    return engine, outs + engine.run()
+
+
+def test_long_prefill_threshold_admits_short_prompts_beside_a_capped_long_one():
+    engine, outs = _long_and_shorts(threshold=8)
+    # Every step the long prompt computes at most 8 tokens; the shorts fill the rest at once.
+    assert outs[0].num_scheduled_tokens == {"long": 8}
+    assert outs[1].num_scheduled_tokens == {"long": 8, "s0": 6, "s1": 6}
+    assert all(out.num_scheduled_tokens.get("long", 0) <= 8 for out in outs)
+    # The shorts sample their first token in step 2, not after the long prompt's last chunk.
+    assert [s.req_id for s in outs[1].scheduled if s.needs_sample] == ["s0", "s1"]
+    uncapped, uncapped_outs = _long_and_shorts(threshold=0)
+    assert uncapped_outs[1].num_scheduled_tokens == {"long": 24}  # the shorts wait behind it
+    # Chunking changes when tokens come, never which: the same tokens as without the cap.
+    assert engine.outputs == uncapped.outputs
+    assert sorted(engine.outputs) == ["long", "s0", "s1"]
+
+
+def test_long_prefill_threshold_caps_a_preempted_request_resuming():
+    engine = FakeEngine(
+        make_scheduler(max_num_batched_tokens=32, long_prefill_token_threshold=5, caching=False)
+    )
+    engine.add(make_request("a", list(range(1, 13))), max_tokens=3)
+    sizes = [engine.step().num_scheduled_tokens["a"] for _ in range(4)]
+    assert sizes == [5, 5, 2, 1]  # the prompt in capped chunks, then a decode step
+    scheduler = engine.scheduler
+    scheduler._preempt(scheduler.running.pop())  # 14 tokens (prompt + 2 outputs) to recompute
+    assert engine.step().num_scheduled_tokens["a"] == 5
+    engine.run()
+    assert len(engine.outputs["a"]) == 3
+
+
+def test_long_prefill_threshold_needs_chunked_prefill():
+    from pagedattn.config import ConfigError
+
+    with pytest.raises(ConfigError, match="chunked prefill is off"):
+        SchedulerConfig(long_prefill_token_threshold=64, enable_chunked_prefill=False)
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold=-1"):
+        SchedulerConfig(long_prefill_token_threshold=-1)

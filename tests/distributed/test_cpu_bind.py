@@ -66,3 +66,29 @@ def test_bind_process_binds_threads_started_before_and_after():
     )
     assert out.stdout.split("]")[0] + "]" == f"[{cpu}]"
     assert out.stdout.strip().endswith(f"[{cpu}]")
+
+
+def test_renice_process_raises_threads_started_before_and_after_never_lowers():
+    code = textwrap.dedent(
+        """
+        import os, threading
+        from pagedattn.distributed.cpu_bind import renice_process
+        started = threading.Event(); stop = threading.Event(); ids = []
+        def run():
+            ids.append(threading.get_native_id()); started.set(); stop.wait()
+        before = threading.Thread(target=run); before.start(); started.wait()
+        os.setpriority(os.PRIO_PROCESS, ids[0], 12)
+        first = renice_process(5)
+        after = []
+        t = threading.Thread(target=lambda: after.append(os.getpriority(os.PRIO_PROCESS, 0)))
+        t.start(); t.join()
+        print(first, os.getpriority(os.PRIO_PROCESS, ids[0]), after[0])
+        stop.set(); before.join()
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    # The caller and a thread started after it: 5; a thread already nicer (12) keeps its 12.
+    assert out.stdout.split() == ["5", "12", "5"]

@@ -44,6 +44,10 @@ def test_prefill_and_decode_replicas_run_the_ray_app():
             ("--prefill-replicas", "1", "--decode-replicas", "1", "--pd-decode-step-time", "0"),
             "pd-decode-step-time",
         ),
+        (
+            ("--prefill-replicas", "1", "--decode-replicas", "1", "--pd-prefill-nice", "20"),
+            "pd-prefill-nice",
+        ),
     ],
 )
 def test_half_a_layout_is_refused_with_the_fix(argv, message):

@@ -352,3 +352,30 @@ def test_decode_steps_go_on_while_a_pull_is_in_flight(setup, single, monkeypatch
     assert decode_role.puller.nice > os.getpriority(os.PRIO_PROCESS, 0)
     assert outs[-1].outputs[0].token_ids == single.token_ids
     _assert_idle(prefill.engine, decode.engine)
+
+
+def test_a_client_that_leaves_after_the_first_token_leaks_nothing(setup, single):
+    prefill, prefill_role, decode, decode_role = setup
+    pd = DisaggregatedEngine(
+        decode, decode_role, PrefillHandle(prefill, prefill_role), 4, "pagedattn"
+    )
+
+    async def leave(wait_s: float):
+        stream = await pd.add_request("r", PROMPT, PARAMS)
+        first = await stream.__anext__()  # NOTE: the pull and the add start with it
+        await asyncio.sleep(wait_s)
+        await stream.aclose()
+        return first
+
+    for wait_s in (0.0, 0.005, 0.05):  # mid-pull, mid-add, decoding
+        first = asyncio.run(leave(wait_s))
+        assert first.outputs[0].token_ids == single.token_ids[:1]
+        _assert_idle(prefill.engine, decode.engine)
+        deadline = time.monotonic() + 5.0  # NOTE: a pull left running is released when it ends
+        while len(decode_role.inbox) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(decode_role.inbox) == 0
+    # The handoff's timings of a stream read to its end: pulled, then in the engine, then decoded.
+    asyncio.run(_collect(pd))
+    handoff = pd.transfers[-1]
+    assert 0 < handoff["pulled_s"] <= handoff["added_s"] <= handoff["first_decode_s"]

@@ -57,6 +57,8 @@ CONFIGS = {
     "block_size_32": {"block_size": 32},
     "no_prefix_caching": {"enable_prefix_caching": False},
     "chunked_prefill": {"max_num_batched_tokens": 8},
+    # A request computes at most 5 tokens a step: prompts run beside each other in pieces.
+    "long_prefill_cap": {"long_prefill_token_threshold": 5},
     "torch_backend": {"attn_backend": "torch"},
 }
 
@@ -72,6 +74,10 @@ def test_greedy_matches_hf(tiny, name):
     if name == "chunked_prefill":
         # 8 tokens per step: the prompts alone take at least sum(lens) / 8 steps.
         assert stats.step_times.num_steps >= -(-sum(len(p) for p in prompts) // 8)
+    if name == "long_prefill_cap":
+        # 5 tokens of a prompt per step: the longest prompt takes len / 5 steps, then decodes.
+        num_prefill_steps = -(-max(len(p) for p in prompts) // 5)
+        assert stats.step_times.num_steps >= num_prefill_steps + NUM_NEW_TOKENS - 1
 
 
 def test_preemption_keeps_tokens(tiny):
