@@ -240,9 +240,6 @@ struct WorkItem {
 // running max and sum [Hq].
 struct Scratch {
   std::vector<float> scores, acc, max, sum;
-  // u8 integer scores (kDotS16 builds): int16 queries [Hq, Dp] and a chunk's key rows widened to
-  // int16 [kChunk, Dp] (Dp: D padded to kDotS16Step with zeros); sized on first use.
-  std::vector<int16_t> qint, kbuf;
   Scratch(int64_t num_heads, int64_t head_size)
       : scores(num_heads * kChunk), acc(num_heads * head_size), max(num_heads), sum(num_heads) {}
 };
@@ -319,69 +316,18 @@ inline void u8_scale_min(const uint8_t* row, int64_t D, float& scale, float& min
   std::memcpy(&min, row + D + sizeof(float), sizeof(float));
 }
 
-// D rounded up to a whole number of dot_s16_rows steps.
-inline int64_t padded_s16(int64_t D) {
-  constexpr int64_t step = pagedattn_vec::kDotS16Step;
-  return (D + step - 1) / step * step;
-}
-
-// The u8 cache's integer scores: the G query heads quantized to int16 (qint [G, Dp], qfac[g] =
-// score scale / quantization scale) against the chunk's key bytes, widened once into kbuf and
-// shared by the group. scores[g * kChunk + t] = qfac[g] * (qint[g] . k_bytes[t]); the caller
-// applies each row's scale and min.
-void score_rows_u8(const int16_t* qint, const float* qfac, int64_t num_heads, int64_t head_size,
-                   const uint8_t* const* krows, int64_t count, int16_t* kbuf, float* scores) {
-  const int64_t Dp = padded_s16(head_size);
-  for (int64_t t = 0; t < count; ++t) pagedattn_vec::widen_u8_s16(krows[t], kbuf + t * Dp, head_size);
-  for (int64_t t0 = 0; t0 < count; t0 += kWidth) {
-    const int64_t n = std::min<int64_t>(kWidth, count - t0);
-    const int16_t* rows[kWidth];
-    for (int64_t j = 0; j < kWidth; ++j) rows[j] = kbuf + (t0 + std::min(j, n - 1)) * Dp;  // pad
-    for (int64_t g = 0; g < num_heads; ++g) {
-      const fVec dots = pagedattn_vec::dot_s16_rows(qint + g * Dp, rows, Dp);
-      store(scores + g * kChunk + t0, dots * fVec(qfac[g]), n);
-    }
-  }
-}
-
-// Quantize query heads q [num_heads, D] to int16, symmetric per head: qint [num_heads, Dp] (zero
-// padded), qfac[g] = scale * max|q[g]| / qlim. qlim keeps a whole dot product inside int32 (D
-// key bytes of at most 255): 32767 up to D = 256, less beyond. NOTE: int16 keeps 15 bits of
-// each head's largest element, far below the keys' own 8-bit quantization.
-template <typename T>
-void quantize_query_s16(const T* q, int64_t num_heads, int64_t D, float scale, int16_t* qint,
-                        float* qfac) {
-  const int64_t Dp = padded_s16(D);
-  const float qlim = static_cast<float>(
-      std::min<int64_t>(32767, std::numeric_limits<int32_t>::max() / (255 * Dp)));
-  for (int64_t g = 0; g < num_heads; ++g) {
-    const T* qg = q + g * D;
-    float amax = 0.0f;
-    for (int64_t i = 0; i < D; ++i) amax = std::max(amax, std::abs(static_cast<float>(qg[i])));
-    const float qs = amax > 0.0f ? qlim / amax : 0.0f;
-    for (int64_t i = 0; i < D; ++i) {
-      const float x = std::min(qlim, std::max(-qlim, static_cast<float>(qg[i]) * qs));
-      qint[g * Dp + i] = static_cast<int16_t>(std::nearbyint(x));
-    }
-    qfac[g] = amax > 0.0f ? scale * (amax / qlim) : 0.0f;
-  }
-}
-
 // Attention of one (row, partition) over every kv head: a chunk's blocks are read once, whole,
 // in order. Leaves unnormalised acc, max and sum in scratch; false on an out-of-range block id.
 //
 // A u8 cache (C = uint8_t) runs the same loops on the bytes q_t, with each row's scale s_t and
 // min m_t applied around them: score = s_t * (q . k_bytes) + m_t * sum(q), and the value sum
-// sum_t p_t (s_t v_bytes + m_t) = sum_t (p_t s_t) v_bytes + sum_t p_t m_t. Where the build has
-// integer dot products (kDotS16: AVX2, AVX-512), q . k_bytes is int16 q against int16-widened
-// bytes (score_rows_u8), each key row widened once per group instead of once per head.
+// sum_t p_t (s_t v_bytes + m_t) = sum_t (p_t s_t) v_bytes + sum_t p_t m_t.
 template <typename T, typename C>
 bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
                       const int32_t* block_table, int64_t tok_begin, int64_t tok_end, const T* q,
                       Scratch& s) {
   const int64_t G = p.group, D = p.head_size;
   constexpr bool kU8 = std::is_same_v<C, uint8_t>;
-  constexpr bool kIntDot = kU8 && pagedattn_vec::kDotS16;
   // u8: p.scale * sum(q[g]) per query head, and the chunk's per-row scales and mins.
   float qsum[kU8 ? kU8MaxHeads : 1];
   float kscale[kU8 ? kChunk : 1], kmin[kU8 ? kChunk : 1];
@@ -392,15 +338,6 @@ bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
       for (int64_t i = 0; i < D; ++i) sum += static_cast<float>(q[g * D + i]);
       qsum[g] = p.scale * sum;
     }
-  }
-  float qfac[kIntDot ? kU8MaxHeads : 1];
-  if constexpr (kIntDot) {
-    const int64_t Dp = padded_s16(D);
-    if (s.qint.empty()) {
-      s.qint.assign(p.num_heads * Dp, 0);
-      s.kbuf.assign(kChunk * Dp, 0);
-    }
-    quantize_query_s16(q, p.num_heads, D, p.scale, s.qint.data(), qfac);
   }
   std::fill(s.acc.begin(), s.acc.end(), 0.0f);
   std::fill(s.max.begin(), s.max.end(), kNegInf);
@@ -428,13 +365,7 @@ bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
         krows[t] = key_cache + row_offsets[t] + h * p.head_stride;
         vrows[t] = value_cache + row_offsets[t] + h * p.head_stride;
       }
-      if constexpr (kIntDot) {
-        score_rows_u8(s.qint.data() + h * G * padded_s16(D), qfac + h * G, G, D, krows, count,
-                      s.kbuf.data(), s.scores.data() + h * G * kChunk);
-      } else {
-        score_rows<T, C>(q + h * G * D, G, D, krows, count, p.scale,
-                         s.scores.data() + h * G * kChunk);
-      }
+      score_rows<T, C>(q + h * G * D, G, D, krows, count, p.scale, s.scores.data() + h * G * kChunk);
       if constexpr (kU8) {
         for (int64_t t = 0; t < count; ++t) {
           u8_scale_min(krows[t], D, kscale[t], kmin[t]);

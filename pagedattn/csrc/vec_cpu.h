@@ -12,8 +12,7 @@
 //   the hardware's fp16 -> fp32 conversion widens them (F16C; exact, subnormals included, and
 //   unaffected by DAZ). e5m2 is an fp16's top byte; e4m3 lands at 2^-8 times its value, so its
 //   callers multiply by kFp8Unit (folded into the layer's k/v scale);
-// - load from u8 (the u8 KV cache's bytes): zero-extended to int32 and converted (exact);
-// - dot_s16_rows: int16 dot products of kWidth rows (vpmaddwd / vpdpwssd), the u8 cache's scores.
+// - load from u8 (the u8 KV cache's bytes): zero-extended to int32 and converted (exact).
 //
 // kWidth is 16 on AVX-512, 8 on AVX2 (and the scalar build's generic vectors), 4 on NEON.
 #pragma once
@@ -254,81 +253,6 @@ inline void widen_bf16_pairs(const bf16* p, fVec& lo, fVec& hi) {
   }
   lo = fVec::loadu(even);
   hi = fVec::loadu(odd);
-#endif
-}
-
-// Integer dot products (the u8 KV cache's scores, attention/u8.py): int16 queries against key
-// bytes widened to int16, summed exactly in int32. kDotS16 says whether this build has them in
-// vector instructions (AVX2 vpmaddwd; AVX-512 vpmaddwd, or vpdpwssd with AVX512-VNNI); elsewhere
-// dot_s16_rows is a plain loop and callers keep their fp32 path. Rows are kDotS16Step-padded.
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-constexpr bool kDotS16 = true;
-#else
-constexpr bool kDotS16 = false;
-#endif
-constexpr int kDotS16Step = 2 * kWidth;  // int16 values per step (a vector of int16 pairs)
-
-// dst[i] = src[i] for i < n (u8 zero-extended to int16).
-inline void widen_u8_s16(const uint8_t* src, int16_t* dst, int64_t n) {
-  int64_t i = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-  for (; i + 32 <= n; i += 32) {
-    _mm512_storeu_si512(dst + i, _mm512_cvtepu8_epi16(
-                                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
-  }
-#endif
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  for (; i + 16 <= n; i += 16) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                        _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
-  }
-#endif
-  for (; i < n; ++i) dst[i] = static_cast<int16_t>(src[i]);
-}
-
-// Lane j = dot(q[0..n), rows[j][0..n)) for kWidth int16 rows, n a multiple of kDotS16Step, as
-// float (the int32 sums converted). The caller keeps each sum inside int32: sum |q| * 255 < 2^31.
-inline fVec dot_s16_rows(const int16_t* q, const int16_t* const* rows, int64_t n) {
-#if defined(CPU_CAPABILITY_AVX512)
-  __m512i acc[16];
-  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_si512();
-  for (int64_t i = 0; i < n; i += 32) {
-    const __m512i qv = _mm512_loadu_si512(q + i);
-#pragma GCC unroll 16
-    for (int j = 0; j < 16; ++j) {
-      const __m512i kv = _mm512_loadu_si512(rows[j] + i);
-#if defined(__AVX512VNNI__)
-      acc[j] = _mm512_dpwssd_epi32(acc[j], qv, kv);
-#else
-      acc[j] = _mm512_add_epi32(acc[j], _mm512_madd_epi16(qv, kv));
-#endif
-    }
-  }
-  fVec sums[16];
-  for (int j = 0; j < 16; ++j) sums[j] = _mm512_cvtepi32_ps(acc[j]);
-  return hsum_rows(sums);
-#elif defined(CPU_CAPABILITY_AVX2)
-  __m256i acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_si256();
-  for (int64_t i = 0; i < n; i += 16) {
-    const __m256i qv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + i));
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m256i kv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[j] + i));
-      acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(qv, kv));
-    }
-  }
-  fVec sums[8];
-  for (int j = 0; j < 8; ++j) sums[j] = _mm256_cvtepi32_ps(acc[j]);
-  return hsum_rows(sums);
-#else
-  __at_align__ float out[kWidth];
-  for (int j = 0; j < kWidth; ++j) {
-    int32_t sum = 0;
-    for (int64_t i = 0; i < n; ++i) sum += static_cast<int32_t>(q[i]) * rows[j][i];
-    out[j] = static_cast<float>(sum);
-  }
-  return fVec::loadu(out);
 #endif
 }
 

@@ -100,8 +100,8 @@ def test_decode_matches_reference(dtype, block_size, num_kv_heads, group, head_s
 
 @pytest.mark.parametrize("head_size,context", [(128, 700), (256, 1100)])
 def test_decode_long_context_wide_heads(head_size, context):
-    """Integer scores (int16 queries on AVX2/AVX-512) at head sizes 128/256 and contexts over
-    several partitions, bf16 queries, against the torch reference."""
+    """Head sizes 128/256 (several vectors per row, the AVX-512 tiles of 8 vectors) and contexts
+    over several partitions, bf16 queries, against the torch reference."""
     case = u8_case([(context, 1), (context // 3, 1)], block_size=16, num_kv_heads=2, group=4,
                    head_size=head_size)  # fmt: skip
     query, meta, scale = case.query.to(torch.bfloat16), case.metadata, head_size**-0.5
@@ -115,10 +115,10 @@ def test_decode_long_context_wide_heads(head_size, context):
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_decode_int_scores_at_their_bound():
-    """D = 256, key bytes 255 but one and a query of equal positive elements: the largest dot
-    product the int16 scores take (255 * 255 * 32767 < 2^31) must not wrap; a second key row of
-    byte 0 everywhere (its min) must get its smaller, exact score."""
+def test_decode_largest_byte_dot_product():
+    """D = 256, key rows of bytes 255 but one and of bytes 0 but one, against an equal positive
+    query: the largest byte dot product a head of 256 takes (an integer-score kernel must keep it
+    inside int32: 255 * 255 * 32767 < 2^31 for an int16 query) and the min-only score."""
     head_size, block = 256, 16
     row = torch.full((head_size,), 1.0)
     row[0] = -1.0  # bytes 255 everywhere but element 0 (byte 0)
