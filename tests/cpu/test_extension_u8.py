@@ -98,6 +98,48 @@ def test_decode_matches_reference(dtype, block_size, num_kv_heads, group, head_s
     torch.testing.assert_close(out.float(), expected, atol=atol, rtol=atol)
 
 
+@pytest.mark.parametrize("head_size,context", [(128, 700), (256, 1100)])
+def test_decode_long_context_wide_heads(head_size, context):
+    """Head sizes 128/256 (several vectors per row, the AVX-512 tiles of 8 vectors) and contexts
+    over several partitions, bf16 queries, against the torch reference."""
+    case = u8_case([(context, 1), (context // 3, 1)], block_size=16, num_kv_heads=2, group=4,
+                   head_size=head_size)  # fmt: skip
+    query, meta, scale = case.query.to(torch.bfloat16), case.metadata, head_size**-0.5
+    out = cpu_ext.paged_decode(
+        query, case.key_cache, case.value_cache, meta.block_tables, meta.seq_lens, scale=scale,
+        partition_size=256,
+    )  # fmt: skip
+    expected = TorchRefBackend().forward(
+        query.float(), case.key_cache, case.value_cache, meta, scale=scale
+    )
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_largest_byte_dot_product():
+    """D = 256, key rows of bytes 255 but one and of bytes 0 but one, against an equal positive
+    query: the largest byte dot product a head of 256 takes (an integer-score kernel must keep it
+    inside int32: 255 * 255 * 32767 < 2^31 for an int16 query) and the min-only score."""
+    head_size, block = 256, 16
+    row = torch.full((head_size,), 1.0)
+    row[0] = -1.0  # bytes 255 everywhere but element 0 (byte 0)
+    keys = torch.stack([row, torch.full((head_size,), -1.0)] * (block // 2))  # [16, D]
+    keys[1, 0] = 1.0  # not constant: scale > 0, every other byte 0
+    values = torch.randn(block, head_size, generator=torch.Generator().manual_seed(0))
+    key_cache, value_cache = allocate_kv_cache(
+        KVCacheLayout.FLASH, 1, block, 1, head_size, torch.uint8
+    )  # fmt: skip
+    key_cache.copy_(u8.quantize(keys.view(1, block, 1, head_size)))
+    value_cache.copy_(u8.quantize(values.view(1, block, 1, head_size)))
+    query = torch.full((1, 1, head_size), 0.25)
+    meta = AttentionMetadata.build([1], [block], [[0]], block)
+    scale = 0.05
+    out = cpu_ext.paged_decode(
+        query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale=scale
+    )
+    expected = TorchRefBackend().forward(query, key_cache, value_cache, meta, scale=scale)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_decode_window_and_soft_cap():
     case = u8_case([(40, 1), (77, 1)], block_size=16, num_kv_heads=2, group=2, head_size=32)
     meta, scale = case.metadata, 32**-0.5
