@@ -11,6 +11,8 @@ qkv_proj, gate/up of gate_up_proj), L = max_loras slots and R = max_lora_rank, t
 
 Rows of no adapter add exact zeros, padded ranks are zero rows of A and B, and the scaling is in
 B. NOTE: three torch calls per layer at decode sizes: per-call overhead, not FLOPs, is the cost.
+Decode steps on the compiled decode stack do not come here: the stack reads the same buffers
+and the step's ``slots`` (csrc/lora_cpu.cpp, only each row's own slot); this is its reference.
 """
 
 from __future__ import annotations
@@ -22,21 +24,32 @@ from torch import nn
 
 # Rows from which the expand runs per slice instead of through the block-diagonal B.
 PER_SLICE_MIN_ROWS = 64
+# The slot of a row without an adapter (the compiled kernel's sentinel).
+NO_SLOT = -1
 
 
 @dataclass
 class LoRABatch:
-    """The step's per-row slot masks, shared by every LoRALinear; mask None: no row adapts."""
+    """The step's per-row slots and slot masks, shared by every LoRALinear and the compiled
+    decode stack; mask None: no row adapts."""
 
     mask: torch.Tensor | None = None  # [T, max_loras] in the model dtype
+    slots: torch.Tensor | None = None  # [T] int64: each row's slot, NO_SLOT for none
     # The mask repeated for S slices and R ranks: [T, S * max_loras * R], made once per step.
     repeated: dict[int, torch.Tensor] | None = None
 
-    def set(self, mask: torch.Tensor | None, rank: int) -> None:
-        self.mask = mask
+    def set(
+        self, slots: torch.Tensor | None, max_loras: int, rank: int, dtype: torch.dtype
+    ) -> None:
+        """Set each row's slot (int64 [T], NO_SLOT: none), or None: no row adapts."""
+        self.slots = slots
+        self.mask = None
         self.repeated = None
-        if mask is not None:
-            per_slot = mask.repeat_interleave(rank, dim=1)  # [T, L * R]
+        if slots is not None:
+            # NOTE: NO_SLOT + 1 = 0 is the one-hot column dropped.
+            one_hot = torch.nn.functional.one_hot(slots + 1, max_loras + 1)[:, 1:]
+            self.mask = one_hot.to(dtype)  # [T, L]
+            per_slot = self.mask.repeat_interleave(rank, dim=1)  # [T, L * R]
             self.repeated = {s: per_slot.repeat(1, s) for s in (1, 2, 3)}
 
 
