@@ -1,11 +1,12 @@
 // Batched LoRA for decode-sized steps: y[t] += (x[t] @ A_slot) @ B_slot for each row t whose
-// adapter slot is >= 0 (punica's shrink and expand, one row at a time).
+// adapter slot is >= 0 (punica's shrink and expand; the rows of one slot in blocks).
 //
 // The weights are pagedattn.lora.layers.LoRALinear's buffers, shared with the torch path: A of S
 // output slices, L slots and rank R as one [in, S * L * R] matrix (column (i * L + s) * R + r is
 // rank r of slot s of slice i), and each slice's B as [L * R, out_i] (row s * R + r). The torch
 // path multiplies every row by every slot and masks; this kernel reads only the row's own slot,
-// so a row costs in * S * R + R * out multiply-adds. Rows of slot -1 are not touched (their
+// so a row costs in * S * R + R * out multiply-adds, and up to kRowBlock rows of a slot share
+// each load of its weights. Rows of slot -1 are not touched (their
 // output stays the base layer's, bit for bit). The rank R's columns accumulate in fp32 and the
 // output is rounded once (bf16: one rounding of y + delta).
 
@@ -24,82 +25,123 @@ using pagedattn_vec::kWidth;
 using pagedattn_vec::load;
 using pagedattn_vec::store;
 
-// Vector columns of A accumulated together, and partial sums per column (independent fmadd
-// chains over the input): 8 accumulators fit every ISA's registers.
+// Rows of one slot run together (up to kRowBlock), so each load of A or B serves them all: a
+// row at a time, rows of interleaved slots streamed every slot's weights from L3 per row.
+constexpr int kRowBlock = 4;
+// Vector columns of A per shrink pass, and output vectors per expand pass: kRowBlock times as
+// many accumulators, 16 at most (AVX2 has 16 registers, AVX-512 and NEON 32).
 constexpr int kBlockCols = 4;
-constexpr int kSplit = 2;
-// Output vectors of one expand pass (independent chains over the rank).
-constexpr int kBlockOut = 4;
+constexpr int kBlockOut = 2;
 
-// h[c] = sum_k x[k] * a[k * lda + col(c)], c < S * R: the row's S * R shrink columns in fp32.
-// cols[v]: the first A column of vector column v (each covers kWidth columns of one slice, the
-// last of a slice maybe fewer: lanes[v]).
-template <typename T>
-void shrink_row(const T* x, const T* a, int64_t in, int64_t lda, const int64_t* cols,
-                const int64_t* lanes, int64_t num_vcols, float* h) {
-  for (int64_t v0 = 0; v0 < num_vcols; v0 += kBlockCols) {
-    const int64_t nv = std::min<int64_t>(kBlockCols, num_vcols - v0);
-    fVec acc[kSplit][kBlockCols];
-    for (auto& split : acc) {
-      for (auto& vec : split) vec = fVec(0.0f);
+// h[j][c] = sum_k x_j[k] * a[k * lda + cols[c]] for the NR rows x_j and NV vector columns c
+// (each kWidth columns of one slice, the last of a slice maybe fewer: lanes[c]), in fp32.
+// NOTE: NR and NV are template arguments so the accumulators stay in registers.
+template <int NR, int NV, typename T>
+void shrink_block(const T* const* x, const T* a, int64_t in, int64_t lda, const int64_t* cols,
+                  const int64_t* lanes, float* h, int64_t ldh) {
+  fVec acc[NR][NV];
+  for (auto& row : acc) {
+    for (auto& vec : row) vec = fVec(0.0f);
+  }
+  bool full = true;
+  for (int v = 0; v < NV; ++v) full = full && lanes[v] == kWidth;
+  for (int64_t k = 0; k < in; ++k) {
+    fVec xk[NR];
+    for (int j = 0; j < NR; ++j) xk[j] = fVec(static_cast<float>(x[j][k]));
+    const T* row = a + k * lda;
+    for (int v = 0; v < NV; ++v) {
+      const fVec w = full ? load(row + cols[v]) : load(row + cols[v], lanes[v]);
+      for (int j = 0; j < NR; ++j) acc[j][v] = at::vec::fmadd(xk[j], w, acc[j][v]);
     }
-    int64_t k = 0;
-    for (; k + kSplit <= in; k += kSplit) {
-      for (int s = 0; s < kSplit; ++s) {
-        const fVec xk(static_cast<float>(x[k + s]));
-        const T* row = a + (k + s) * lda;
-        for (int64_t v = 0; v < nv; ++v) {
-          const int64_t n = lanes[v0 + v];
-          const fVec w = n == kWidth ? load(row + cols[v0 + v]) : load(row + cols[v0 + v], n);
-          acc[s][v] = at::vec::fmadd(xk, w, acc[s][v]);
-        }
+  }
+  for (int j = 0; j < NR; ++j) {
+    for (int v = 0; v < NV; ++v) acc[j][v].store(h + j * ldh + v * kWidth, lanes[v]);
+  }
+}
+
+// The shrink of all num_vcols vector columns, kBlockCols at a time.
+template <int NR, typename T>
+void shrink_rows(const T* const* x, const T* a, int64_t in, int64_t lda, const int64_t* cols,
+                 const int64_t* lanes, int64_t num_vcols, float* h, int64_t ldh) {
+  int64_t v = 0;
+  for (; v + kBlockCols <= num_vcols; v += kBlockCols) {
+    shrink_block<NR, kBlockCols, T>(x, a, in, lda, cols + v, lanes + v, h + v * kWidth, ldh);
+  }
+  const int64_t rest = num_vcols - v;
+  float* hv = h + v * kWidth;
+  if (rest == 3) shrink_block<NR, 3, T>(x, a, in, lda, cols + v, lanes + v, hv, ldh);
+  if (rest == 2) shrink_block<NR, 2, T>(x, a, in, lda, cols + v, lanes + v, hv, ldh);
+  if (rest == 1) shrink_block<NR, 1, T>(x, a, in, lda, cols + v, lanes + v, hv, ldh);
+  static_assert(kBlockCols == 4, "the tail cases above cover 1 .. kBlockCols - 1 columns");
+}
+
+// y_j[o] += sum_r h_j[r] * b[r * out + o], o < out, for the NR rows y_j; y rounded once.
+template <int NR, typename T>
+void expand_rows(T* const* y, const float* h, int64_t ldh, const T* b, int64_t rank,
+                 int64_t out) {
+  int64_t o = 0;
+  for (; o + kBlockOut * kWidth <= out; o += kBlockOut * kWidth) {
+    fVec acc[NR][kBlockOut];
+    for (int j = 0; j < NR; ++j) {
+      for (int c = 0; c < kBlockOut; ++c) acc[j][c] = load(y[j] + o + c * kWidth);
+    }
+    for (int64_t r = 0; r < rank; ++r) {
+      const T* br = b + r * out + o;
+      fVec w[kBlockOut];
+      for (int c = 0; c < kBlockOut; ++c) w[c] = load(br + c * kWidth);
+      for (int j = 0; j < NR; ++j) {
+        const fVec hr(h[j * ldh + r]);
+        for (int c = 0; c < kBlockOut; ++c) acc[j][c] = at::vec::fmadd(hr, w[c], acc[j][c]);
       }
     }
-    for (; k < in; ++k) {
-      const fVec xk(static_cast<float>(x[k]));
-      const T* row = a + k * lda;
-      for (int64_t v = 0; v < nv; ++v) {
-        const int64_t n = lanes[v0 + v];
-        const fVec w = n == kWidth ? load(row + cols[v0 + v]) : load(row + cols[v0 + v], n);
-        acc[0][v] = at::vec::fmadd(xk, w, acc[0][v]);
-      }
+    for (int j = 0; j < NR; ++j) {
+      for (int c = 0; c < kBlockOut; ++c) store(y[j] + o + c * kWidth, acc[j][c]);
     }
-    for (int64_t v = 0; v < nv; ++v) {
-      fVec sum = acc[0][v];
-      for (int s = 1; s < kSplit; ++s) sum = sum + acc[s][v];
-      sum.store(h + (v0 + v) * kWidth, static_cast<int>(lanes[v0 + v]));
+  }
+  for (; o < out; o += kWidth) {
+    const int64_t n = std::min<int64_t>(kWidth, out - o);
+    for (int j = 0; j < NR; ++j) {
+      fVec acc = load(y[j] + o, n);
+      for (int64_t r = 0; r < rank; ++r) {
+        acc = at::vec::fmadd(fVec(h[j * ldh + r]), load(b + r * out + o, n), acc);
+      }
+      store(y[j] + o, acc, n);
     }
   }
 }
 
-// y[o] += sum_r h[r] * b[r * out + o], o < out; y rounded once.
-template <typename T>
-void expand_row(T* y, const float* h, const T* b, int64_t rank, int64_t out) {
-  int64_t o = 0;
-  for (; o + kBlockOut * kWidth <= out; o += kBlockOut * kWidth) {
-    fVec acc[kBlockOut];
-    for (int j = 0; j < kBlockOut; ++j) acc[j] = load(y + o + j * kWidth);
-    for (int64_t r = 0; r < rank; ++r) {
-      const fVec hr(h[r]);
-      const T* br = b + r * out + o;
-      for (int j = 0; j < kBlockOut; ++j) acc[j] = at::vec::fmadd(hr, load(br + j * kWidth), acc[j]);
+// One block of NR rows of slot s: the shrink of all S slices, then each slice's expand.
+template <int NR, typename T>
+void lora_block(const int64_t* rows, int64_t s, const T* xp, T* yp, int64_t in, int64_t ldy,
+                const T* ap, int64_t lda, const std::vector<const T*>& bp,
+                const std::vector<int64_t>& out, const std::vector<int64_t>& offset, int64_t L,
+                int64_t R, std::vector<float>& h) {
+  const int64_t S = static_cast<int64_t>(bp.size());
+  const int64_t per_slice = (R + kWidth - 1) / kWidth;  // vector columns of one slice's ranks
+  const int64_t ldh = S * per_slice * kWidth;
+  std::vector<int64_t> cols(S * per_slice), lanes(S * per_slice);
+  for (int64_t i = 0; i < S; ++i) {
+    for (int64_t v = 0; v < per_slice; ++v) {
+      cols[i * per_slice + v] = (i * L + s) * R + v * kWidth;
+      lanes[i * per_slice + v] = std::min<int64_t>(kWidth, R - v * kWidth);
     }
-    for (int j = 0; j < kBlockOut; ++j) store(y + o + j * kWidth, acc[j]);
   }
-  for (; o < out; o += kWidth) {
-    const int64_t n = std::min<int64_t>(kWidth, out - o);
-    fVec acc = load(y + o, n);
-    for (int64_t r = 0; r < rank; ++r) {
-      acc = at::vec::fmadd(fVec(h[r]), load(b + r * out + o, n), acc);
-    }
-    store(y + o, acc, n);
+  const T* x[NR];
+  for (int j = 0; j < NR; ++j) x[j] = xp + rows[j] * in;
+  h.resize(NR * ldh);
+  shrink_rows<NR, T>(x, ap, in, lda, cols.data(), lanes.data(), S * per_slice, h.data(), ldh);
+  for (int64_t i = 0; i < S; ++i) {
+    T* y[NR];
+    for (int j = 0; j < NR; ++j) y[j] = yp + rows[j] * ldy + offset[i];
+    expand_rows<NR, T>(y, h.data() + i * per_slice * kWidth, ldh, bp[i] + s * R * out[i], R,
+                       out[i]);
   }
 }
 
 template <typename T>
 void lora_rows(torch::Tensor& y, const torch::Tensor& x, const int64_t* slots,
                const torch::Tensor& a, const std::vector<torch::Tensor>& b, int64_t L, int64_t R) {
-  const int64_t rows = x.size(0), in = x.size(1), S = static_cast<int64_t>(b.size());
+  const int64_t num_rows = x.size(0), in = x.size(1), S = static_cast<int64_t>(b.size());
   const int64_t lda = a.size(1), ldy = y.size(1);
   const T* xp = x.data_ptr<T>();
   const T* ap = a.data_ptr<T>();
@@ -112,25 +154,37 @@ void lora_rows(torch::Tensor& y, const torch::Tensor& x, const int64_t* slots,
     offset[i] = off;
     off += out[i];
   }
-  // Vector columns of one slice's R ranks (relative to the slice's first column of slot s).
-  const int64_t per_slice = (R + kWidth - 1) / kWidth;
-  at::parallel_for(0, rows, 4, [&](int64_t t0, int64_t t1) {
-    std::vector<float> h(S * per_slice * kWidth);
-    std::vector<int64_t> cols(S * per_slice), lanes(S * per_slice);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t s = slots[t];
-      if (s < 0) continue;
-      for (int64_t i = 0; i < S; ++i) {
-        for (int64_t v = 0; v < per_slice; ++v) {
-          cols[i * per_slice + v] = (i * L + s) * R + v * kWidth;
-          lanes[i * per_slice + v] = std::min<int64_t>(kWidth, R - v * kWidth);
-        }
-      }
-      shrink_row<T>(xp + t * in, ap, in, lda, cols.data(), lanes.data(), S * per_slice,
-                    h.data());
-      for (int64_t i = 0; i < S; ++i) {
-        expand_row<T>(yp + t * ldy + offset[i], h.data() + i * per_slice * kWidth,
-                      bp[i] + s * R * out[i], R, out[i]);
+  // The rows grouped by slot (rows of no slot left out), in blocks of up to kRowBlock.
+  std::vector<int64_t> order;
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // (first index into order, rows)
+  order.reserve(num_rows);
+  for (int64_t s = 0; s < L; ++s) {
+    const auto first = static_cast<int64_t>(order.size());
+    for (int64_t t = 0; t < num_rows; ++t) {
+      if (slots[t] == s) order.push_back(t);
+    }
+    for (int64_t i = first; i < static_cast<int64_t>(order.size()); i += kRowBlock) {
+      blocks.emplace_back(i, std::min<int64_t>(kRowBlock, static_cast<int64_t>(order.size()) - i));
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> h;
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const auto [first, n] = blocks[blk];
+      const int64_t* rows = order.data() + first;
+      const int64_t s = slots[rows[0]];
+      switch (n) {
+        case 4:
+          lora_block<4, T>(rows, s, xp, yp, in, ldy, ap, lda, bp, out, offset, L, R, h);
+          break;
+        case 3:
+          lora_block<3, T>(rows, s, xp, yp, in, ldy, ap, lda, bp, out, offset, L, R, h);
+          break;
+        case 2:
+          lora_block<2, T>(rows, s, xp, yp, in, ldy, ap, lda, bp, out, offset, L, R, h);
+          break;
+        default:
+          lora_block<1, T>(rows, s, xp, yp, in, ldy, ap, lda, bp, out, offset, L, R, h);
       }
     }
   });
