@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedattn.cpu import extension
 from pagedattn.lora.adapter import LoRAAdapter, load_adapter
 from pagedattn.lora.layers import NO_SLOT, LoRABatch, LoRALinear
 from pagedattn.lora.request import (
@@ -34,13 +35,25 @@ class LoRAManager:
     """Wraps the model's projections once; loads adapters (CPU copies, any number) and keeps at
     most ``max_loras`` of them resident in slots, evicting the least recently used."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        model: nn.Module,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        compiled: bool = True,
+    ):
+        """compiled: run the CPU extension's LoRA kernel for decode-sized steps where it can
+        (False: the torch path only, the reference)."""
         self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
         self.batch = LoRABatch()
         self.model = model
         self.layers: dict[tuple[int, str], LoRALinear] = {}
         device = next(model.parameters()).device
         self.device = device
+        kernel = None
+        if compiled and device.type == "cpu" and dtype in extension.SUPPORTED_DTYPES:
+            kernel = extension.get_extension()
         for index, layer in enumerate(model.model.layers):
             for parent in (layer.self_attn, layer.mlp):
                 for name, hf_names in FUSED_MODULES.items():
@@ -50,7 +63,7 @@ class LoRAManager:
                     slices = model.shard_sizes.get(name, [base.out_features])
                     assert len(slices) == len(hf_names)
                     wrapped = LoRALinear(
-                        base, slices, max_loras, max_rank, self.batch, dtype, device
+                        base, slices, max_loras, max_rank, self.batch, dtype, device, kernel
                     )
                     setattr(parent, name, wrapped)
                     self.layers[(index, name)] = wrapped
