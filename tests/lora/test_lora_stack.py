@@ -1,5 +1,5 @@
-"""The compiled LoRA kernel and the decode stack with adapter rows against LoRALinear's torch path
-(the reference); rows without an adapter stay the base model's, bit for bit."""
+"""The decode stack with adapter rows against LoRALinear's torch path (the reference); rows
+without an adapter stay the base model's, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,56 +8,16 @@ import torch
 
 from pagedattn.cpu import decode_stack as decode_stack_module
 from pagedattn.cpu import extension as cpu_ext
-from pagedattn.lora.layers import NO_SLOT, LoRABatch, LoRALinear
+from pagedattn.lora.layers import NO_SLOT
 from pagedattn.lora.manager import LoRAManager
-from pagedattn.model.layers import Linear
 from pagedattn.model.loader import load_model
+from tests.cpu.test_lora_kernel import TOLERANCE, random_slots
 from tests.model.paged_driver import PagedDriver
 from tests.model.tiny import make_tiny_llama
 
 pytestmark = pytest.mark.skipif(
     cpu_ext.get_extension() is None, reason="the compiled CPU extension cannot be built here"
 )
-TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
-
-
-def _random_slots(layer: LoRALinear, slots: list[int], rank: int, gen: torch.Generator) -> None:
-    for slot in slots:
-        pairs = [
-            (
-                torch.randn(rank, layer.in_features, generator=gen),
-                torch.randn(n, rank, generator=gen),
-            )
-            for n in layer.slices
-        ]
-        layer.set_slot(
-            slot, [(a.to(layer.lora_a.dtype), b.to(layer.lora_a.dtype)) for a, b in pairs]
-        )
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("slices", "max_rank"), [([40, 24, 24], 16), ([37], 5), ([64, 64], 24)])
-def test_kernel_matches_torch_path(dtype, slices, max_rank) -> None:
-    ext = cpu_ext.get_extension()
-    gen = torch.Generator().manual_seed(0)
-    base = Linear(48, sum(slices))
-    base.weight.data = torch.randn(sum(slices), 48, generator=gen).to(dtype)
-    batch = LoRABatch()
-    layer = LoRALinear(base, slices, 3, max_rank, batch, dtype, torch.device("cpu"))
-    _random_slots(layer, [0, 2], max_rank - 1, gen)  # a padded rank; slot 1 stays empty
-    x = torch.randn(7, 48, generator=gen).to(dtype)
-    slots = torch.tensor([0, NO_SLOT, 2, 2, 1, 0, NO_SLOT])
-    batch.set(slots, 3, max_rank, dtype)
-    want = layer(x)
-    got = base(x)
-    ext.lora_apply(got, x, slots, layer.lora_a, layer.lora_b, 3, max_rank)
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(got.float(), want.float(), atol=tol * 10, rtol=tol)
-    plain = base(x)
-    for row in (1, 4, 6):  # no adapter, an empty slot: the base output exactly
-        assert torch.equal(got[row], plain[row])
-    with pytest.raises(RuntimeError, match="slot 3"):
-        ext.lora_apply(got, x, torch.tensor([3] * 7), layer.lora_a, layer.lora_b, 3, max_rank)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -68,7 +28,7 @@ def test_decode_stack_with_lora_rows_matches_the_torch_path(tmp_path, monkeypatc
     manager = LoRAManager(model, max_loras=2, max_rank=8, dtype=model.dtype, compiled=False)
     gen = torch.Generator().manual_seed(1)
     for layer in manager.layers.values():
-        _random_slots(layer, [0, 1], 8, gen)
+        random_slots(layer, [0, 1], 8, gen)
     used: list[bool] = []
     real = decode_stack_module.DecodeStack.forward
 
