@@ -128,7 +128,7 @@ def run_lora_bench(args: argparse.Namespace) -> int:
     base.generate(warm, warm_params)
     plain = _run(base, workload, [])
     del base
-    # NOTE: steps with adapter rows bypass the compiled decode stack: this row shows its share.
+    # NOTE: the compiled decode stack's share of the no-LoRA run (adapter rows run on it too).
     base = LLM(args.model, decode_stack=False, **options)
     base.generate(warm, warm_params)
     no_stack = _run(base, workload, [])

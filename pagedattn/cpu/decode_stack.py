@@ -7,6 +7,9 @@ weights are packed, where the plan asks for it (KernelPlan.decode_stack) and the
 an exact match: float32/bfloat16, the extension's decode attention, one RMSNorm epsilon and one
 attention scale. It runs a step only when every row is a decode row, the KV cache has the model's
 dtype and the rows are below every layer's prefill split.
+
+With LoRA on, the stack also adds each row's adapter delta after each projection (set_lora:
+csrc/lora_cpu.cpp over LoRALinear's slot buffers, the step's slots from the shared LoRABatch).
 """
 
 from __future__ import annotations
@@ -44,6 +47,25 @@ class StackLayer(NamedTuple):
     group: int  # KV cache group of the layer
     sliding_window: int | None
     scale: float
+
+
+class LoRASlots(Protocol):
+    """A projection's LoRA slot buffers, as the stack reads them (lora.layers.LoRALinear)."""
+
+    lora_a: torch.Tensor  # [in, S * max_loras * max_rank]
+    lora_b: list[torch.Tensor]  # per output slice [max_loras * max_rank, out_i]
+    max_loras: int
+    max_rank: int
+
+
+class LoRARows(Protocol):
+    """The step's LoRA rows (pagedattn.lora.layers.LoRABatch): slots None when no row adapts."""
+
+    slots: torch.Tensor | None  # [T] int64, -1: no adapter
+
+
+# The stack's projections in its set_lora numbering, by LoRAManager's module names.
+LORA_PROJECTIONS = {"qkv_proj": 0, "o_proj": 1, "gate_up_proj": 2, "down_proj": 3}
 
 
 class StepMetadata(Protocol):
@@ -98,6 +120,22 @@ class DecodeStack:
         self.compiled = compiled
         self.max_rows = max_rows  # rows at or past this run the prefill linear kernel
         self.dtype = dtype
+        self.lora_rows: LoRARows | None = None
+
+    def set_lora(self, rows: LoRARows, layers: dict[tuple[int, str], LoRASlots]) -> None:
+        """Add each row's LoRA delta after the projections ``layers`` ((layer index, module
+        name) -> slot buffers, shared: slot loads need nothing more), for the rows ``rows``
+        names at each step."""
+        for (index, name), slots in layers.items():
+            self.compiled.set_lora(
+                index,
+                LORA_PROJECTIONS[name],
+                slots.lora_a,
+                slots.lora_b,
+                slots.max_loras,
+                slots.max_rank,
+            )
+        self.lora_rows = rows
 
     def usable(
         self,
@@ -140,6 +178,7 @@ class DecodeStack:
             [m.block_tables for m in attn_metadata],
             [m.seq_lens for m in attn_metadata],
             list(kv_scales),
+            None if self.lora_rows is None else self.lora_rows.slots,
         )
 
 

@@ -80,11 +80,25 @@ struct DecodeLinear {
   }
 };
 
+// One projection's LoRA slots (pagedattn.lora.layers.LoRALinear's buffers, shared): A [in,
+// S * L * R] and each output slice's B [L * R, out_i]; undefined a: no LoRA on it.
+struct LoRASlots {
+  torch::Tensor a;
+  std::vector<torch::Tensor> b;
+  int64_t max_loras = 0, max_rank = 0;
+
+  // y [T, out] += the LoRA delta of x [T, in] for the rows of slots >= 0.
+  void apply(torch::Tensor& y, const torch::Tensor& x, const torch::Tensor& slots) const {
+    if (a.defined()) lora_apply(y, x, slots, a, b, max_loras, max_rank);
+  }
+};
+
 struct DecodeLayer {
   torch::Tensor input_norm, post_norm;
   DecodeLinear qkv, o, gate_up, down;
   int64_t group;           // KV cache group (index into the per-group step inputs)
   int64_t sliding_window;  // 0: none
+  LoRASlots lora[4];       // qkv, o, gate_up, down
 };
 
 class DecodeStack {
@@ -103,7 +117,15 @@ class DecodeStack {
                  DecodeLinear o, DecodeLinear gate_up, DecodeLinear down, int64_t group,
                  int64_t sliding_window) {
     layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o),
-                       std::move(gate_up), std::move(down), group, sliding_window});
+                       std::move(gate_up), std::move(down), group, sliding_window, {}});
+  }
+
+  // The LoRA slots of one projection (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`.
+  void set_lora(int64_t layer, int64_t projection, torch::Tensor a, std::vector<torch::Tensor> b,
+                int64_t max_loras, int64_t max_rank) {
+    TORCH_CHECK(0 <= layer && layer < num_layers() && 0 <= projection && projection < 4,
+                "set_lora: no layer ", layer, " projection ", projection);
+    layers_[layer].lora[projection] = {std::move(a), std::move(b), max_loras, max_rank};
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -111,13 +133,15 @@ class DecodeStack {
   // hidden [T, H] (the embeddings); cos/sin [T, D]; per layer its (key, value) caches; per KV
   // cache group its slot mapping [T], block tables [T, max_blocks] int32 and seq lens [T] int32.
   // kv_scales: per layer (k_scale, v_scale) of an FP8 cache, or empty (all 1.0).
+  // lora_slots: each row's LoRA slot (int64 [T], -1: none), or None: no row adapts.
   // Returns (hidden, residual) after the last layer, as the Python layers leave them.
   std::pair<torch::Tensor, torch::Tensor> forward(
       torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin,
       const std::vector<std::pair<torch::Tensor, torch::Tensor>>& kv_caches,
       const std::vector<torch::Tensor>& slot_mappings,
       const std::vector<torch::Tensor>& block_tables, const std::vector<torch::Tensor>& seq_lens,
-      const std::vector<std::pair<double, double>>& kv_scales) {
+      const std::vector<std::pair<double, double>>& kv_scales,
+      const c10::optional<torch::Tensor>& lora_slots) {
     TORCH_CHECK(kv_caches.size() == layers_.size(), "DecodeStack has ", layers_.size(),
                 " layers but got ", kv_caches.size(), " KV caches");
     TORCH_CHECK(kv_scales.empty() || kv_scales.size() == layers_.size(),
@@ -138,7 +162,9 @@ class DecodeStack {
       } else {
         h = rms_norm(hidden, layer.input_norm, eps_, residual);
       }
+      const bool lora = lora_slots.has_value();
       torch::Tensor qkv = layer.qkv(h);  // [T, q_size + 2 * kv_size]
+      if (lora) layer.lora[0].apply(qkv, h, *lora_slots);
       rotary_inplace(qkv.narrow(1, 0, q_size + kv_size).view({T, -1, head_size_}), cos, sin);
       auto q = qkv.narrow(1, 0, q_size).view({T, num_heads_, head_size_});
       auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads_, head_size_});
@@ -151,9 +177,15 @@ class DecodeStack {
       auto attn = torch::empty_like(q);
       paged_decode(attn, q, key_cache, value_cache, block_tables[g], seq_lens[g], scale_,
                    layer.sliding_window, 0.0, partition_size_, amx_attention_, k_scale, v_scale);
-      h = layer.o(attn.view({T, q_size}));
+      const auto attn_rows = attn.view({T, q_size});
+      h = layer.o(attn_rows);
+      if (lora) layer.lora[1].apply(h, attn_rows, *lora_slots);
       h = rms_norm(h, layer.post_norm, eps_, residual);
-      hidden = layer.down(silu_and_mul(layer.gate_up(h)));
+      auto gate_up = layer.gate_up(h);  // [T, 2 * I]
+      if (lora) layer.lora[2].apply(gate_up, h, *lora_slots);
+      auto act = silu_and_mul(gate_up);
+      hidden = layer.down(act);
+      if (lora) layer.lora[3].apply(hidden, act, *lora_slots);
     }
     return {hidden, residual};
   }
@@ -182,8 +214,13 @@ void register_decode_stack(pybind11::module& m) {
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"), py::arg("eps"),
            py::arg("scale"), py::arg("partition_size"), py::arg("amx_attention"))
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_lora", &DecodeStack::set_lora, py::arg("layer"), py::arg("projection"),
+           py::arg("a"), py::arg("b"), py::arg("max_loras"), py::arg("max_rank"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
       // NOTE: forward touches only tensors, so other Python threads (a server's event loop) run
       // while a step computes, as they do between the Python layers' ops.
-      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &DecodeStack::forward, py::arg("hidden"), py::arg("cos"), py::arg("sin"),
+           py::arg("kv_caches"), py::arg("slot_mappings"), py::arg("block_tables"),
+           py::arg("seq_lens"), py::arg("kv_scales"), py::arg("lora_slots") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
 }

@@ -32,6 +32,9 @@ torch::Tensor argmax_last_dim(torch::Tensor logits);
 void register_decode_stack(pybind11::module& m);
 // shm_collectives_cpu.cpp
 void register_shm_collectives(pybind11::module& m);
+// lora_cpu.cpp
+void lora_apply(torch::Tensor y, torch::Tensor x, torch::Tensor slots, torch::Tensor a,
+                std::vector<torch::Tensor> b, int64_t max_loras, int64_t max_rank);
 // kv_gather_cpu.cpp
 void gather_dequant_fp8(torch::Tensor out, torch::Tensor cache, torch::Tensor block_ids,
                         double scale);

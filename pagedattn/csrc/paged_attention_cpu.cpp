@@ -896,6 +896,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_scale") = 1.0);
   m.def("set_flush_denormal_all_threads", &set_flush_denormal_all_threads,
         "Flush denormals to zero (FTZ/DAZ) in the calling thread and every intra-op thread");
+  m.def("lora_apply", &lora_apply,
+        "y += (x @ A_slot) @ B_slot per row of slot >= 0 (LoRALinear's stacked slots)",
+        py::arg("y"), py::arg("x"), py::arg("slots"), py::arg("a"), py::arg("b"),
+        py::arg("max_loras"), py::arg("max_rank"));
   register_decode_stack(m);
   register_shm_collectives(m);
 }

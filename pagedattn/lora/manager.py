@@ -11,8 +11,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedattn.cpu import extension
 from pagedattn.lora.adapter import LoRAAdapter, load_adapter
-from pagedattn.lora.layers import LoRABatch, LoRALinear
+from pagedattn.lora.layers import NO_SLOT, LoRABatch, LoRALinear
 from pagedattn.lora.request import (
     LoRAError,
     LoRAExistsError,
@@ -34,13 +35,25 @@ class LoRAManager:
     """Wraps the model's projections once; loads adapters (CPU copies, any number) and keeps at
     most ``max_loras`` of them resident in slots, evicting the least recently used."""
 
-    def __init__(self, model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype):
+    def __init__(
+        self,
+        model: nn.Module,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        compiled: bool = True,
+    ):
+        """compiled: run the CPU extension's LoRA kernel for decode-sized steps where it can
+        (False: the torch path only, the reference)."""
         self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
         self.batch = LoRABatch()
         self.model = model
         self.layers: dict[tuple[int, str], LoRALinear] = {}
         device = next(model.parameters()).device
         self.device = device
+        kernel = None
+        if compiled and device.type == "cpu" and dtype in extension.SUPPORTED_DTYPES:
+            kernel = extension.get_extension()
         for index, layer in enumerate(model.model.layers):
             for parent in (layer.self_attn, layer.mlp):
                 for name, hf_names in FUSED_MODULES.items():
@@ -50,10 +63,14 @@ class LoRAManager:
                     slices = model.shard_sizes.get(name, [base.out_features])
                     assert len(slices) == len(hf_names)
                     wrapped = LoRALinear(
-                        base, slices, max_loras, max_rank, self.batch, dtype, device
+                        base, slices, max_loras, max_rank, self.batch, dtype, device, kernel
                     )
                     setattr(parent, name, wrapped)
                     self.layers[(index, name)] = wrapped
+        # NOTE: the compiled decode stacks read the same slot buffers and the step's slots.
+        for stack in (getattr(model, "decode_stack", None), getattr(model, "verify_stack", None)):
+            if stack is not None:
+                stack.set_lora(self.batch, self.layers)
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slots: OrderedDict[str, int] = OrderedDict()  # resident name -> slot, LRU first
         self.num_slot_loads = 0
@@ -147,19 +164,14 @@ class LoRAManager:
             if name not in self.adapters:
                 raise LoRANotFoundError(f"LoRA adapter {name!r} is not loaded")
         slot_of = {name: self._slot_for(name, names) for name in names}
-        seq_slots = np.array([-1 if n is None else slot_of[n] for n in lora_names])
+        seq_slots = np.array(
+            [NO_SLOT if n is None else slot_of[n] for n in lora_names], dtype=np.int64
+        )
         rows = np.repeat(seq_slots, np.asarray(num_tokens, dtype=np.int64))
-        index = torch.from_numpy(rows + 1).to(self.device)
-        mask = torch.nn.functional.one_hot(index, self.max_loras + 1)[:, 1:]
-        self.batch.set(mask.to(self.dtype), self.max_rank)
-        # NOTE: the compiled decode stack runs the bare projections: off while rows adapt.
-        has_stack = hasattr(self.model, "decode_stack")
-        stack = self.model.decode_stack if has_stack else None
-        if has_stack:
-            self.model.decode_stack = None
+        self.batch.set(
+            torch.from_numpy(rows).to(self.device), self.max_loras, self.max_rank, self.dtype
+        )
         try:
             yield
         finally:
-            self.batch.set(None, self.max_rank)
-            if has_stack:
-                self.model.decode_stack = stack
+            self.batch.set(None, self.max_loras, self.max_rank, self.dtype)

@@ -296,7 +296,6 @@ class LlamaForCausalLM(PagedCausalLM):
         hidden = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)  # [T, 1, head_size] each
         stack = self.decode_stack
-        # NOTE: only where the decode stack is on: LoRA switches it off while rows adapt.
         rows = hidden.shape[0]
         if stack is not None and self.verify_stack is not None and attn_metadata[0].verifies_drafts:
             stack = self.verify_stack if 2 <= rows < self.plan.verify_rows else stack

@@ -164,6 +164,6 @@ def test_verify_steps_run_the_verify_stack_on_the_verify_kernel(checkpoints, mon
     # A prefill step: the Python layers; a verify step of 2 .. 3 rows: the verify stack; one
     # row, a step without drafts and a verify step of 4 rows: the decode stack.
     assert used == [(1, False), (3, True), (3, False), (4, False)]
-    model.decode_stack = None  # as LoRA does while rows adapt: no verify stack either
+    model.decode_stack = None  # no decode stack: no verify stack either
     with_stack.step(three, True)
     assert len(used) == 4

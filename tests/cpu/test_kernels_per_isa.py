@@ -22,13 +22,14 @@ from pagedattn.cpu import features
 
 ROOT = Path(__file__).resolve().parents[2]
 # Paged decode (GQA, sliding window, soft-cap, fp32/bf16, fp8 and u8 caches, partitions), the
-# step ops and the panel GEMM.
+# step ops, the panel GEMM and the LoRA kernel.
 KERNEL_TESTS = (
     "tests/cpu/test_extension.py",
     "tests/cpu/test_extension_fp8.py",
     "tests/cpu/test_extension_u8.py",
     "tests/attention/backends/test_step_ops_cpu.py",
     "tests/cpu/test_panel_gemm.py",
+    "tests/cpu/test_lora_kernel.py",
 )
 DEFAULT_LEVELS = ("avx2", "avx512")
 # The vector ISA each level's build reports (ext.isa()).
