@@ -132,13 +132,13 @@ class TensorParallelGroup:
         if self.shm is not None and x.device.type == "cpu":
             t0 = time.perf_counter()
             try:
-                return self.shm.all_reduce(x if x.is_contiguous() else x.contiguous())
+                out = self.shm.all_reduce(x if x.is_contiguous() else x.contiguous())
             except TimeoutError as exc:
                 msg = f"tensor-parallel all-reduce on rank {self.rank}: {exc}"
                 raise CollectiveError(msg) from exc
-            finally:
-                self.collective_seconds += time.perf_counter() - t0
-                self.num_collectives += 1
+            self.collective_seconds += time.perf_counter() - t0
+            self.num_collectives += 1
+            return out
         t = x.contiguous()
         if self.backend == "gloo" and t.dtype not in _GLOO_REDUCE_DTYPES:
             t = t.float()

@@ -133,29 +133,40 @@ class ShmAllReduce:
         """Run one compiled collective (``op(buf, *args, rank, world, seq, ...)``) to the end,
         checking the peers between wait slices."""
         self._seq += 1
+        done, waited = op(
+            self._buf, *args, self.rank, self.world_size, self._seq, self.slot_bytes, True,
+            _COMPILED_WAIT_SLICE_S,
+        )  # fmt: skip
+        self.wait_seconds += waited
+        if not done:
+            self._wait_compiled(op, args)
+
+    def _wait_compiled(self, op: Callable, args: tuple) -> None:
+        """Go on waiting for a compiled collective whose first wait slice ran out."""
         deadline = time.monotonic() + self.timeout_s
-        first = True
         while True:
-            done, waited = op(
-                self._buf, *args, self.rank, self.world_size, self._seq, self.slot_bytes,
-                first, _COMPILED_WAIT_SLICE_S,
-            )  # fmt: skip
-            self.wait_seconds += waited
-            if done:
-                return
-            first = False
             if self.check is not None:
                 self.check()
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"shared-memory all-reduce: a peer did not arrive in {self.timeout_s:.0f} s"
                 )
+            done, waited = op(
+                self._buf, *args, self.rank, self.world_size, self._seq, self.slot_bytes, False,
+                _COMPILED_WAIT_SLICE_S,
+            )  # fmt: skip
+            self.wait_seconds += waited
+            if done:
+                return
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of ``x`` over the ranks, written into ``x`` (contiguous)."""
+        compiled = self._ext is not None and x.dtype in _COMPILED_DTYPES
+        if compiled and x.numel() * x.element_size() <= self.slot_bytes:
+            self._compiled(self._ext.shm_all_reduce, x)  # NOTE: a decode step's: one call
+            return x
         flat = x.view(-1)
         step = self.slot_bytes // x.element_size()
-        compiled = self._ext is not None and x.dtype in _COMPILED_DTYPES
         for start in range(0, flat.numel(), step):
             chunk = flat[start : start + step]
             if compiled:

@@ -6,6 +6,7 @@ its shard, then runs each step it is sent until told to close or until the engin
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import pickle
@@ -75,6 +76,10 @@ def serve(host: str, port: int, authkey: bytes) -> int:
         conn.send_bytes(pickle.dumps(f"{exc!r}"))
         return 1
     conn.send_bytes(OK)
+    # NOTE: the model's objects move out of the collector's generations, so a full collection
+    # in the middle of a step (which every other rank waits out in its next collective) walks
+    # only what the steps allocated since.
+    gc.freeze()
     while True:
         if not conn.poll(1.0):
             if os.getppid() != parent:
