@@ -29,13 +29,24 @@ def main() -> int:
         "- `step_ops_cpu.cpp`: per-layer step ops: cache write, rotary, RMSNorm(+residual),"
         " Gemma RMSNorm, SwiGLU, GeGLU, greedy argmax.",
         "- `decode_stack_cpu.cpp`: DecodeStack, a Llama-family decode step's layers in one call"
-        " (the same kernels, in order, as the Python layers).",
+        " (the same kernels, in order, as the Python layers), plus each row's LoRA delta.",
+        "- `lora_cpu.cpp`: batched LoRA for decode-sized steps: each row's own slot's shrink and"
+        " expand, the rows of a slot in blocks sharing each weight load.",
+        "- `kv_gather_cpu.cpp`: whole blocks of an fp8 or u8 KV cache gathered through a block"
+        " list, dequantized as they are copied.",
+        "- `shm_collectives_cpu.cpp`: the tensor-parallel ranks' shared-memory all-reduce and"
+        " logits gather, one call each.",
         "- `ops_cpu.h`: the declarations of the extension's entry points shared by its files.",
         "- `amx_cpu.h`: AMX helpers shared by the tile kernels (the tile configuration).",
         "- `vec_cpu.h`: the vector layer over at::vec: fp32/bf16 loads and stores, exp,"
         " horizontal sums, one version per ISA.",
         "",
     ]
+    listed = {line.split("`")[1] for line in lines if line.startswith("- `")}
+    missing = sorted(p.name for p in (ROOT / "pagedattn" / "csrc").iterdir())
+    missing = [name for name in missing if name not in listed]
+    if missing:
+        raise SystemExit(f"scripts/structures.py: describe {', '.join(missing)}")
     sys.stdout.write("\n".join(lines))
     return 0
 
