@@ -185,3 +185,27 @@ def test_kv_store_keys_carry_the_adapter(files, tmp_path):
     assert store_hits(lora(files, "a16")) == 0
     assert store_hits(None) == 0
     assert store_hits(lora(files, "a8")) == 20
+
+
+def test_speculative_decoding_under_adapters_matches_hf_peft(files):
+    """Ngram drafts verified on the verify stack with adapter rows beside a base row: the
+    greedy tokens stay HF + PEFT's, and drafts were proposed and accepted."""
+    prompts = [[5, 6, 7, 8, 9, 10] * 3 + [5, 6], [40, 41, 42, 43] * 4 + [40], [3, 90, 3, 90, 3]]
+    names = ["a8", None, "a16"]
+    llm = make_llm(
+        files,
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+        ngram_min=1,
+        ngram_max=3,
+        speculative_disable_by_batch_size=64,
+    )
+    reqs = [None if n is None else lora(files, n) for n in names]
+    outs = llm.generate(prompts, PARAMS, lora_request=reqs)
+    expected = [
+        hf_peft_greedy(files["base"], None if n is None else files[n], p, NUM_NEW)
+        for n, p in zip(names, prompts, strict=True)
+    ]
+    assert tokens(outs) == expected
+    stats = llm.get_stats().spec_decode
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
