@@ -130,34 +130,27 @@ class ShmAllReduce:
         return slots
 
     def _compiled(self, op: Callable, *args) -> None:
-        """Run one compiled collective (``op(buf, *args, rank, world, seq, ...)``) to the end,
-        checking the peers between wait slices."""
+        """Run one compiled collective (``op(buf, *args, rank, world, seq, ...)``) to the end:
+        the first call publishes and waits one slice; later calls (a peer is late) check the
+        peers first and go on waiting, for at most timeout_s more."""
         self._seq += 1
-        done, waited = op(
-            self._buf, *args, self.rank, self.world_size, self._seq, self.slot_bytes, True,
-            _COMPILED_WAIT_SLICE_S,
-        )  # fmt: skip
-        self.wait_seconds += waited
-        if not done:
-            self._wait_compiled(op, args)
-
-    def _wait_compiled(self, op: Callable, args: tuple) -> None:
-        """Go on waiting for a compiled collective whose first wait slice ran out."""
-        deadline = time.monotonic() + self.timeout_s
+        first, deadline = True, 0.0
         while True:
+            done, waited = op(
+                self._buf, *args, self.rank, self.world_size, self._seq, self.slot_bytes, first,
+                _COMPILED_WAIT_SLICE_S,
+            )  # fmt: skip
+            self.wait_seconds += waited
+            if done:
+                return
+            if first:
+                first, deadline = False, time.monotonic() + self.timeout_s
             if self.check is not None:
                 self.check()
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"shared-memory all-reduce: a peer did not arrive in {self.timeout_s:.0f} s"
                 )
-            done, waited = op(
-                self._buf, *args, self.rank, self.world_size, self._seq, self.slot_bytes, False,
-                _COMPILED_WAIT_SLICE_S,
-            )  # fmt: skip
-            self.wait_seconds += waited
-            if done:
-                return
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The elementwise sum of ``x`` over the ranks, written into ``x`` (contiguous)."""
