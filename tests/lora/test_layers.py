@@ -22,10 +22,11 @@ def test_each_row_gets_its_own_adapter_and_base_rows_stay_exact(dtype):
         2: [None, (torch.randn(8, 32, generator=gen), torch.randn(16, 8, generator=gen))],
     }
     for slot, p in pairs.items():
-        layer.set_slot(slot, [None if x is None else (x[0].to(dtype), x[1].to(dtype)) for x in p])
+        pairs_in_dtype = [None if x is None else (x[0].to(dtype), x[1].to(dtype)) for x in p]
+        layer.set_slot(slot, layer.pack(pairs_in_dtype))
     x = torch.randn(6, 32, generator=gen).to(dtype)
     slots = [0, -1, 2, 2, 1, 0]
-    batch.set(torch.tensor(slots), 3, 8, dtype)
+    batch.set(torch.tensor(slots))
     y = layer(x)
     ref = base(x).float()
     for row, slot in enumerate(slots):
@@ -38,5 +39,5 @@ def test_each_row_gets_its_own_adapter_and_base_rows_stay_exact(dtype):
     torch.testing.assert_close(y.float(), ref, atol=tol, rtol=tol * 0.2)
     # Rows without an adapter (or with an empty slot) are exactly the base layer's output.
     assert torch.equal(y[1], base(x)[1]) and torch.equal(y[4], base(x)[4])
-    batch.set(None, 3, 8, dtype)
+    batch.set(None)
     assert torch.equal(layer(x), base(x))
