@@ -1,4 +1,4 @@
-"""LoRAManager: the loaded adapters, the LRU slots of the stacked buffers, and each step's mask."""
+"""LoRAManager: the loaded adapters, the LRU slots of the stacked buffers, and each step's slots."""
 
 from __future__ import annotations
 
