@@ -52,7 +52,7 @@ class StackLayer(NamedTuple):
 class LoRASlots(Protocol):
     """A projection's LoRA slot buffers, as the stack reads them (lora.layers.LoRALinear)."""
 
-    lora_a: torch.Tensor  # [in, S * max_loras * max_rank]
+    lora_a: torch.Tensor  # [max_loras, in, S * max_rank]
     lora_b: list[torch.Tensor]  # per output slice [max_loras * max_rank, out_i]
     max_loras: int
     max_rank: int

@@ -2,11 +2,10 @@
 // adapter slot is >= 0 (punica's shrink and expand; the rows of one slot in blocks).
 //
 // The weights are pagedattn.lora.layers.LoRALinear's buffers, shared with the torch path: A of S
-// output slices, L slots and rank R as one [in, S * L * R] matrix (column (i * L + s) * R + r is
-// rank r of slot s of slice i), and each slice's B as [L * R, out_i] (row s * R + r). The torch
-// path multiplies every row by every slot and masks; this kernel reads only the row's own slot,
-// so a row costs in * S * R + R * out multiply-adds, and up to kRowBlock rows of a slot share
-// each load of its weights. Rows of slot -1 are not touched (their
+// output slices, L slots and rank R as [L, in, S * R] (slot s's block contiguous, column i * R + r
+// is rank r of slice i), and each slice's B as [L * R, out_i] (row s * R + r). A row reads only
+// its own slot's weights, so it costs in * S * R + R * out multiply-adds, and up to kRowBlock
+// rows of a slot share each load of them. Rows of slot -1 are not touched (their
 // output stays the base layer's, bit for bit). The rank R's columns accumulate in fp32 and the
 // output is rounded once (bf16: one rounding of y + delta).
 
@@ -16,6 +15,7 @@
 #include "vec_cpu.h"
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -37,7 +37,7 @@ constexpr int kBlockOut = 2;
 // (each kWidth columns of one slice, the last of a slice maybe fewer: lanes[c]), in fp32.
 // NOTE: NR and NV are template arguments so the accumulators stay in registers.
 template <int NR, int NV, typename T>
-void shrink_block(const T* const* x, const T* a, int64_t in, int64_t lda, const int64_t* cols,
+void shrink_block(const float* const* x, const T* a, int64_t in, int64_t lda, const int64_t* cols,
                   const int64_t* lanes, float* h, int64_t ldh) {
   fVec acc[NR][NV];
   for (auto& row : acc) {
@@ -47,7 +47,7 @@ void shrink_block(const T* const* x, const T* a, int64_t in, int64_t lda, const 
   for (int v = 0; v < NV; ++v) full = full && lanes[v] == kWidth;
   for (int64_t k = 0; k < in; ++k) {
     fVec xk[NR];
-    for (int j = 0; j < NR; ++j) xk[j] = fVec(static_cast<float>(x[j][k]));
+    for (int j = 0; j < NR; ++j) xk[j] = fVec(x[j][k]);
     const T* row = a + k * lda;
     for (int v = 0; v < NV; ++v) {
       const fVec w = full ? load(row + cols[v]) : load(row + cols[v], lanes[v]);
@@ -61,7 +61,7 @@ void shrink_block(const T* const* x, const T* a, int64_t in, int64_t lda, const 
 
 // The shrink of all num_vcols vector columns, kBlockCols at a time.
 template <int NR, typename T>
-void shrink_rows(const T* const* x, const T* a, int64_t in, int64_t lda, const int64_t* cols,
+void shrink_rows(const float* const* x, const T* a, int64_t in, int64_t lda, const int64_t* cols,
                  const int64_t* lanes, int64_t num_vcols, float* h, int64_t ldh) {
   int64_t v = 0;
   for (; v + kBlockCols <= num_vcols; v += kBlockCols) {
@@ -114,22 +114,36 @@ void expand_rows(T* const* y, const float* h, int64_t ldh, const T* b, int64_t r
 template <int NR, typename T>
 void lora_block(const int64_t* rows, int64_t s, const T* xp, T* yp, int64_t in, int64_t ldy,
                 const T* ap, int64_t lda, const std::vector<const T*>& bp,
-                const std::vector<int64_t>& out, const std::vector<int64_t>& offset, int64_t L,
-                int64_t R, std::vector<float>& h) {
+                const std::vector<int64_t>& out, const std::vector<int64_t>& offset, int64_t R,
+                std::vector<float>& h, std::vector<float>& xf) {
   const int64_t S = static_cast<int64_t>(bp.size());
   const int64_t per_slice = (R + kWidth - 1) / kWidth;  // vector columns of one slice's ranks
   const int64_t ldh = S * per_slice * kWidth;
   std::vector<int64_t> cols(S * per_slice), lanes(S * per_slice);
   for (int64_t i = 0; i < S; ++i) {
     for (int64_t v = 0; v < per_slice; ++v) {
-      cols[i * per_slice + v] = (i * L + s) * R + v * kWidth;
+      cols[i * per_slice + v] = i * R + v * kWidth;
       lanes[i * per_slice + v] = std::min<int64_t>(kWidth, R - v * kWidth);
     }
   }
-  const T* x[NR];
-  for (int j = 0; j < NR; ++j) x[j] = xp + rows[j] * in;
+  // The rows in fp32 (bf16: widened once here, not once per use in the shrink's inner loop).
+  const float* x[NR];
+  if constexpr (std::is_same_v<T, float>) {
+    for (int j = 0; j < NR; ++j) x[j] = xp + rows[j] * in;
+  } else {
+    xf.resize(NR * in);
+    for (int j = 0; j < NR; ++j) {
+      const T* src = xp + rows[j] * in;
+      float* dst = xf.data() + j * in;
+      int64_t k = 0;
+      for (; k + kWidth <= in; k += kWidth) load(src + k).store(dst + k);
+      for (; k < in; ++k) dst[k] = static_cast<float>(src[k]);
+      x[j] = dst;
+    }
+  }
   h.resize(NR * ldh);
-  shrink_rows<NR, T>(x, ap, in, lda, cols.data(), lanes.data(), S * per_slice, h.data(), ldh);
+  shrink_rows<NR, T>(x, ap + s * in * lda, in, lda, cols.data(), lanes.data(), S * per_slice,
+                     h.data(), ldh);
   for (int64_t i = 0; i < S; ++i) {
     T* y[NR];
     for (int j = 0; j < NR; ++j) y[j] = yp + rows[j] * ldy + offset[i];
@@ -142,7 +156,7 @@ template <typename T>
 void lora_rows(torch::Tensor& y, const torch::Tensor& x, const int64_t* slots,
                const torch::Tensor& a, const std::vector<torch::Tensor>& b, int64_t L, int64_t R) {
   const int64_t num_rows = x.size(0), in = x.size(1), S = static_cast<int64_t>(b.size());
-  const int64_t lda = a.size(1), ldy = y.size(1);
+  const int64_t lda = a.size(2), ldy = y.size(1);
   const T* xp = x.data_ptr<T>();
   const T* ap = a.data_ptr<T>();
   T* yp = y.data_ptr<T>();
@@ -168,23 +182,23 @@ void lora_rows(torch::Tensor& y, const torch::Tensor& x, const int64_t* slots,
     }
   }
   at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> h;
+    std::vector<float> h, xf;
     for (int64_t blk = b0; blk < b1; ++blk) {
       const auto [first, n] = blocks[blk];
       const int64_t* rows = order.data() + first;
       const int64_t s = slots[rows[0]];
       switch (n) {
         case 4:
-          lora_block<4, T>(rows, s, xp, yp, in, ldy, ap, lda, bp, out, offset, L, R, h);
+          lora_block<4, T>(rows, s, xp, yp, in, ldy, ap, lda, bp, out, offset, R, h, xf);
           break;
         case 3:
-          lora_block<3, T>(rows, s, xp, yp, in, ldy, ap, lda, bp, out, offset, L, R, h);
+          lora_block<3, T>(rows, s, xp, yp, in, ldy, ap, lda, bp, out, offset, R, h, xf);
           break;
         case 2:
-          lora_block<2, T>(rows, s, xp, yp, in, ldy, ap, lda, bp, out, offset, L, R, h);
+          lora_block<2, T>(rows, s, xp, yp, in, ldy, ap, lda, bp, out, offset, R, h, xf);
           break;
         default:
-          lora_block<1, T>(rows, s, xp, yp, in, ldy, ap, lda, bp, out, offset, L, R, h);
+          lora_block<1, T>(rows, s, xp, yp, in, ldy, ap, lda, bp, out, offset, R, h, xf);
       }
     }
   });
@@ -202,9 +216,9 @@ void lora_apply(torch::Tensor y, torch::Tensor x, torch::Tensor slots, torch::Te
               "lora_apply: slots must be contiguous int64");
   TORCH_CHECK(!b.empty(), "lora_apply: one B per output slice");
   const int64_t S = static_cast<int64_t>(b.size());
-  TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.size(0) == x.size(1) &&
-                  a.size(1) == S * max_loras * max_rank,
-              "lora_apply: A must be contiguous [in, slices * max_loras * max_rank]");
+  TORCH_CHECK(a.dim() == 3 && a.is_contiguous() && a.size(0) == max_loras &&
+                  a.size(1) == x.size(1) && a.size(2) == S * max_rank,
+              "lora_apply: A must be contiguous [max_loras, in, slices * max_rank]");
   int64_t total = 0;
   for (const auto& bi : b) {
     TORCH_CHECK(bi.dim() == 2 && bi.is_contiguous() && bi.size(0) == max_loras * max_rank &&

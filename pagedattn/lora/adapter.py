@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -30,6 +30,9 @@ class LoRAAdapter:
     rank: int
     scaling: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    # (layer, fused module) -> that layer's padded slot blocks (LoRALinear.pack), made when the
+    # adapter is read, off the engine thread; a slot load then only copies them in.
+    packed: dict[tuple[int, str], object] = field(default_factory=dict)
 
     @property
     def num_bytes(self) -> int:

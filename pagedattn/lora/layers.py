@@ -1,21 +1,24 @@
 """LoRALinear: a base linear layer plus stacked adapter slots, applied per row (punica-style).
 
-Per step the manager sets one ``LoRABatch``: a one-hot mask of each token row's slot (all-zero
-for rows without an adapter). Each wrapped layer, with S output slices (q/k/v of a fused
-qkv_proj, gate/up of gate_up_proj), L = max_loras slots and R = max_lora_rank, then adds
+Per step the manager sets one ``LoRABatch``: each token row's slot (NO_SLOT for rows without an
+adapter). Each wrapped layer, with S output slices (q/k/v of a fused qkv_proj, gate/up of
+gate_up_proj), L = max_loras slots and R = max_lora_rank, holds
 
-    shrink: h = x @ A_all              [T, S * L * R]   (every slot at once)
-    mask:   h *= mask                  (rows keep only their own slot's R columns)
-    expand: y += h @ B_blockdiag       [S * L * R, out] (decode-sized T: one call)
-            y[:, slice_i] += h_i @ B_i (prefill-sized T: no multiply by the zero blocks)
+    A: [L, in, S * R]      slot s's block contiguous (column i * R + r: rank r of slice i)
+    B_i: [L * R, out_i]    per slice, slot s's ranks in rows s * R .. s * R + R - 1
 
-Rows of no adapter add exact zeros, padded ranks are zero rows of A and B, and the scaling is in
-B. NOTE: three torch calls per layer at decode sizes: per-call overhead, not FLOPs, is the cost.
-Decode steps on the compiled decode stack do not come here: the stack reads the same buffers
-and the step's ``slots`` (csrc/lora_cpu.cpp, only each row's own slot). Given that kernel
-(``kernel``: the CPU extension), a layer also runs it for steps of fewer than
-PER_SLICE_MIN_ROWS rows (a step mixing new prompts into decode rows); without it, the torch
-code below is the reference the kernel is tested against.
+and adds, for the rows of each slot s, (x @ A[s]) @ B_s (shrink, then each slice's expand).
+Rows of no adapter are not touched, padded ranks are zero rows of A and B, and the scaling is in
+B. A slot load is one copy per buffer (``pack`` prepares the padded blocks on any thread).
+
+Given the compiled kernel (``kernel``: the CPU extension, csrc/lora_cpu.cpp), a layer runs it
+for every step; the compiled decode stack reads the same buffers and the step's ``slots``.
+Without it, the torch code below (a gather, two matmuls and an index_add per slot present) is
+the reference the kernel is tested against.
+NOTE: the kernel also for prefill-sized steps: in bfloat16, torch.mm builds a oneDNN primitive
+for each new row count (ms each, and most prefill steps bring a new one), and addmm_ into a
+slice of y took a slow path: the old masked torch path cost ~2-3 ms a layer at 128-450 rows in
+bf16, ~3x the kernel (which is faster in float32 too).
 """
 
 from __future__ import annotations
@@ -26,35 +29,23 @@ from types import ModuleType
 import torch
 from torch import nn
 
-# Rows from which the expand runs per slice instead of through the block-diagonal B.
-PER_SLICE_MIN_ROWS = 64
 # The slot of a row without an adapter (the compiled kernel's sentinel).
 NO_SLOT = -1
 
 
 @dataclass
 class LoRABatch:
-    """The step's per-row slots and slot masks, shared by every LoRALinear and the compiled
-    decode stack; mask None: no row adapts."""
+    """The step's per-row slots, shared by every LoRALinear and the compiled decode stack."""
 
-    mask: torch.Tensor | None = None  # [T, max_loras] in the model dtype
     slots: torch.Tensor | None = None  # [T] int64: each row's slot, NO_SLOT for none
-    # The mask repeated for S slices and R ranks: [T, S * max_loras * R], made once per step.
-    repeated: dict[int, torch.Tensor] | None = None
 
-    def set(
-        self, slots: torch.Tensor | None, max_loras: int, rank: int, dtype: torch.dtype
-    ) -> None:
+    def set(self, slots: torch.Tensor | None) -> None:
         """Set each row's slot (int64 [T], NO_SLOT: none), or None: no row adapts."""
         self.slots = slots
-        self.mask = None
-        self.repeated = None
-        if slots is not None:
-            # NOTE: NO_SLOT + 1 = 0 is the one-hot column dropped.
-            one_hot = torch.nn.functional.one_hot(slots + 1, max_loras + 1)[:, 1:]
-            self.mask = one_hot.to(dtype)  # [T, L]
-            per_slot = self.mask.repeat_interleave(rank, dim=1)  # [T, L * R]
-            self.repeated = {s: per_slot.repeat(1, s) for s in (1, 2, 3)}
+
+
+# One slot's buffers, prepared by LoRALinear.pack: A [in, S * R] and each slice's B [R, out_i].
+PackedSlot = tuple[torch.Tensor, list[torch.Tensor]]
 
 
 class LoRALinear(nn.Module):
@@ -81,64 +72,69 @@ class LoRALinear(nn.Module):
         self.offsets = [sum(slices[:i]) for i in range(len(slices))]
         self.max_loras, self.max_rank = max_loras, max_rank
         self.batch = batch
-        width = len(slices) * max_loras * max_rank
         # NOTE: plain tensors, not parameters: no state_dict entry, no autograd.
-        self.lora_a = torch.zeros(self.in_features, width, dtype=dtype, device=device)
-        # B of every slice on the block diagonal of one [S * L * R, out] matrix (decode), and
-        # each slice's B on its own (prefill). NOTE: contiguous copies, not views of the block
-        # diagonal: addmm_ with a strided B took a slow path (seconds per prefill step).
-        self.lora_b_all = torch.zeros(width, self.out_features, dtype=dtype, device=device)
-        block = max_loras * max_rank
-        self.lora_b = [torch.zeros(block, size, dtype=dtype, device=device) for size in slices]
-        self._b_blocks = [
-            self.lora_b_all[i * block : (i + 1) * block, off : off + size]
-            for i, (off, size) in enumerate(zip(self.offsets, slices, strict=True))
+        self.lora_a = torch.zeros(
+            max_loras, self.in_features, len(slices) * max_rank, dtype=dtype, device=device
+        )
+        self.lora_b = [
+            torch.zeros(max_loras * max_rank, size, dtype=dtype, device=device) for size in slices
         ]
 
-    def set_slot(self, slot: int, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> None:
-        """Write one adapter's (A [r, in], B [out_i, r]) per slice into ``slot``; None zeroes."""
-        loras, rank = self.max_loras, self.max_rank
-        a_view = self.lora_a.view(self.in_features, len(self.slices), loras, rank)
-        for i, pair in enumerate(pairs):
-            a_slot = a_view[:, i, slot]  # [in, R]
-            rows = slice(slot * rank, (slot + 1) * rank)
-            b_slots = (self.lora_b[i][rows], self._b_blocks[i][rows])  # [R, out_i] each
-            r = 0
+    def pack(self, pairs: list[tuple[torch.Tensor, torch.Tensor] | None]) -> PackedSlot:
+        """One adapter's (A [r, in], B [out_i, r]) per slice (None: no LoRA on it) as the padded
+        slot blocks set_slot copies in. Touches no layer state: any thread may call it."""
+        rank = self.max_rank
+        dtype, device = self.lora_a.dtype, self.lora_a.device
+        a_block = torch.zeros(self.in_features, len(self.slices), rank, dtype=dtype)
+        b_blocks = []
+        for i, (pair, size) in enumerate(zip(pairs, self.slices, strict=True)):
+            b_block = torch.zeros(rank, size, dtype=dtype)
             if pair is not None:
                 a, b = pair
                 r = a.shape[0]
-                a_slot[:, :r].copy_(a.t())
-                for b_slot in b_slots:
-                    b_slot[:r].copy_(b.t())
-            # NOTE: only the padded ranks are zeroed: a full-rank copy is ~half the ops of a load
-            # (~1,200 small copies on SmolLM2, the step that loads an adapter waits for them).
-            if r < rank:
-                a_slot[:, r:].zero_()
-                for b_slot in b_slots:
-                    b_slot[r:].zero_()
+                a_block[:, i, :r] = a.t()
+                b_block[:r] = b.t()
+            b_blocks.append(b_block.to(device))
+        return a_block.view(self.in_features, -1).to(device), b_blocks
+
+    def set_slot(self, slot: int, packed: PackedSlot | None) -> None:
+        """Copy one adapter's packed blocks into ``slot`` (None zeroes it): one copy per
+        buffer, so the engine thread's share of a load is small."""
+        rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        if packed is None:
+            self.lora_a[slot].zero_()
+            for b in self.lora_b:
+                b[rows].zero_()
+            return
+        a_block, b_blocks = packed
+        self.lora_a[slot].copy_(a_block)
+        for b, b_block in zip(self.lora_b, b_blocks, strict=True):
+            b[rows].copy_(b_block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        repeated = self.batch.repeated
-        if repeated is None:
+        slots = self.batch.slots
+        if slots is None:
             return y
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         y2 = y if y.dim() == 2 else y.view(-1, self.out_features)
-        small = x2.shape[0] < PER_SLICE_MIN_ROWS
-        if self.kernel is not None and small and x2.is_contiguous() and y2.is_contiguous():
+        if self.kernel is not None and x2.is_contiguous() and y2.is_contiguous():
             self.kernel.lora_apply(
-                y2, x2, self.batch.slots, self.lora_a, self.lora_b, self.max_loras, self.max_rank
+                y2, x2, slots, self.lora_a, self.lora_b, self.max_loras, self.max_rank
             )
             return y
-        h = torch.mm(x2, self.lora_a)  # shrink: [T, S * L * R]
-        h.mul_(repeated[len(self.slices)])
-        if len(self.slices) == 1 or small:
-            y2.addmm_(h, self.lora_b_all)
-            return y
-        block = self.max_loras * self.max_rank
-        for i, (offset, size) in enumerate(zip(self.offsets, self.slices, strict=True)):
-            hi = h[:, i * block : (i + 1) * block]
-            y2[:, offset : offset + size].addmm_(hi, self.lora_b[i])
+        rank = self.max_rank
+        for s in range(self.max_loras):
+            index = (slots == s).nonzero().squeeze(1)
+            if index.numel() == 0:
+                continue
+            h = x2.index_select(0, index) @ self.lora_a[s]  # shrink: [n, S * R]
+            rows = slice(s * rank, (s + 1) * rank)
+            delta = torch.cat(
+                [h[:, i * rank : (i + 1) * rank] @ b[rows] for i, b in enumerate(self.lora_b)],
+                dim=1,
+            )
+            y2.index_add_(0, index, delta)
         return y
 
     def extra_repr(self) -> str:

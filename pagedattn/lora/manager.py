@@ -1,4 +1,4 @@
-"""LoRAManager: the loaded adapters, the LRU slots of the stacked buffers, and each step's mask."""
+"""LoRAManager: the loaded adapters, the LRU slots of the stacked buffers, and each step's slots."""
 
 from __future__ import annotations
 
@@ -84,7 +84,15 @@ class LoRAManager:
             request.lora_name, request.lora_int_id, request.lora_path, self.max_rank, self.dtype
         )
         self._check_shapes(adapter)
+        self._pack(adapter)
         return adapter
+
+    def _pack(self, adapter: LoRAAdapter) -> None:
+        """Each layer's padded slot blocks of ``adapter`` (layer state untouched: any thread)."""
+        for (layer_index, fused), layer in self.layers.items():
+            adapter.packed[(layer_index, fused)] = layer.pack(
+                [adapter.weights.get((layer_index, hf)) for hf in FUSED_MODULES[fused]]
+            )
 
     def add(self, adapter: LoRAAdapter) -> None:
         """Register a read adapter; LoRAExistsError if its name or id is taken."""
@@ -104,7 +112,7 @@ class LoRAManager:
         slot = self.slots.pop(name, None)
         if slot is not None:
             for layer in self.layers.values():
-                layer.set_slot(slot, [None] * len(layer.slices))
+                layer.set_slot(slot, None)
 
     def _check_shapes(self, adapter: LoRAAdapter) -> None:
         for (layer_index, module), (a, b) in adapter.weights.items():
@@ -141,11 +149,10 @@ class LoRAManager:
             slot = self.slots.pop(victim)
         adapter = self.adapters[name]
         start = time.perf_counter()
-        for (layer_index, fused), layer in self.layers.items():
-            layer.set_slot(
-                slot,
-                [adapter.weights.get((layer_index, hf)) for hf in FUSED_MODULES[fused]],
-            )
+        if not adapter.packed:  # NOTE: read() packs it; an adapter made another way packs here
+            self._pack(adapter)
+        for key, layer in self.layers.items():
+            layer.set_slot(slot, adapter.packed[key])
         self.slots[name] = slot
         self.num_slot_loads += 1
         self.slot_load_s += time.perf_counter() - start
@@ -168,10 +175,8 @@ class LoRAManager:
             [NO_SLOT if n is None else slot_of[n] for n in lora_names], dtype=np.int64
         )
         rows = np.repeat(seq_slots, np.asarray(num_tokens, dtype=np.int64))
-        self.batch.set(
-            torch.from_numpy(rows).to(self.device), self.max_loras, self.max_rank, self.dtype
-        )
+        self.batch.set(torch.from_numpy(rows).to(self.device))
         try:
             yield
         finally:
-            self.batch.set(None, self.max_loras, self.max_rank, self.dtype)
+            self.batch.set(None)

@@ -26,7 +26,7 @@ def random_slots(layer: LoRALinear, slots: list[int], rank: int, gen: torch.Gene
             )
             for n in layer.slices
         ]
-        layer.set_slot(slot, [(a.to(dtype), b.to(dtype)) for a, b in pairs])
+        layer.set_slot(slot, layer.pack([(a.to(dtype), b.to(dtype)) for a, b in pairs]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -42,7 +42,7 @@ def test_kernel_matches_torch_path(dtype, slices, max_rank) -> None:
     x = torch.randn(11, 48, generator=gen).to(dtype)
     # Slot 0 has 6 rows: a block of 4 and one of 2.
     slots = torch.tensor([0, NO_SLOT, 2, 2, 1, 0, NO_SLOT, 0, 0, 0, 0])
-    batch.set(slots, 3, max_rank, dtype)
+    batch.set(slots)
     want = layer(x)
     got = base(x)
     ext.lora_apply(got, x, slots, layer.lora_a, layer.lora_b, 3, max_rank)

@@ -45,12 +45,12 @@ def test_decode_stack_with_lora_rows_matches_the_torch_path(tmp_path, monkeypatc
     tol = TOLERANCE[model.dtype]
     for step in range(4):
         rows = torch.tensor([s for s, (_, t) in zip(seq_slots, chunks, strict=True) for _ in t])
-        manager.batch.set(rows, 2, 8, model.dtype)
+        manager.batch.set(rows)
         model.decode_stack = stack
         got = on_stack.step(chunks)
         model.decode_stack = None
         want = on_layers.step(chunks)
-        manager.batch.set(None, 2, 8, model.dtype)
+        manager.batch.set(None)
         model.decode_stack = stack
         base = plain.step(chunks)
         for seq, (g, w, b) in enumerate(zip(got, want, base, strict=True)):
