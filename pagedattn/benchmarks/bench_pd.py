@@ -236,12 +236,27 @@ def deploy(layout: str, args) -> None:
             min_prompt_tokens=args.pd_min_prompt_tokens,
             decode_step_time_s=args.pd_decode_step_time,
             prefill_nice=args.pd_prefill_nice,
+            ingress_on_prefill=args.pd_ingress_on_prefill,
             **common,
         )
     else:
         threshold = args.long_prefill_token_threshold if args.cap_colocated else 0
         app = build_app(_config(args, threshold), 2, router="prefix", **common)
     serve.run(app, name=APP, route_prefix="/")
+
+
+def _process_cpus(name: str) -> list[str]:
+    """Cpus_allowed_list of the local processes whose command line names `name` (Ray sets a
+    replica's to ray::ServeReplica:<app>:<deployment>)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and name in (proc / "cmdline").read_text():
+                status = (proc / "status").read_text()
+                out += [ln.split()[-1] for ln in status.splitlines() if "Cpus_allowed_list" in ln]
+        except OSError:
+            continue
+    return out
 
 
 def replica_check(layout: str, base: str, timeout_s: float = 120.0) -> dict:
@@ -277,6 +292,7 @@ def replica_check(layout: str, base: str, timeout_s: float = 120.0) -> dict:
             out[f"handoff_{name}_ms_p99"] = 1000 * _pct([t[key] for t in short], 0.99)
         out.update(
             cpus=[u["cpus"] for u in usages],
+            ingress_cpus=_process_cpus(f"{APP}:OpenAIIngress"),
             decode_step_ms_p50=1000 * _pct(steps, 0.5),
             decode_step_ms_p99=1000 * _pct(steps, 0.99),
             decode_step_ms_max=1000 * max(steps, default=float("nan")),
@@ -326,7 +342,8 @@ def print_report(rows: dict[str, dict]) -> None:
         print(
             f"pd decode replica steps: p50 {c['decode_step_ms_p50']:.0f} ms, p99 "
             f"{c['decode_step_ms_p99']:.0f} ms, max {c['decode_step_ms_max']:.0f} ms; "
-            f"CPUs (prefill, decode): {c['cpus']}; later ITLs as its engine delivered them: p50 "
+            f"CPUs (prefill, decode): {c['cpus']}, ingress {c['ingress_cpus']}; later ITLs as "
+            "its engine delivered them: p50 "
             f"{c['decode_itl_ms_p50']:.0f} ms, p99 {c['decode_itl_ms_p99']:.0f} ms"
         )
         print(
@@ -391,6 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=5,
         help="nice value of the prefill replica's threads (serve's --pd-prefill-nice)",
+    )
+    p.add_argument(
+        "--pd-ingress-on-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the PD layout's ingress on the prefill replica's core (build_pd_app's default)",
     )
     p.add_argument(
         "--long-prefill-token-threshold",

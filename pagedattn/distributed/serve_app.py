@@ -112,9 +112,14 @@ class OpenAIIngress:
         max_prompt_chars: int | None = None,
         metrics_public: bool = False,
         health_stall_s: float = DEFAULT_HEALTH_STALL_S,
+        cpu_slots: tuple | None = None,
     ) -> None:
+        """cpu_slots: (parsed cpu_bind, slots, threads per slot): run on those slots' CPUs (PD:
+        the prefill replicas', so the decode replicas' cores serve decode steps only)."""
+        from pagedattn.distributed.cpu_bind import bind_to_slots
         from pagedattn.model.loader import resolve_checkpoint
 
+        self.cpus = bind_to_slots(*cpu_slots) if cpu_slots else None
         self.engine = engine
         self.stream_engine = engine.options(stream=True)
         self.auth = TenantAuth(api_keys, secret=secret)
