@@ -186,6 +186,8 @@ def hop_breakdown(shorts: dict) -> dict:
             for a, b in zip(HOPS, HOPS[1:], strict=False):
                 delay[f"{a}{b}"].append(cur[b] - cur[a])
     out = {"num_itls": len(itl["c"])}
+    if not itl["c"]:
+        return out  # NOTE: not traced (no NaN in the JSON)
     for name, values in [*(("itl_" + h, v) for h, v in itl.items()), *delay.items()]:
         out[name] = [round(1000 * _pct(values, q), 1) for q in (0.5, 0.99)]
     return out
