@@ -14,7 +14,9 @@ layouts. Prints per layout: ITL p50/p99 of the short streams, TTFT p50/p99 of bo
 output tokens/s, lost requests, leaked blocks (idle replicas that hold blocks), and for PD the
 bytes and seconds per transfer and the decode replica's step times; then ratios and how many
 requests of both layouts gave identical text. Results are written into --out after each
-layout, so layouts may also run in separate invocations.
+layout, so layouts may also run in separate invocations. --trace-hops also prints, for the
+later ITLs, their p50/p99 at the engine, the replica's event loop, the ingress and the client,
+and each hop's delay (where the client's tail grows).
 """
 
 from __future__ import annotations
