@@ -99,6 +99,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "slot or rank s runs on CPUs s*T..(s+1)*T-1 of the node when they all fit), off, or one "
         "list per slot, e.g. 0-3|4-7 (as vLLM's VLLM_CPU_OMP_THREADS_BIND).",
     ),
+    "PAGEDATTN_TRACE_HOPS": EnvVar(
+        _flag("PAGEDATTN_TRACE_HOPS"),
+        "1: streamed events carry SSE comment lines (': hop ...') with the monotonic times at "
+        "which the engine made the token, the server's event loop read it and the Ray Serve "
+        "ingress forwarded it (`bench pd --trace-hops`; clients ignore comment lines).",
+    ),
     "PAGEDATTN_API_KEY": EnvVar(
         _text("PAGEDATTN_API_KEY"),
         "Comma-separated API keys of the OpenAI server when --api-key is not given.",

@@ -14,7 +14,9 @@ layouts. Prints per layout: ITL p50/p99 of the short streams, TTFT p50/p99 of bo
 output tokens/s, lost requests, leaked blocks (idle replicas that hold blocks), and for PD the
 bytes and seconds per transfer and the decode replica's step times; then ratios and how many
 requests of both layouts gave identical text. Results are written into --out after each
-layout, so layouts may also run in separate invocations.
+layout, so layouts may also run in separate invocations. --trace-hops also prints, for the
+later ITLs, their p50/p99 at the engine, the replica's event loop, the ingress and the client,
+and each hop's delay (where the client's tail grows).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ async def _stream(client, base, model, prompt, max_tokens, timeout) -> dict:
             "ignore_eos": True, "temperature": 0.0}  # fmt: skip
     start = time.perf_counter()
     times, text, error = [], [], ""
+    # --trace-hops: per token, the monotonic times its event left each hop (': hop' lines).
+    hops, pending = [], {}
     try:
         async with client.stream(
             "POST", f"{base}/v1/completions", json=body,
@@ -54,6 +58,9 @@ async def _stream(client, base, model, prompt, max_tokens, timeout) -> dict:
             if r.status_code != 200:
                 return {"ok": False, "error": f"HTTP {r.status_code}"}
             async for line in r.aiter_lines():
+                if line.startswith(": hop "):
+                    pending.update(kv.split("=") for kv in line[6:].split())
+                    continue
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
@@ -64,11 +71,15 @@ async def _stream(client, base, model, prompt, max_tokens, timeout) -> dict:
                 if piece:
                     times.append(time.perf_counter() - start)
                     text.append(piece)
+                    if pending:
+                        stamps = {k: float(v) for k, v in pending.items()}
+                        hops.append({"c": time.monotonic(), **stamps})
+                pending = {}
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     ok = not error and bool(times)
     return {"ok": ok, "error": error, "times": times, "text": "".join(text),
-            "start": start, "end": time.perf_counter()}  # fmt: skip
+            "start": start, "end": time.perf_counter(), "hops": hops}  # fmt: skip
 
 
 async def run_traffic(base: str, model: str, args) -> tuple[dict, dict, float]:
@@ -145,7 +156,43 @@ def summarize(layout: str, shorts: dict, longs: dict, makespan: float) -> dict:
         "texts": {k: r["text"] for k, r in [*shorts.items(), *longs.items()] if r["ok"]},
         # Per request: its start (s, after the first start) and its token times (ms after it).
         "timelines": _timelines({**shorts, **longs}),
+        "hops": hop_breakdown(shorts),
+        # --trace-hops: per short stream, each token's hop times (HOPS order, monotonic s).
+        "hop_stamps": {
+            k: [[h.get(x) for x in HOPS] for h in r["hops"]]
+            for k, r in shorts.items()
+            if r.get("ok") and r.get("hops")
+        },
     }
+
+
+# Where a token's event was (time.monotonic()): made by the engine, read by the replica's event
+# loop, forwarded by the ingress, received by the client.
+HOPS = ("e", "r", "i", "c")
+
+
+def hop_breakdown(shorts: dict) -> dict:
+    """--trace-hops: the later ITLs of the short streams as seen at each hop, and each hop's
+    delay (ms, p50 / p99), so the growth from the engine's ITL to the client's shows by hop."""
+    itl: dict[str, list[float]] = {h: [] for h in HOPS}
+    delay: dict[str, list[float]] = {f"{a}{b}": [] for a, b in zip(HOPS, HOPS[1:], strict=False)}
+    for r in shorts.values():
+        hops = r.get("hops") or []
+        if not r.get("ok") or len(hops) != len(r["times"]):
+            continue
+        for prev, cur in zip(hops[1:], hops[2:], strict=False):
+            if not all(h in prev and h in cur for h in HOPS):
+                continue
+            for h in HOPS:
+                itl[h].append(cur[h] - prev[h])
+            for a, b in zip(HOPS, HOPS[1:], strict=False):
+                delay[f"{a}{b}"].append(cur[b] - cur[a])
+    out = {"num_itls": len(itl["c"])}
+    if not itl["c"]:
+        return out  # NOTE: not traced (no NaN in the JSON)
+    for name, values in [*(("itl_" + h, v) for h, v in itl.items()), *delay.items()]:
+        out[name] = [round(1000 * _pct(values, q), 1) for q in (0.5, 0.99)]
+    return out
 
 
 def _timelines(results: dict) -> dict[str, list]:
@@ -193,12 +240,27 @@ def deploy(layout: str, args) -> None:
             min_prompt_tokens=args.pd_min_prompt_tokens,
             decode_step_time_s=args.pd_decode_step_time,
             prefill_nice=args.pd_prefill_nice,
+            ingress_on_prefill=args.pd_ingress_on_prefill,
             **common,
         )
     else:
         threshold = args.long_prefill_token_threshold if args.cap_colocated else 0
         app = build_app(_config(args, threshold), 2, router="prefix", **common)
     serve.run(app, name=APP, route_prefix="/")
+
+
+def _process_cpus(name: str) -> list[str]:
+    """Cpus_allowed_list of the local processes whose command line names `name` (Ray sets a
+    replica's to ray::ServeReplica:<app>:<deployment>)."""
+    out = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and name in (proc / "cmdline").read_text():
+                status = (proc / "status").read_text()
+                out += [ln.split()[-1] for ln in status.splitlines() if "Cpus_allowed_list" in ln]
+        except OSError:
+            continue
+    return out
 
 
 def replica_check(layout: str, base: str, timeout_s: float = 120.0) -> dict:
@@ -234,6 +296,7 @@ def replica_check(layout: str, base: str, timeout_s: float = 120.0) -> dict:
             out[f"handoff_{name}_ms_p99"] = 1000 * _pct([t[key] for t in short], 0.99)
         out.update(
             cpus=[u["cpus"] for u in usages],
+            ingress_cpus=_process_cpus(f"{APP}:OpenAIIngress"),
             decode_step_ms_p50=1000 * _pct(steps, 0.5),
             decode_step_ms_p99=1000 * _pct(steps, 0.99),
             decode_step_ms_max=1000 * max(steps, default=float("nan")),
@@ -283,7 +346,8 @@ def print_report(rows: dict[str, dict]) -> None:
         print(
             f"pd decode replica steps: p50 {c['decode_step_ms_p50']:.0f} ms, p99 "
             f"{c['decode_step_ms_p99']:.0f} ms, max {c['decode_step_ms_max']:.0f} ms; "
-            f"CPUs (prefill, decode): {c['cpus']}; later ITLs as its engine delivered them: p50 "
+            f"CPUs (prefill, decode): {c['cpus']}, ingress {c['ingress_cpus']}; later ITLs as "
+            "its engine delivered them: p50 "
             f"{c['decode_itl_ms_p50']:.0f} ms, p99 {c['decode_itl_ms_p99']:.0f} ms"
         )
         print(
@@ -292,6 +356,15 @@ def print_report(rows: dict[str, dict]) -> None:
             f"{c['handoff_added_ms_p50']:.0f} / {c['handoff_added_ms_p99']:.0f}, first decoded "
             f"{c['handoff_first_decode_ms_p50']:.0f} / {c['handoff_first_decode_ms_p99']:.0f}"
         )
+    for row in rows.values():
+        hops = row.get("hops") or {}
+        if hops.get("num_itls"):
+            print(
+                f"{row['layout']} hops of {hops['num_itls']} later ITLs (p50 / p99 ms): ITL at the "
+                f"engine {hops['itl_e']}, replica loop {hops['itl_r']}, ingress {hops['itl_i']}, "
+                f"client {hops['itl_c']}; delay engine->loop {hops['er']}, loop->ingress "
+                f"{hops['ri']}, ingress->client {hops['ic']}"
+            )
     co = rows.get("colocated")
     if co and pd:
         print(
@@ -341,6 +414,12 @@ def main(argv: list[str] | None = None) -> int:
         help="nice value of the prefill replica's threads (serve's --pd-prefill-nice)",
     )
     p.add_argument(
+        "--pd-ingress-on-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the PD layout's ingress on the prefill replica's core (build_pd_app's default)",
+    )
+    p.add_argument(
         "--long-prefill-token-threshold",
         type=int,
         default=64,
@@ -368,6 +447,20 @@ def main(argv: list[str] | None = None) -> int:
         "controller, the clients): by default they float over every core; give replicas "
         "explicit --cpu-bind lists with it (e.g. --driver-cpus 0 --cpu-bind '0|1')",
     )
+    p.add_argument(
+        "--trace-hops",
+        action="store_true",
+        help="stamp each streamed token at the engine, the replica's event loop and the ingress "
+        "(PAGEDATTN_TRACE_HOPS) and print where the later ITLs grow",
+    )
+    p.add_argument(
+        "--ray-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="an environment variable for Ray's workers only (replicas, ingress, proxy), e.g. "
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD=0; repeatable",
+    )
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--out", default="bench_out/pd.json")
     args = p.parse_args(argv)
@@ -380,12 +473,21 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     rows: dict[str, dict] = json.loads(out.read_text())["rows"] if out.exists() else {}
     print(f"load before: {open('/proc/loadavg').read().strip()}", flush=True)
+    if args.trace_hops:
+        # NOTE: before ray.init, so Ray's workers inherit it.
+        os.environ.update(PAGEDATTN_TRACE_HOPS="1")
     if args.driver_cpus is not None:
         from pagedattn.distributed.cpu_bind import parse_cpu_list
 
         # NOTE: before ray.init: Ray's processes inherit the set (the replicas bind their own).
         os.sched_setaffinity(0, parse_cpu_list(args.driver_cpus))
-    ray.init(num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False, log_to_driver=False)
+    worker_env = dict(kv.split("=", 1) for kv in args.ray_env)
+    ray.init(
+        num_cpus=max(2, os.cpu_count() or 1),
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={"env_vars": worker_env} if worker_env else None,
+    )
     try:
         port = 8766
         serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -404,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
             row["load"] = open("/proc/loadavg").read().strip()
             row["cpu_bind"] = args.cpu_bind
             rows[layout] = row
-            brief = {k: v for k, v in row.items() if k not in ("texts", "timelines")}
+            brief = {k: v for k, v in row.items() if k not in ("texts", "timelines", "hop_stamps")}
             print(json.dumps(brief), flush=True)
             # NOTE: written per layout, so a later layout that fails keeps this one's row.
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -104,6 +104,23 @@ def renice_process(nice: int) -> int | None:
     return os.getpriority(os.PRIO_PROCESS, 0)
 
 
+def bind_to_slots(
+    bind: str | list[list[int]] | None, slots: Sequence[int], num_threads: int | None
+) -> list[int] | None:
+    """Bind this process (not a replica: the PD ingress) to the CPUs of every slot in slots;
+    the CPUs, or None (nothing bound) when a slot has none."""
+    if bind is None or not slots:
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    sets = [slot_cpus(bind, slot, num_threads, allowed) for slot in slots]
+    if any(cpus is None for cpus in sets):
+        return None
+    cpus = sorted({cpu for cpus in sets for cpu in cpus})
+    bind_process(cpus)
+    logger.info("bound to the CPUs of slots %s: %s", list(slots), cpus)
+    return cpus
+
+
 def bind_replica(bind: str | list[list[int]] | None, slot: int, num_threads: int | None):
     """Bind this replica process to its slot's CPUs (see the module doc); the CPUs, or None."""
     if bind is None:

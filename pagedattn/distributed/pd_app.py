@@ -174,12 +174,13 @@ def build_pd_app(
     cpu_bind: str | None = None,
     decode_step_time_s: float | None = DEFAULT_PD_DECODE_STEP_TIME_S,
     prefill_nice: int = DEFAULT_PD_PREFILL_NICE,
+    ingress_on_prefill: bool = True,
     **ingress_options,
 ):
     """The PD application: `serve.run(build_pd_app(...))`.
 
     CPU slots (``cpu_bind``, see build_app): the prefill replicas take slots 0..P-1, the decode
-    replicas P..P+D-1.
+    replicas P..P+D-1; with ``ingress_on_prefill`` the ingress runs on the prefill slots' CPUs.
     """
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(
@@ -218,6 +219,12 @@ def build_pd_app(
         bind,
         num_prefill,
         decode_step_time_s,
+    )
+    # NOTE: the ingress forwards every streamed token; on the prefill replicas' cores (where
+    # prefills run at --pd-prefill-nice) it takes CPU time from prefills, not from decode steps.
+    ingress_options.setdefault(
+        "cpu_slots",
+        (bind, list(range(num_prefill)), engine_config.num_threads) if ingress_on_prefill else None,
     )
     return bind_ingress(
         decode,

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -111,9 +112,14 @@ class OpenAIIngress:
         max_prompt_chars: int | None = None,
         metrics_public: bool = False,
         health_stall_s: float = DEFAULT_HEALTH_STALL_S,
+        cpu_slots: tuple | None = None,
     ) -> None:
+        """cpu_slots: (parsed cpu_bind, slots, threads per slot): run on those slots' CPUs (PD:
+        the prefill replicas', so the decode replicas' cores serve decode steps only)."""
+        from pagedattn.distributed.cpu_bind import bind_to_slots
         from pagedattn.model.loader import resolve_checkpoint
 
+        self.cpus = bind_to_slots(*cpu_slots) if cpu_slots else None
         self.engine = engine
         self.stream_engine = engine.options(stream=True)
         self.auth = TenantAuth(api_keys, secret=secret)
@@ -121,9 +127,14 @@ class OpenAIIngress:
         self.max_request_bytes = max_request_bytes
         self.max_prompt_chars = max_prompt_chars
         self.max_model_len: int | None = None
+        # The default character cap, computed on the first request (max_model_len is then known).
+        self.default_prompt_chars: int | None = None
         self.metrics_public = metrics_public
         self.health_stall_s = health_stall_s
         self.route_pool = WorkerPool("pagedattn-route", 2)
+        from pagedattn import envs
+
+        self.trace_hops = envs.PAGEDATTN_TRACE_HOPS
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return build_ingress_app(self)
@@ -135,9 +146,14 @@ class OpenAIIngress:
         if self.max_model_len is None:
             card = (await self.engine.models.remote())["data"][0]
             self.max_model_len = int(card["max_model_len"])
-        limit = self.max_prompt_chars or default_max_prompt_chars(
-            self.hasher.tokenizer, self.max_model_len
-        )
+        limit = self.max_prompt_chars or self.default_prompt_chars
+        if not limit:
+            # NOTE: listing the vocabulary takes ~80 ms: once, on a worker. Done on the event
+            # loop for every request, it held up every stream's tokens (README, PD section).
+            limit = await self.route_pool.run(
+                default_max_prompt_chars, self.hasher.tokenizer, self.max_model_len
+            )
+            self.default_prompt_chars = limit
         param = "messages" if kind == CHAT else "prompt"
         check_prompt_chars(_num_prompt_chars(kind, body), limit, self.max_model_len, param)
 
@@ -201,11 +217,14 @@ class OpenAIIngress:
         if isinstance(first, dict):
             return JSONResponse(first["body"], status_code=first["status"])
 
+        trace = self.trace_hops
+
         async def events() -> AsyncIterator[str]:
             try:
                 yield first
                 async for chunk in gen:
-                    yield chunk
+                    # PAGEDATTN_TRACE_HOPS: when this ingress forwarded the event.
+                    yield f": hop i={time.monotonic():.6f}\n{chunk}" if trace else chunk
             except Exception as exc:
                 # NOTE: the replica died mid-stream: end the stream with an error, never hang.
                 yield _error_event(_replica_failed(exc))

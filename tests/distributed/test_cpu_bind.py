@@ -92,3 +92,27 @@ def test_renice_process_raises_threads_started_before_and_after_never_lowers():
     )
     # The caller and a thread started after it: 5; a thread already nicer (12) keeps its 12.
     assert out.stdout.split() == ["5", "12", "5"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPUs")
+def test_bind_to_slots_binds_the_union_or_nothing():
+    """The PD ingress runs on the prefill slots' CPUs; when a slot has none it stays unbound."""
+    cpus = sorted(os.sched_getaffinity(0))
+    code = textwrap.dedent(
+        f"""
+        import os
+        from pagedattn.distributed.cpu_bind import AUTO, OFF, bind_to_slots
+        before = sorted(os.sched_getaffinity(0))
+        assert bind_to_slots(OFF, [0], 1) is None
+        assert bind_to_slots(AUTO, [0, {len(cpus)}], 1) is None  # the second slot does not fit
+        assert bind_to_slots(AUTO, [], 1) is None
+        assert sorted(os.sched_getaffinity(0)) == before
+        bound = bind_to_slots([[{cpus[1]}], [{cpus[0]}], [{cpus[1]}]], [0, 2], 1)
+        print(bound, sorted(os.sched_getaffinity(0)))
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True
+    )
+    assert out.stdout.strip() == f"[{cpus[1]}] [{cpus[1]}]"  # slots 0 and 2, not slot 1

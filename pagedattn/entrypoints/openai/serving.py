@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -207,6 +208,11 @@ class OpenAIServing:
         # NOTE: responses decode on the event loop with the preprocessor's own copy (the engine
         # thread uses the engine's tokenizer concurrently).
         self.tokenizer = self.preprocessor.local_tokenizer()
+        from pagedattn import envs
+
+        # PAGEDATTN_TRACE_HOPS: each streamed event says when the engine made its token and
+        # when this event loop read it (SSE comment lines; `bench pd --trace-hops`).
+        self.trace_hops = envs.PAGEDATTN_TRACE_HOPS
 
     @property
     def pools(self) -> tuple[WorkerPool, ...]:
@@ -381,8 +387,9 @@ class OpenAIServing:
         finals: dict[int, RequestOutput] = {}
         try:
             async for i, out in merge_streams(streams):
+                hop = _hop_line(out) if self.trace_hops else ""
                 for chunk in builder.chunks(i, out):
-                    yield f"data: {chunk.model_dump_json()}\n\n"
+                    yield f"{hop}data: {chunk.model_dump_json()}\n\n"
                 if out.finished:
                     finals[i] = out
             if include_usage:
@@ -394,6 +401,12 @@ class OpenAIServing:
             logger.exception("streamed request %s failed", builder.request_id)
             yield f"data: {responses.error_json(RuntimeError(f'internal error: {exc!r}'))}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def _hop_line(out: RequestOutput) -> str:
+    """': hop e=<engine made the token> r=<this loop read it>' (time.monotonic())."""
+    made = getattr(out.metrics, "last_token_time", None) if out.metrics else None
+    return f": hop e={made or 0.0:.6f} r={time.monotonic():.6f}\n"
 
 
 async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
