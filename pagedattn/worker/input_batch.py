@@ -11,6 +11,12 @@ import torch
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.core.scheduler_output import ScheduledRequest
 
+# Steps whose every span (prompt chunk, draft span or decode token) has at most this many tokens
+# attend one query per position, as draft spans always do: a step where short prompts join
+# running streams then stays a decode step, which the compiled decode stack takes, instead of
+# running the per-layer Python path for all its rows.
+SHORT_SPAN_TOKENS = 16
+
 
 class InputBatch(NamedTuple):
     """Everything the model needs for one step, and which rows of its output are sampled."""
@@ -50,8 +56,11 @@ def build_input_batch(
     rows = range(num_seqs)
     attn_query_lens, attn_seq_lens = query_lens, seq_lens
     verifies_drafts = any(s.spec_token_ids for s in scheduled)
-    if verifies_drafts:
-        rows, attn_query_lens, attn_seq_lens = _split_draft_spans(scheduled, starts, query_lens)
+    split_all = num_tokens > num_seqs and int(query_lens.max()) <= SHORT_SPAN_TOKENS
+    if verifies_drafts or split_all:
+        rows, attn_query_lens, attn_seq_lens = _split_spans(
+            scheduled, starts, query_lens, split_all
+        )
     metadata = [
         AttentionMetadata.build(
             attn_query_lens,
@@ -85,10 +94,14 @@ def build_input_batch(
     )
 
 
-def _split_draft_spans(
-    scheduled: Sequence[ScheduledRequest], starts: np.ndarray, query_lens: np.ndarray
+def _split_spans(
+    scheduled: Sequence[ScheduledRequest],
+    starts: np.ndarray,
+    query_lens: np.ndarray,
+    split_all: bool,
 ) -> tuple[list[int], np.ndarray, np.ndarray]:
-    """Attention rows with each draft span cut into one query per position.
+    """Attention rows with each draft span (every span, with ``split_all``) cut into one query
+    per position.
 
     NOTE: position start + j of a span sees the cache up to itself (seq_len start + j + 1) on
     the same block table: causal masking inside the span, through the decode kernels. Every
@@ -100,7 +113,7 @@ def _split_draft_spans(
     attn_seq_lens: list[int] = []
     for i, s in enumerate(scheduled):
         start, num = int(starts[i]), int(query_lens[i])
-        if s.spec_token_ids:
+        if s.spec_token_ids or split_all:
             rows += [i] * num
             attn_query_lens += [1] * num
             attn_seq_lens += range(start + 1, start + num + 1)
