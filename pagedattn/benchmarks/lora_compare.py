@@ -54,7 +54,9 @@ def make_random_adapter(llm, folder: Path, seed: int, rank: int = LORA_RANK) -> 
 
 def _run(llm, workload: Workload, loras: list, load_at: int | None = None, extra=None) -> dict:
     """Every request at once, stepped to the end; with ``load_at``, ``extra`` (a LoRARequest)
-    is read and registered after that many steps and 4 requests under it join."""
+    is read and registered after that many steps, once every prompt is computed (so the steps
+    after it are decode steps, also where prefill takes more steps, as in float32), and 4
+    requests under it join."""
     from pagedattn import SamplingParams
 
     engine = llm.engine
@@ -70,7 +72,11 @@ def _run(llm, workload: Workload, loras: list, load_at: int | None = None, extra
     num_tokens = 0
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        if load_at is not None and len(steps) == load_at:
+        scheduler = engine.scheduler
+        decoding = not scheduler.waiting and all(
+            r.num_computed_tokens >= r.num_prompt_tokens for r in scheduler.running
+        )
+        if load_at is not None and not load and len(steps) >= load_at and decoding:
             ts = time.perf_counter()
             adapter = engine.loras.read(extra)  # a server reads the files off the engine thread
             tr = time.perf_counter()
