@@ -43,8 +43,8 @@ class LoRAManager:
         dtype: torch.dtype,
         compiled: bool = True,
     ):
-        """compiled: run the CPU extension's LoRA kernel for decode-sized steps where it can
-        (False: the torch path only, the reference)."""
+        """compiled: run the CPU extension's LoRA kernel for every step where it can (False:
+        the torch path only, the reference)."""
         self.max_loras, self.max_rank, self.dtype = max_loras, max_rank, dtype
         self.batch = LoRABatch()
         self.model = model
