@@ -114,6 +114,25 @@ def test_decode_matches_reference(cache_dtype, dtype, block_size, num_kv_heads, 
 
 
 @pytest.mark.parametrize("cache_dtype", FP8)
+@pytest.mark.parametrize("head_size", [64, 128])
+def test_decode_bf16_queries_wide_heads(cache_dtype, head_size):
+    # bf16 queries on AVX512-BF16 builds take the token-pair path (fp8 bytes read as bf16 bits,
+    # two tokens per dot product); odd lengths leave a padded pair, the window a partial chunk.
+    case = decode_case(cache_dtype, torch.bfloat16, 16, 2, 3, head_size=head_size)
+    meta, scale = case.metadata, head_size**-0.5
+    for kwargs in ({}, {"sliding_window": 37}, {"logits_soft_cap": 2.0}):
+        out = cpu_ext.paged_decode(
+            case.query, case.key_cache, case.value_cache, meta.block_tables, meta.seq_lens,
+            scale=scale, k_scale=K_SCALE, v_scale=V_SCALE, **kwargs,
+        )  # fmt: skip
+        expected = TorchRefBackend().forward(
+            case.query.float(), case.key_cache, case.value_cache, meta,
+            scale=scale, k_scale=K_SCALE, v_scale=V_SCALE, **kwargs,
+        )  # fmt: skip
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("cache_dtype", FP8)
 def test_decode_window_and_soft_cap(cache_dtype):
     case = decode_case(cache_dtype, torch.float32, 16, 2, 2)
     meta, scale = case.metadata, 32**-0.5
