@@ -18,7 +18,10 @@
 // for the whole GQA group. FP8 never runs on AMX. On builds for AVX512-BF16 (the native build of
 // such CPUs) bf16 scores use its dot products instead, and fp8 with bf16 queries runs on them
 // end to end: the bytes become bf16 bits by two shifts and a mask, and values are summed two
-// tokens per dot product (see accumulate_fp8_pairs).
+// tokens per dot product (see accumulate_fp8_pairs). A u8 cache with bf16 queries runs integer
+// arithmetic on x86 (AVX2 and AVX-512; see score_rows_u8, accumulate_u8_pairs): int16 queries
+// against the bytes, and the chunk's weights as int16 against the value bytes, two tokens per
+// 16-bit multiply-add; float32 queries keep the exact widening path.
 //
 // On a CPU with AMX, bf16 caches can run on the tiles instead (amx = true; the kernel tuner
 // measures both): per kv head and block of 16 tokens, the scores are one tile product of the
@@ -58,6 +61,7 @@ constexpr int kMaxHeadsPerPass = 4;  // query heads whose accumulators stay in r
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kU8ScaleBytes = 8;  // a u8 row's trailer: float32 scale, float32 min
 constexpr int64_t kU8MaxHeads = 1024;  // query heads of a u8 row's sum(q) scratch
+constexpr int64_t kU8MaxHeadsPerKv = kU8MaxHeads;  // a GQA group's weight scales (u8 int path)
 
 using bf16 = c10::BFloat16;
 using pagedattn_vec::fp8_e4m3;
@@ -245,11 +249,13 @@ struct Scratch {
   std::vector<float> scores, acc, max, sum;
   std::vector<float> widened;  // a one-byte cache's key rows of one chunk and kv head, widened
   std::vector<bf16> lifted;    // fp8 pairs path: the row's queries times kQueryLift
-  std::vector<uint32_t> pairs;  // fp8 pairs path: [Hq, kChunk / 2] probability pairs
+  std::vector<uint32_t> pairs;  // pairs paths: [Hq, kChunk / 2] probability pairs
+  std::vector<int16_t> qint;    // u8 integer path: the row's queries as int16, per head scaled
+  std::vector<float> qfactor;   // u8 integer path: p.scale * the int16 queries' scale, per head
   Scratch(int64_t num_heads, int64_t head_size)
       : scores(num_heads * kChunk), acc(num_heads * head_size), max(num_heads), sum(num_heads),
         widened(kChunk * head_size), lifted(num_heads * head_size),
-        pairs(num_heads * kChunk / 2) {}
+        pairs(num_heads * kChunk / 2), qint(num_heads * head_size), qfactor(num_heads) {}
 };
 
 // What a one-byte cache's (fp8, u8) key rows are widened to before the scores: bf16 where the
@@ -447,6 +453,141 @@ void accumulate_fp8_pairs(const uint32_t* pairs, const F* const* rows, int64_t c
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#define PAGEDATTN_U8_INT 1
+// The u8 cache with bf16 queries on x86 ("u8 integer path"): the bytes meet int16 queries (each
+// head scaled to +-32767, finer than bf16's 8 bits) in 16-bit multiply-adds, 32-bit sums, and the
+// values meet the chunk's weights p_t * s_t as int16 (scaled to the chunk's largest) two tokens
+// per multiply-add. Products are exact; the only roundings are the two int16 scalings.
+#if defined(CPU_CAPABILITY_AVX512)
+using iVec = __m512i;
+constexpr int64_t kI16 = 32;  // int16 lanes
+inline iVec zext_bytes(const uint8_t* p) {
+  return _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline iVec load_i16(const int16_t* p) { return _mm512_loadu_si512(p); }
+inline iVec zero_i() { return _mm512_setzero_si512(); }
+inline iVec broadcast_i32(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+inline iVec unpack_lo(iVec a, iVec b) { return _mm512_unpacklo_epi16(a, b); }
+inline iVec unpack_hi(iVec a, iVec b) { return _mm512_unpackhi_epi16(a, b); }
+inline fVec to_float(iVec v) { return _mm512_cvtepi32_ps(v); }
+inline iVec madd_i16(iVec acc, iVec a, iVec b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
+}
+// The natural order of 32 dims from the unpacks' lo {0-3, 8-11, 16-19, 24-27} and hi {4-7, ...}.
+inline void unpermute(const fVec& lo, const fVec& hi, fVec& a, fVec& b) {
+  const __m512i ia = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i ib = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  a = _mm512_permutex2var_ps(lo, ia, hi);
+  b = _mm512_permutex2var_ps(lo, ib, hi);
+}
+#else
+using iVec = __m256i;
+constexpr int64_t kI16 = 16;
+inline iVec zext_bytes(const uint8_t* p) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline iVec load_i16(const int16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline iVec zero_i() { return _mm256_setzero_si256(); }
+inline iVec broadcast_i32(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+inline iVec unpack_lo(iVec a, iVec b) { return _mm256_unpacklo_epi16(a, b); }
+inline iVec unpack_hi(iVec a, iVec b) { return _mm256_unpackhi_epi16(a, b); }
+inline fVec to_float(iVec v) { return _mm256_cvtepi32_ps(v); }
+inline iVec madd_i16(iVec acc, iVec a, iVec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+// 16 dims: lo holds {0-3, 8-11}, hi {4-7, 12-15}.
+inline void unpermute(const fVec& lo, const fVec& hi, fVec& a, fVec& b) {
+  a = _mm256_permute2f128_ps(lo, hi, 0x20);
+  b = _mm256_permute2f128_ps(lo, hi, 0x31);
+}
+#endif
+
+// out = round(x * 32767 / max|x|) for n values; returns max|x| / 32767 (1 if x is all zero).
+template <typename T>
+inline float quantize_i16(const T* x, int64_t n, int16_t* out) {
+  fVec vm(0.0f);
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) vm = at::vec::maximum(vm, load(x + i).abs());
+  float m = at::vec::vec_reduce_all(
+      [](const fVec& a, const fVec& b) { return at::vec::maximum(a, b); }, vm);
+  for (; i < n; ++i) m = std::max(m, std::abs(static_cast<float>(x[i])));
+  if (m == 0.0f) {
+    std::fill(out, out + n, int16_t{0});
+    return 1.0f;
+  }
+  const float inv = 32767.0f / m;
+  const fVec vinv(inv);
+  for (i = 0; i + kWidth <= n; i += kWidth) {
+    const fVec v = load(x + i) * vinv;  // NOTE: converted with the default rounding, to nearest
+#if defined(CPU_CAPABILITY_AVX512)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(v)));
+#else
+    const __m256i w = _mm256_cvtps_epi32(v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
+                     _mm_packs_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+#endif
+  }
+  for (; i < n; ++i) out[i] = static_cast<int16_t>(std::lrintf(static_cast<float>(x[i]) * inv));
+  return m / 32767.0f;
+}
+
+// scores[g * kChunk + t] = factor[g] * (qint[g] . the D bytes of row t) for G heads (D % kI16 == 0).
+void score_rows_u8(const int16_t* qint, const float* factor, int64_t G, int64_t D,
+                   const uint8_t* const* krows, int64_t count, float* scores) {
+  for (int64_t t0 = 0; t0 < count; t0 += kWidth) {
+    const int64_t n = std::min<int64_t>(kWidth, count - t0);
+    const uint8_t* rows[kWidth];
+    for (int64_t j = 0; j < kWidth; ++j) rows[j] = krows[t0 + std::min(j, n - 1)];  // pad: repeat
+    for (int64_t g = 0; g < G; ++g) {
+      iVec acc[kWidth];
+      for (int j = 0; j < kWidth; ++j) acc[j] = zero_i();
+      for (int64_t i = 0; i < D; i += kI16) {
+        const iVec qv = load_i16(qint + g * D + i);
+#pragma GCC unroll 16
+        for (int j = 0; j < kWidth; ++j) acc[j] = madd_i16(acc[j], zext_bytes(rows[j] + i), qv);
+      }
+      fVec f[kWidth];
+      for (int j = 0; j < kWidth; ++j) f[j] = to_float(acc[j]);
+      store(scores + g * kChunk + t0, pagedattn_vec::hsum_rows(f) * fVec(factor[g]), n);
+    }
+  }
+}
+
+// acc[g] += wscale[g] * sum_t w_t[g] * bytes of value row t for NG heads, with w as int16 pairs
+// (pairs[g * kChunk / 2 + t / 2]): two tokens per multiply-add, the odd tail's partner weight 0.
+template <int NG>
+void accumulate_u8_pairs(const uint32_t* pairs, const float* wscale, const uint8_t* const* rows,
+                         int64_t count, int64_t D, float* acc) {
+  constexpr int64_t kPairs = kChunk / 2;
+  for (int64_t d0 = 0; d0 < D; d0 += kI16) {
+    iVec lo[NG], hi[NG];
+    for (int g = 0; g < NG; ++g) lo[g] = hi[g] = zero_i();
+    for (int64_t t = 0; t < count; t += 2) {
+      const iVec r0 = zext_bytes(rows[t] + d0);
+      const iVec r1 = zext_bytes(rows[t + 1 < count ? t + 1 : t] + d0);
+      const iVec vlo = unpack_lo(r0, r1), vhi = unpack_hi(r0, r1);
+      for (int g = 0; g < NG; ++g) {
+        const iVec w = broadcast_i32(pairs[g * kPairs + t / 2]);
+        lo[g] = madd_i16(lo[g], vlo, w);
+        hi[g] = madd_i16(hi[g], vhi, w);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      fVec a, b;
+      unpermute(to_float(lo[g]), to_float(hi[g]), a, b);
+      float* out = acc + g * D + d0;
+      const fVec ws(wscale[g]);
+      store(out, at::vec::fmadd(a, ws, load(out)));
+      store(out + kWidth, at::vec::fmadd(b, ws, load(out + kWidth)));
+    }
+  }
+}
+#endif
+
 // A u8 row's scale and min (the float32 pair after its D bytes).
 inline void u8_scale_min(const uint8_t* row, int64_t D, float& scale, float& min) {
   std::memcpy(&scale, row + D, sizeof(float));
@@ -469,9 +610,25 @@ bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
   float qsum[kU8 ? kU8MaxHeads : 1];
   float kscale[kU8 ? kChunk : 1], kmin[kU8 ? kChunk : 1];
   float vscale[kU8 ? kChunk : 1], vmin[kU8 ? kChunk : 1];
+#ifdef PAGEDATTN_U8_INT
+  constexpr bool kU8Int = kU8 && std::is_same_v<T, bf16>;
+  // NOTE: D <= 256 keeps a row's sum inside int32: 256 * 255 * 32767 < 2^31.
+  const bool u8_int = kU8Int && D % kI16 == 0 && D <= 256;
+#endif
   if constexpr (kU8) {
     for (int64_t g = 0; g < p.num_heads; ++g) {
       float sum = 0.0f;
+#ifdef PAGEDATTN_U8_INT
+      if (u8_int) {
+        // NOTE: sum(q) of the int16 queries, so that the min's term matches the bytes' term.
+        const float qs = quantize_i16(q + g * D, D, s.qint.data() + g * D);
+        s.qfactor[g] = p.scale * qs;
+        int32_t isum = 0;
+        for (int64_t i = 0; i < D; ++i) isum += s.qint[g * D + i];
+        qsum[g] = s.qfactor[g] * static_cast<float>(isum);
+        continue;
+      }
+#endif
       for (int64_t i = 0; i < D; ++i) sum += static_cast<float>(q[g * D + i]);
       qsum[g] = p.scale * sum;
     }
@@ -528,8 +685,17 @@ bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
                            s.scores.data() + h * G * kChunk);
         }
       } else {
-        score_rows<T, C>(q + h * G * D, G, D, krows, count, p.scale,
-                         s.scores.data() + h * G * kChunk);
+#ifdef PAGEDATTN_U8_INT
+        if constexpr (kU8Int) {
+          if (u8_int) {
+            score_rows_u8(s.qint.data() + h * G * D, s.qfactor.data() + h * G, G, D, krows,
+                          count, s.scores.data() + h * G * kChunk);
+          }
+        }
+        if (!u8_int)
+#endif
+          score_rows<T, C>(q + h * G * D, G, D, krows, count, p.scale,
+                           s.scores.data() + h * G * kChunk);
       }
       if constexpr (kU8) {
         for (int64_t t = 0; t < count; ++t) {
@@ -555,6 +721,29 @@ bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
           for (int64_t i = 0; i < D; ++i) a[i] += bias;
         }
       }
+#ifdef PAGEDATTN_U8_INT
+      if constexpr (kU8Int) {
+        if (u8_int) {
+          uint32_t* pp = s.pairs.data();
+          float wscale[kU8MaxHeadsPerKv];
+          for (int64_t g = h * G; g < (h + 1) * G; ++g) {
+            float* w = s.scores.data() + g * kChunk;
+            if (count % 2) w[count] = 0.0f;
+            wscale[g - h * G] = quantize_i16(w, count + count % 2,
+                                             reinterpret_cast<int16_t*>(pp + g * (kChunk / 2)));
+          }
+          for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxHeadsPerPass) {
+            const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, (h + 1) * G - g0));
+            with_heads(ng, [&](auto NG) {
+              accumulate_u8_pairs<decltype(NG)::value>(pp + g0 * (kChunk / 2),
+                                                       wscale + (g0 - h * G), vrows, count, D,
+                                                       s.acc.data() + g0 * D);
+            });
+          }
+          continue;
+        }
+      }
+#endif
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
       if constexpr (kFp8Pairs) {
         if (pairs) {
