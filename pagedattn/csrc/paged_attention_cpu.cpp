@@ -391,14 +391,8 @@ void fp8_rows_as_bf16(const F* const* rows, int64_t count, int64_t D, bf16* out,
 }
 
 // out[0 : n] = bf16(x * lift) (n % 32 == 0; exact for powers of two short of overflow).
-inline void lift_bf16(const float* x, int64_t n, float lift, bf16* out) {
-  const fVec l(lift);
-  for (int64_t i = 0; i < n; i += 32) {
-    const __m512bh v = _mm512_cvtne2ps_pbh(load(x + i + 16) * l, load(x + i) * l);
-    _mm512_storeu_si512(reinterpret_cast<void*>(out + i), (__m512i)v);
-  }
-}
-inline void lift_bf16(const bf16* x, int64_t n, float lift, bf16* out) {
+template <typename X>
+inline void lift_bf16(const X* x, int64_t n, float lift, bf16* out) {
   const fVec l(lift);
   for (int64_t i = 0; i < n; i += 32) {
     const __m512bh v = _mm512_cvtne2ps_pbh(load(x + i + 16) * l, load(x + i) * l);
