@@ -698,16 +698,30 @@ bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
         }
         for (int64_t g = h * G; g < (h + 1) * G; ++g) {
           float* sc = s.scores.data() + g * kChunk;
-          for (int64_t t = 0; t < count; ++t) sc[t] = sc[t] * kscale[t] + kmin[t] * qsum[g];
+          const fVec qs(qsum[g]);
+          int64_t t = 0;
+          for (; t + kWidth <= count; t += kWidth) {
+            store(sc + t, load(sc + t) * load(kscale + t) + load(kmin + t) * qs);
+          }
+          for (; t < count; ++t) sc[t] = sc[t] * kscale[t] + kmin[t] * qsum[g];
         }
       }
       for (int64_t g = h * G; g < (h + 1) * G; ++g) {
         softmax_update(s.scores.data() + g * kChunk, count, p.soft_cap, s.max[g], s.sum[g],
                        s.acc.data() + g * D, D);
         if constexpr (kU8) {
+          // NOTE: vectorized by hand: the compiler keeps a float sum's order, one add at a time.
           float* pr = s.scores.data() + g * kChunk;
-          float bias = 0.0f;
-          for (int64_t t = 0; t < count; ++t) {
+          fVec vbias(0.0f);
+          int64_t t = 0;
+          for (; t + kWidth <= count; t += kWidth) {
+            const fVec pv = load(pr + t);
+            vbias = vbias + pv * load(vmin + t);
+            store(pr + t, pv * load(vscale + t));
+          }
+          float bias = at::vec::vec_reduce_all(
+              [](const fVec& a, const fVec& b) { return a + b; }, vbias);
+          for (; t < count; ++t) {
             bias += pr[t] * vmin[t];
             pr[t] *= vscale[t];
           }
