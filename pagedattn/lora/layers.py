@@ -69,7 +69,6 @@ class LoRALinear(nn.Module):
         self.out_features = base.out_features
         assert sum(slices) == self.out_features, (slices, self.out_features)
         self.slices = list(slices)
-        self.offsets = [sum(slices[:i]) for i in range(len(slices))]
         self.max_loras, self.max_rank = max_loras, max_rank
         self.batch = batch
         # NOTE: plain tensors, not parameters: no state_dict entry, no autograd.
