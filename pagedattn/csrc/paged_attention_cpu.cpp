@@ -61,7 +61,6 @@ constexpr int kMaxHeadsPerPass = 4;  // query heads whose accumulators stay in r
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int64_t kU8ScaleBytes = 8;  // a u8 row's trailer: float32 scale, float32 min
 constexpr int64_t kU8MaxHeads = 1024;  // query heads of a u8 row's sum(q) scratch
-constexpr int64_t kU8MaxHeadsPerKv = kU8MaxHeads;  // a GQA group's weight scales (u8 int path)
 
 using bf16 = c10::BFloat16;
 using pagedattn_vec::fp8_e4m3;
@@ -227,6 +226,16 @@ void with_heads(int ng, Fn&& fn) {
   }
 }
 
+// fn(g0, NG) for the query heads of kv head h (G of them) in passes of up to kMaxHeadsPerPass:
+// g0 the pass's first head, NG its number of heads as a compile-time constant.
+template <typename Fn>
+void head_passes(int64_t h, int64_t G, Fn&& fn) {
+  for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxHeadsPerPass) {
+    const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, (h + 1) * G - g0));
+    with_heads(ng, [&](auto NG) { fn(g0, NG); });
+  }
+}
+
 struct Params {
   int64_t num_rows, num_heads, num_kv_heads, group, head_size;
   int64_t num_blocks, block_size, max_blocks_per_seq;
@@ -355,97 +364,6 @@ void prefetch_chunk(const Params& p, const T* key_cache, const T* value_cache,
   const int64_t count = chunk_row_offsets(p, block_table, c0, tok_end, offsets);
   prefetch_rows(p, key_cache, value_cache, offsets, 0, count);
 }
-
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-// fp8 with bf16 queries on AVX512-BF16 builds ("fp8 pairs"): an fp8 byte's sign, exponent and
-// mantissa moved into a bf16's bits read as its value times 2^-120 (e4m3) or 2^-112 (e5m2),
-// subnormals included; 3 instructions per 32 values. Queries are lifted by 2^96 and
-// probabilities by 2^112 (exact, powers of two) so that the products are the fp16 path's
-// (value / kFp8Unit) and stay normal: the dot products treat subnormal inputs and outputs as 0,
-// so an fp8 subnormal (below 2^-6, or 2^-14 for e5m2, in the cache's units) counts as 0 here.
-constexpr float kQueryLift = 0x1p96f;
-constexpr float kScoreUnlift = 0x1p16f;  // scores of lifted queries: times 2^(112 - 96)
-constexpr float kProbLift = 0x1p112f;
-
-template <typename F>
-inline __m512i fp8_bf16_bits(const F* p) {
-  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  if constexpr (std::is_same_v<F, fp8_e4m3>) {
-    return _mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(static_cast<int16_t>(0x87F0)));
-  } else {
-    return _mm512_and_si512(_mm512_slli_epi16(w, 5), _mm512_set1_epi16(static_cast<int16_t>(0x8FE0)));
-  }
-}
-
-// out[t * D : (t + 1) * D] = fp8 row t as bf16 bits (D % 32 == 0); wide[t] points there.
-template <typename F>
-void fp8_rows_as_bf16(const F* const* rows, int64_t count, int64_t D, bf16* out,
-                      const bf16** wide) {
-  for (int64_t t = 0; t < count; ++t) {
-    bf16* o = out + t * D;
-    for (int64_t i = 0; i < D; i += 32) {
-      _mm512_storeu_si512(reinterpret_cast<void*>(o + i), fp8_bf16_bits(rows[t] + i));
-    }
-    wide[t] = o;
-  }
-}
-
-// out[0 : n] = bf16(x * lift) (n % 32 == 0; exact for powers of two short of overflow).
-template <typename X>
-inline void lift_bf16(const X* x, int64_t n, float lift, bf16* out) {
-  const fVec l(lift);
-  for (int64_t i = 0; i < n; i += 32) {
-    const __m512bh v = _mm512_cvtne2ps_pbh(load(x + i + 16) * l, load(x + i) * l);
-    _mm512_storeu_si512(reinterpret_cast<void*>(out + i), (__m512i)v);
-  }
-}
-
-// pairs[t / 2] = (bf16(probs[t] * kProbLift), bf16(probs[t + 1] * kProbLift)) for t < count,
-// the odd tail's partner 0 (probs has kChunk slots; those past count are zeroed here).
-inline void probability_pairs(float* probs, int64_t count, uint32_t* pairs) {
-  const int64_t padded = (count + 31) / 32 * 32;
-  std::fill(probs + count, probs + padded, 0.0f);
-  lift_bf16(probs, padded, kProbLift, reinterpret_cast<bf16*>(pairs));
-}
-
-// acc[g] += sum_t p_t[g] * value row t for NG heads, two tokens per AVX512-BF16 dot product: the
-// pair's value rows interleaved (unpack lo / hi of their bf16 bits) against the probability pair.
-// The unpacks leave the dims of 32 in the order lo {0-3, 8-11, 16-19, 24-27}, hi {4-7, ...}, so
-// the fp32 accumulators are permuted into that order and back around the token loop.
-template <typename F, int NG>
-void accumulate_fp8_pairs(const uint32_t* pairs, const F* const* rows, int64_t count,
-                          int64_t head_size, float* acc) {
-  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
-  const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  const __m512i back_a = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
-  const __m512i back_b = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-  constexpr int64_t kPairs = kChunk / 2;
-  for (int64_t d0 = 0; d0 < head_size; d0 += 32) {
-    __m512 lo[NG], hi[NG];
-    for (int g = 0; g < NG; ++g) {
-      const __m512 a = _mm512_loadu_ps(acc + g * head_size + d0);
-      const __m512 b = _mm512_loadu_ps(acc + g * head_size + d0 + 16);
-      lo[g] = _mm512_permutex2var_ps(a, to_lo, b);
-      hi[g] = _mm512_permutex2var_ps(a, to_hi, b);
-    }
-    for (int64_t t = 0; t < count; t += 2) {
-      const __m512i r0 = fp8_bf16_bits(rows[t] + d0);
-      const __m512i r1 = fp8_bf16_bits(rows[t + 1 < count ? t + 1 : t] + d0);  // p 0 if padded
-      const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
-      const __m512bh vhi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
-      for (int g = 0; g < NG; ++g) {
-        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g * kPairs + t / 2]));
-        lo[g] = _mm512_dpbf16_ps(lo[g], vlo, pv);
-        hi[g] = _mm512_dpbf16_ps(hi[g], vhi, pv);
-      }
-    }
-    for (int g = 0; g < NG; ++g) {
-      _mm512_storeu_ps(acc + g * head_size + d0, _mm512_permutex2var_ps(lo[g], back_a, hi[g]));
-      _mm512_storeu_ps(acc + g * head_size + d0 + 16, _mm512_permutex2var_ps(lo[g], back_b, hi[g]));
-    }
-  }
-}
-#endif
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #define PAGEDATTN_U8_INT 1
@@ -577,6 +495,97 @@ void accumulate_u8_pairs(const uint32_t* pairs, const float* wscale, const uint8
       const fVec ws(wscale[g]);
       store(out, at::vec::fmadd(a, ws, load(out)));
       store(out + kWidth, at::vec::fmadd(b, ws, load(out + kWidth)));
+    }
+  }
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// fp8 with bf16 queries on AVX512-BF16 builds ("fp8 pairs"): an fp8 byte's sign, exponent and
+// mantissa moved into a bf16's bits read as its value times 2^-120 (e4m3) or 2^-112 (e5m2),
+// subnormals included; 3 instructions per 32 values. Queries are lifted by 2^96 and
+// probabilities by 2^112 (exact, powers of two) so that the products are the fp16 path's
+// (value / kFp8Unit) and stay normal: the dot products treat subnormal inputs and outputs as 0,
+// so an fp8 subnormal (below 2^-6, or 2^-14 for e5m2, in the cache's units) counts as 0 here.
+constexpr float kQueryLift = 0x1p96f;
+constexpr float kScoreUnlift = 0x1p16f;  // scores of lifted queries: times 2^(112 - 96)
+constexpr float kProbLift = 0x1p112f;
+
+template <typename F>
+inline __m512i fp8_bf16_bits(const F* p) {
+  const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  if constexpr (std::is_same_v<F, fp8_e4m3>) {
+    return _mm512_and_si512(_mm512_slli_epi16(w, 4), _mm512_set1_epi16(static_cast<int16_t>(0x87F0)));
+  } else {
+    return _mm512_and_si512(_mm512_slli_epi16(w, 5), _mm512_set1_epi16(static_cast<int16_t>(0x8FE0)));
+  }
+}
+
+// out[t * D : (t + 1) * D] = fp8 row t as bf16 bits (D % 32 == 0); wide[t] points there.
+template <typename F>
+void fp8_rows_as_bf16(const F* const* rows, int64_t count, int64_t D, bf16* out,
+                      const bf16** wide) {
+  for (int64_t t = 0; t < count; ++t) {
+    bf16* o = out + t * D;
+    for (int64_t i = 0; i < D; i += 32) {
+      _mm512_storeu_si512(reinterpret_cast<void*>(o + i), fp8_bf16_bits(rows[t] + i));
+    }
+    wide[t] = o;
+  }
+}
+
+// out[0 : n] = bf16(x * lift) (n % 32 == 0; exact for powers of two short of overflow).
+template <typename X>
+inline void lift_bf16(const X* x, int64_t n, float lift, bf16* out) {
+  const fVec l(lift);
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(load(x + i + 16) * l, load(x + i) * l);
+    _mm512_storeu_si512(reinterpret_cast<void*>(out + i), (__m512i)v);
+  }
+}
+
+// pairs[t / 2] = (bf16(probs[t] * kProbLift), bf16(probs[t + 1] * kProbLift)) for t < count,
+// the odd tail's partner 0 (probs has kChunk slots; those past count are zeroed here).
+inline void probability_pairs(float* probs, int64_t count, uint32_t* pairs) {
+  const int64_t padded = (count + 31) / 32 * 32;
+  std::fill(probs + count, probs + padded, 0.0f);
+  lift_bf16(probs, padded, kProbLift, reinterpret_cast<bf16*>(pairs));
+}
+
+// acc[g] += sum_t p_t[g] * value row t for NG heads, two tokens per AVX512-BF16 dot product: the
+// pair's value rows interleaved (unpack lo / hi of their bf16 bits) against the probability pair.
+// The unpacks leave the dims of 32 in the order lo {0-3, 8-11, 16-19, 24-27}, hi {4-7, ...}, so
+// the fp32 accumulators are permuted into that order and back (unpermute) around the token loop.
+template <typename F, int NG>
+void accumulate_fp8_pairs(const uint32_t* pairs, const F* const* rows, int64_t count,
+                          int64_t head_size, float* acc) {
+  const __m512i to_lo = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i to_hi = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  constexpr int64_t kPairs = kChunk / 2;
+  for (int64_t d0 = 0; d0 < head_size; d0 += 32) {
+    __m512 lo[NG], hi[NG];
+    for (int g = 0; g < NG; ++g) {
+      const __m512 a = _mm512_loadu_ps(acc + g * head_size + d0);
+      const __m512 b = _mm512_loadu_ps(acc + g * head_size + d0 + 16);
+      lo[g] = _mm512_permutex2var_ps(a, to_lo, b);
+      hi[g] = _mm512_permutex2var_ps(a, to_hi, b);
+    }
+    for (int64_t t = 0; t < count; t += 2) {
+      const __m512i r0 = fp8_bf16_bits(rows[t] + d0);
+      const __m512i r1 = fp8_bf16_bits(rows[t + 1 < count ? t + 1 : t] + d0);  // p 0 if padded
+      const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(r0, r1);
+      const __m512bh vhi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+      for (int g = 0; g < NG; ++g) {
+        const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g * kPairs + t / 2]));
+        lo[g] = _mm512_dpbf16_ps(lo[g], vlo, pv);
+        hi[g] = _mm512_dpbf16_ps(hi[g], vhi, pv);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      fVec a, b;
+      unpermute(lo[g], hi[g], a, b);
+      store(acc + g * head_size + d0, a);
+      store(acc + g * head_size + d0 + 16, b);
     }
   }
 }
@@ -733,21 +742,17 @@ bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
       if constexpr (kU8Int) {
         if (u8_int) {
           uint32_t* pp = s.pairs.data();
-          float wscale[kU8MaxHeadsPerKv];
+          float wscale[kU8MaxHeads];  // the GQA group's weight scales
           for (int64_t g = h * G; g < (h + 1) * G; ++g) {
             float* w = s.scores.data() + g * kChunk;
             if (count % 2) w[count] = 0.0f;
             wscale[g - h * G] = quantize_i16(w, count + count % 2,
                                              reinterpret_cast<int16_t*>(pp + g * (kChunk / 2)));
           }
-          for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxHeadsPerPass) {
-            const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, (h + 1) * G - g0));
-            with_heads(ng, [&](auto NG) {
-              accumulate_u8_pairs<decltype(NG)::value>(pp + g0 * (kChunk / 2),
-                                                       wscale + (g0 - h * G), vrows, count, D,
-                                                       s.acc.data() + g0 * D);
-            });
-          }
+          head_passes(h, G, [&](int64_t g0, auto NG) {
+            accumulate_u8_pairs<decltype(NG)::value>(pp + g0 * (kChunk / 2), wscale + (g0 - h * G),
+                                                     vrows, count, D, s.acc.data() + g0 * D);
+          });
           continue;
         }
       }
@@ -759,24 +764,18 @@ bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
           for (int64_t g = h * G; g < (h + 1) * G; ++g) {
             probability_pairs(s.scores.data() + g * kChunk, count, pp + g * (kChunk / 2));
           }
-          for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxHeadsPerPass) {
-            const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, (h + 1) * G - g0));
-            with_heads(ng, [&](auto NG) {
-              accumulate_fp8_pairs<C, decltype(NG)::value>(pp + g0 * (kChunk / 2), vrows, count,
-                                                           D, s.acc.data() + g0 * D);
-            });
-          }
+          head_passes(h, G, [&](int64_t g0, auto NG) {
+            accumulate_fp8_pairs<C, decltype(NG)::value>(pp + g0 * (kChunk / 2), vrows, count, D,
+                                                         s.acc.data() + g0 * D);
+          });
           continue;
         }
       }
 #endif
-      for (int64_t g0 = h * G; g0 < (h + 1) * G; g0 += kMaxHeadsPerPass) {
-        const int ng = static_cast<int>(std::min<int64_t>(kMaxHeadsPerPass, (h + 1) * G - g0));
-        with_heads(ng, [&](auto NG) {
-          accumulate_rows<C, decltype(NG)::value>(s.scores.data() + g0 * kChunk, vrows, count, D,
-                                                  s.acc.data() + g0 * D);
-        });
-      }
+      head_passes(h, G, [&](int64_t g0, auto NG) {
+        accumulate_rows<C, decltype(NG)::value>(s.scores.data() + g0 * kChunk, vrows, count, D,
+                                                s.acc.data() + g0 * D);
+      });
     }
   }
   return true;
