@@ -15,6 +15,7 @@ import torch
 
 from pagedattn.attention import u8
 from pagedattn.attention.backends.cpu import CpuBackend
+from pagedattn.attention.backends.base import lazy_zeros
 from pagedattn.attention.fp8 import FP8_DTYPES, compute_scale, quantize
 from pagedattn.cpu import extension as cpu_ext
 
@@ -88,8 +89,16 @@ def kv_dtype_rows(args, gen: torch.Generator, build_decode_batch, interleaved_ms
 
 
 def _run(backend, query, key_cache, value_cache, meta, scale, **scales):
-    return functools.partial(backend.forward, query, key_cache, value_cache, meta, scale=scale,
-                             **scales)  # fmt: skip
+    return functools.partial(backend.forward, query, _in_pool(key_cache), _in_pool(value_cache),
+                             meta, scale=scale, **scales)  # fmt: skip
+
+
+def _in_pool(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of cache on memory allocated as the engine's KV pool is (lazy_zeros: huge pages
+    where the OS gives them), so that the kernels pay the engine's TLB costs, not malloc's."""
+    pool = lazy_zeros(tuple(cache.shape), cache.dtype)
+    pool.copy_(cache)
+    return pool
 
 
 def kv_dtype_table(rows: list[dict]) -> list[str]:
