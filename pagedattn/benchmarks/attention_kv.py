@@ -14,8 +14,8 @@ import functools
 import torch
 
 from pagedattn.attention import u8
-from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.attention.backends.base import lazy_zeros
+from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.attention.fp8 import FP8_DTYPES, compute_scale, quantize
 from pagedattn.cpu import extension as cpu_ext
 
