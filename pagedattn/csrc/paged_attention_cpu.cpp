@@ -95,9 +95,10 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
 // per step() from the inner loops of the current chunk.
 // NOTE: asked for all at once, a chunk's hundreds of lines fill the core's miss buffers and the
 // arithmetic queued behind those prefetches waits for them: memory time and compute time added
-// up. Spread over the chunk, the reads overlap with the arithmetic. bf16 K/V, 32 rows x 4,096
-// tokens in shuffled blocks, 9/3 heads x 64, 2 threads, out of cache (AMX Xeon): 10.1-12.8 ms
-// -> 5.9-6.3 ms (the K/V read floor at the machine's 20.6 GB/s is 4.9 ms).
+// up. Spread over the chunk, the reads overlap with the arithmetic. 32 rows x 4,096 tokens in
+// shuffled blocks, out of cache, 2 threads, fastest of 3 rounds (AMX Xeon): bf16 9/3x64 9.9 ->
+// 6.0 ms (its K/V read floor at the machine's 20.6 GB/s is 4.9 ms), 32/8x128 67 -> 36 ms; AMX
+// 9.4 -> 5.9 and 42 -> 35 ms; u8 5.2 -> 4.9 and 31 -> 24 ms.
 class RowPrefetcher {
  public:
   // Aim at the rows at element offsets offsets[0, count) of both caches (row_elems elements of
