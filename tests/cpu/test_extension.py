@@ -144,6 +144,25 @@ def test_bad_block_id_raises():
         run_decode(case, scale=0.17)
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_bad_block_id_in_the_next_items_first_chunk_raises(amx):
+    """A thread prefetches its next item's first chunk during the current item's last chunk: a
+    bad id there is skipped by the prefetch (not read), and that item itself reports it. One
+    thread, so row 1 (shorter, so later) is row 0's next item. amx runs the tile path where the
+    CPU has it, else the vector path."""
+    case = make_case([(200, 1), (40, 1)], block_size=16, num_kv_heads=2, group=3, head_size=64,
+                     dtype=torch.bfloat16)  # fmt: skip
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert_close_to_dense(case, run_decode(case, scale=0.17, amx=amx), scale=0.17)
+        case.metadata.block_tables[1, 0] = 1 << 30
+        with pytest.raises(RuntimeError, match="block table entry"):
+            run_decode(case, scale=0.17, amx=amx)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_rejects_mismatched_inputs():
     case = make_case([(10, 1)], block_size=8, num_kv_heads=2, group=3, head_size=32)
     with pytest.raises(RuntimeError, match="share one dtype"):
