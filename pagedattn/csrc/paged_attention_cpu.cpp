@@ -102,12 +102,11 @@ inline float exp_shifted_sum(float* x, int64_t n, float shift) {
 class RowPrefetcher {
  public:
   // Aim at the rows at element offsets offsets[0, count) of both caches (row_elems elements of
-  // sizeof(C) each), paced over about `steps` calls of step(); finish() first issues whatever the
-  // previous aim left. offsets must stay valid until the next aim or finish.
+  // sizeof(C) each), paced over about `steps` calls of step(). offsets must stay valid until
+  // finish(), which the caller runs before it overwrites them (and so before the next aim).
   template <typename C>
   void aim(const C* key_cache, const C* value_cache, const int64_t* offsets, int64_t count,
            int64_t row_elems, int64_t steps) {
-    finish();
     key_ = reinterpret_cast<const char*>(key_cache);
     value_ = reinterpret_cast<const char*>(value_cache);
     offsets_ = offsets;
@@ -408,6 +407,21 @@ inline int64_t chunk_row_offsets(const Params& p, const int32_t* block_table, in
     ++offset;
   }
   return count;
+}
+
+// Element offsets of the rows to prefetch while the chunk at c0 computes: the item's next chunk,
+// or after its last chunk the first chunk of next_item (if any). Returns their number, or -1 on
+// an out-of-range block id in this item; next_item's bad ids give 0 (that item reports them).
+inline int64_t following_row_offsets(const Params& p, const int32_t* block_table, int64_t c0,
+                                     int64_t tok_end, const NextItem& next_item,
+                                     int64_t* offsets) {
+  if (c0 + kChunk < tok_end) {
+    const int64_t count = chunk_row_offsets(p, block_table, c0 + kChunk, tok_end, offsets);
+    return count == 0 ? -1 : count;
+  }
+  if (next_item.block_table == nullptr) return 0;
+  return chunk_row_offsets(p, next_item.block_table, next_item.tok_begin, next_item.tok_end,
+                           offsets);
 }
 
 
@@ -734,15 +748,9 @@ bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
     const int64_t count = std::min(kChunk, tok_end - c0);
     pf.finish();  // before next_offsets is overwritten
     std::copy(next_offsets, next_offsets + count, row_offsets);
-    int64_t next_count = 0;
-    if (c0 + kChunk < tok_end) {
-      next_count = chunk_row_offsets(p, block_table, c0 + kChunk, tok_end, next_offsets);
-      if (next_count == 0) return false;
-    } else if (next_item.block_table != nullptr) {
-      // 0 on a bad block id: nothing is prefetched, and that item reports the id.
-      next_count = chunk_row_offsets(p, next_item.block_table, next_item.tok_begin,
-                                     next_item.tok_end, next_offsets);
-    }
+    const int64_t next_count =
+        following_row_offsets(p, block_table, c0, tok_end, next_item, next_offsets);
+    if (next_count < 0) return false;
     // The inner loops' step() calls per chunk: per kv head, a score step per kWidth rows and
     // query head, and a value step per kValueStepTokens rows and pass of query heads.
     const int64_t steps =
@@ -975,14 +983,9 @@ bool attend_partition_amx(const Params& p, const bf16* key_cache, const bf16* va
     }
     // NOTE: the next chunk's blocks are scattered: ask for them while this one computes.
     pf.finish();  // before next_offsets is overwritten
-    int64_t next_count = 0;
-    if (c0 + kChunk < tok_end) {
-      next_count = chunk_row_offsets(p, block_table, c0 + kChunk, tok_end, next_offsets);
-      if (next_count == 0) return false;
-    } else if (next_item.block_table != nullptr) {
-      next_count = chunk_row_offsets(p, next_item.block_table, next_item.tok_begin,
-                                     next_item.tok_end, next_offsets);
-    }
+    const int64_t next_count =
+        following_row_offsets(p, block_table, c0, tok_end, next_item, next_offsets);
+    if (next_count < 0) return false;
     // step() calls per chunk: per kv head, one per block and query head (scores), and one per
     // 16 dims (values).
     pf.aim(key_cache, value_cache, next_offsets, next_count, row_stride,
