@@ -14,7 +14,8 @@
 // - A work item is a pair of 16-column blocks. For every chunk of 32 rows it keeps 2 x 2 fp32
 //   accumulator tiles (rows 0-15 and 16-31, both blocks), and for each 32-wide k step loads two
 //   activation tiles and two weight tiles: four TDPBF16PS per 2 KB of weights.
-// - Threads split the block pairs; activations (a few tens of KB) stay in L1/L2.
+// - Threads take the block pairs a few at a time from a shared counter (see kPairsPerClaim);
+//   activations (a few tens of KB) stay in L1/L2.
 // - The sum over k runs in fp32 on the tiles; bias is added in fp32 and the result rounded to
 //   bf16 once (round to nearest even), as oneDNN does. The order of the k sum differs from other
 //   kernels', so results agree with theirs to bf16 rounding, not bit for bit.
@@ -27,6 +28,8 @@
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "amx_cpu.h"
@@ -47,6 +50,12 @@ constexpr int64_t kRowChunk = 2 * kTileRows;
 // pair otherwise wait on memory: 2 ahead made the SmolLM2 matmul pass 15-25% faster (1 and 32
 // rows) on the AMX Xeon; 4-16 ahead were no better.
 constexpr int64_t kPrefetchTiles = 2;
+// Block pairs a thread claims at a time, at most (fewer where a call has few pairs).
+// NOTE: split into equal halves up front, the two threads of the AMX Xeon (a VM) often streamed
+// at different speeds: at 32 rows, 36% of the decode step time that one thread spent waiting
+// for the other was the other still in this kernel. Claimed a few at a time, a slower thread
+// simply takes fewer pairs.
+constexpr int64_t kPairsPerClaim = 8;
 
 #ifdef PAGEDATTN_HAS_AMX
 constexpr int kArchReqXcompPerm = 0x1023;
@@ -61,7 +70,7 @@ bool request_amx() {
 
 // The tile configuration for a chunk with rows0 and rows1 rows in its two row tiles (rows1 may
 // be 0). Tiles: 0-3 accumulators (row tile i, block j -> 2i + j), 4-5 activations, 6-7 weights.
-void configure_tiles(int64_t rows0, int64_t rows1) {
+void load_tile_config(int64_t rows0, int64_t rows1) {
   pagedattn_amx::TileConfig cfg;
   const int64_t rows[2] = {rows0, rows1};
   for (int i = 0; i < 2; ++i) {
@@ -72,6 +81,19 @@ void configure_tiles(int64_t rows0, int64_t rows1) {
   for (int t = 6; t < 8; ++t) cfg.set(t, kTileK / 2, kTileCols * 2 * sizeof(c10::BFloat16));
   cfg.load();
 }
+
+// The row split a thread's tiles are configured for, kept across the block pairs of one call.
+// NOTE: configured once per block pair, ldtilecfg took 1.9% of a SmolLM2 bf16 decode step at 32
+// rows (the LM head alone is 1,536 pairs).
+struct TileRows {
+  int64_t rows0 = -1, rows1 = -1;
+  void configure(int64_t r0, int64_t r1) {
+    if (r0 == rows0 && r1 == rows1) return;
+    load_tile_config(r0, r1);
+    rows0 = r0;
+    rows1 = r1;
+  }
+};
 
 // fp32 accumulators [rows, 16] (* scale, + bias) -> bf16 output row segments.
 inline void store_rows(const float* acc, int64_t rows, const float* scale, const float* bias,
@@ -110,7 +132,7 @@ inline const c10::BFloat16* weight_tile(const int8_t* w, c10::BFloat16* scratch)
 // a per-column scale applied to the fp32 sums (scale null for bf16).
 template <bool kTwoBlocks, typename W>
 void block_pair(const c10::BFloat16* x, const W* packed, const float* scale, const float* bias,
-                c10::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t nb0) {
+                c10::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t nb0, TileRows& tiles) {
   const int64_t kb_count = K / kTileK;
   const int64_t tile_elems = kTileK * kTileCols;  // weight values per tile
   const W* w0 = packed + nb0 * kb_count * tile_elems;
@@ -118,15 +140,10 @@ void block_pair(const c10::BFloat16* x, const W* packed, const float* scale, con
   alignas(64) float acc[kTileRows * kTileCols];
   alignas(64) c10::BFloat16 widened[2][kTileK * kTileCols];  // int8 weights only
   const int64_t ldx = K * sizeof(c10::BFloat16);
-  int64_t configured0 = -1, configured1 = -1;
   for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
     const int64_t rows0 = std::min(kTileRows, M - m0);
     const int64_t rows1 = std::min(kTileRows, std::max<int64_t>(0, M - m0 - kTileRows));
-    if (rows0 != configured0 || rows1 != configured1) {
-      configure_tiles(rows0, rows1);
-      configured0 = rows0;
-      configured1 = rows1;
-    }
+    tiles.configure(rows0, rows1);
     const c10::BFloat16* x0 = x + m0 * K;
     const c10::BFloat16* x1 = x0 + kTileRows * K;
     _tile_zero(0);
@@ -231,14 +248,22 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
   auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>());
   const int64_t num_blocks = N / kTileCols;
   const int64_t num_pairs = (num_blocks + 1) / 2;
+  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_pairs);
+  const int64_t claim = std::clamp<int64_t>(num_pairs / (4 * num_threads), 1, kPairsPerClaim);
   auto run = [&](const auto* wp) {
-    at::parallel_for(0, num_pairs, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        const int64_t nb0 = 2 * p;
-        if (nb0 + 1 < num_blocks) {
-          block_pair<true>(xp, wp, scale_ptr, bias_ptr, yp, M, N, K, nb0);
-        } else {
-          block_pair<false>(xp, wp, scale_ptr, bias_ptr, yp, M, N, K, nb0);
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+      TileRows tiles;
+      for (int64_t begin = next.fetch_add(claim); begin < num_pairs;
+           begin = next.fetch_add(claim)) {
+        const int64_t end = std::min(begin + claim, num_pairs);
+        for (int64_t p = begin; p < end; ++p) {
+          const int64_t nb0 = 2 * p;
+          if (nb0 + 1 < num_blocks) {
+            block_pair<true>(xp, wp, scale_ptr, bias_ptr, yp, M, N, K, nb0, tiles);
+          } else {
+            block_pair<false>(xp, wp, scale_ptr, bias_ptr, yp, M, N, K, nb0, tiles);
+          }
         }
       }
       _tile_release();
