@@ -14,8 +14,8 @@
 // - A work item is a pair of 16-column blocks. For every chunk of 32 rows it keeps 2 x 2 fp32
 //   accumulator tiles (rows 0-15 and 16-31, both blocks), and for each 32-wide k step loads two
 //   activation tiles and two weight tiles: four TDPBF16PS per 2 KB of weights.
-// - Threads take the block pairs a few at a time from a shared counter (see kPairsPerClaim);
-//   activations (a few tens of KB) stay in L1/L2.
+// - Threads claim the block pairs a few at a time (claims_cpu.h); activations (a few tens of
+//   KB) stay in L1/L2.
 // - The sum over k runs in fp32 on the tiles; bias is added in fp32 and the result rounded to
 //   bf16 once (round to nearest even), as oneDNN does. The order of the k sum differs from other
 //   kernels', so results agree with theirs to bf16 rounding, not bit for bit.
@@ -28,11 +28,10 @@
 #include <c10/util/BFloat16.h>
 #include <torch/extension.h>
 
-#include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 #include "amx_cpu.h"
+#include "claims_cpu.h"
 #include "ops_cpu.h"
 
 #ifdef PAGEDATTN_HAS_AMX
@@ -50,11 +49,11 @@ constexpr int64_t kRowChunk = 2 * kTileRows;
 // pair otherwise wait on memory: 2 ahead made the SmolLM2 matmul pass 15-25% faster (1 and 32
 // rows) on the AMX Xeon; 4-16 ahead were no better.
 constexpr int64_t kPrefetchTiles = 2;
-// Block pairs a thread claims at a time, at most (fewer where a call has few pairs).
+// Block pairs a thread claims at a time, at most.
 // NOTE: split into equal halves up front, the two threads of the AMX Xeon (a VM) often streamed
-// at different speeds: at 32 rows, 36% of the decode step time that one thread spent waiting
-// for the other was the other still in this kernel. Claimed a few at a time, a slower thread
-// simply takes fewer pairs.
+// at different speeds: at 32 rows, SmolLM2 bf16, one thread waited for the other 29-35% of a
+// decode step, a third of that time for the other to finish here. Claimed 8 at a time (the LM
+// head's 1,536 pairs), the wait fell to 21%.
 constexpr int64_t kPairsPerClaim = 8;
 
 #ifdef PAGEDATTN_HAS_AMX
@@ -248,15 +247,12 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
   auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>());
   const int64_t num_blocks = N / kTileCols;
   const int64_t num_pairs = (num_blocks + 1) / 2;
-  const int64_t num_threads = std::min<int64_t>(at::get_num_threads(), num_pairs);
-  const int64_t claim = std::clamp<int64_t>(num_pairs / (4 * num_threads), 1, kPairsPerClaim);
   auto run = [&](const auto* wp) {
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, num_threads, 1, [&](int64_t, int64_t) {
+    pagedattn_claims::Claims pairs(num_pairs, kPairsPerClaim);
+    pairs.run([&](pagedattn_claims::Claims& claims) {
       TileRows tiles;
-      for (int64_t begin = next.fetch_add(claim); begin < num_pairs;
-           begin = next.fetch_add(claim)) {
-        const int64_t end = std::min(begin + claim, num_pairs);
+      int64_t begin, end;
+      while (claims.next(begin, end)) {
         for (int64_t p = begin; p < end; ++p) {
           const int64_t nb0 = 2 * p;
           if (nb0 + 1 < num_blocks) {

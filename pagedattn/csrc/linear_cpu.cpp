@@ -9,8 +9,8 @@
 //
 // The micro-kernel is written on vec_cpu.h's vectors (one source for AVX2, AVX-512 and NEON). It
 // keeps an MR x 32 block of y in MR * 32 / kWidth accumulators and, for each k, loads the panel's
-// 32 weights once and multiplies them with MR broadcast activations. Threads split the panels;
-// every thread runs all rows of a chunk (at least 128 rows, or as many as fit in 1 MB of
+// 32 weights once and multiplies them with MR broadcast activations. Threads claim the panels a
+// few at a time (claims_cpu.h); every thread runs all rows of a chunk (at least 128 rows, or as many as fit in 1 MB of
 // activations) through its panels, so the weights of a decode step stream from memory once, a
 // prefill re-reads them once per chunk, and the activations stay in L2. The sum over k runs in
 // order, one fused multiply-add per term, in fp32 whatever the storage.
@@ -24,6 +24,7 @@
 #include <memory>
 #include <vector>
 
+#include "claims_cpu.h"
 #include "vec_cpu.h"
 
 namespace {
@@ -48,6 +49,7 @@ constexpr int kMaxRows = PAGEDATTN_PANEL_ROWS;
 #define PAGEDATTN_CHUNK_BYTES (1 << 20)
 #endif
 constexpr int64_t kMinRowChunk = 128;  // rows that share one pass over the weights, at least
+constexpr int64_t kPanelsPerClaim = 8;  // panels a thread claims at a time, at most
 // ... and at most this many bytes of fp32 activations, so that the chunk stays in L2 while every
 // panel runs over it (fewer passes over the weights in a long prefill).
 constexpr int64_t kChunkBytes = PAGEDATTN_CHUNK_BYTES;
@@ -128,19 +130,23 @@ void run(const float* xp, int64_t M, int64_t K, const torch::Tensor& packed, con
   const int64_t row_chunk = std::max(kMinRowChunk, fit);
   for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
     const int64_t m1 = std::min(M, m0 + row_chunk);
-    at::parallel_for(0, P, 1, [&](int64_t p_begin, int64_t p_end) {
-      for (int64_t p = p_begin; p < p_end; ++p) {
-        const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
-        const T* w = wp + p * K * kPanel;
-        const float* b = bias != nullptr ? bias + p * kPanel : nullptr;
-        int col_counts[kPanelVecs];
-        for (int v = 0; v < kPanelVecs; ++v) {
-          col_counts[v] = static_cast<int>(std::clamp<int64_t>(cols - v * kWidth, 0, kWidth));
-        }
-        for (int64_t m = m0; m < m1; m += kMaxRows) {
-          const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - m));
-          rows_through_panel<T, O>(rows, xp + m * K, K, w, K, yp + m * N + p * kPanel, N,
-                                   col_counts, b);
+    pagedattn_claims::Claims panels(P, kPanelsPerClaim);
+    panels.run([&](pagedattn_claims::Claims& claims) {
+      int64_t p_begin, p_end;
+      while (claims.next(p_begin, p_end)) {
+        for (int64_t p = p_begin; p < p_end; ++p) {
+          const int64_t cols = std::min<int64_t>(kPanel, N - p * kPanel);
+          const T* w = wp + p * K * kPanel;
+          const float* b = bias != nullptr ? bias + p * kPanel : nullptr;
+          int col_counts[kPanelVecs];
+          for (int v = 0; v < kPanelVecs; ++v) {
+            col_counts[v] = static_cast<int>(std::clamp<int64_t>(cols - v * kWidth, 0, kWidth));
+          }
+          for (int64_t m = m0; m < m1; m += kMaxRows) {
+            const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - m));
+            rows_through_panel<T, O>(rows, xp + m * K, K, w, K, yp + m * N + p * kPanel, N,
+                                     col_counts, b);
+          }
         }
       }
     });

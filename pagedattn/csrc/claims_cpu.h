@@ -1,0 +1,44 @@
+// Work split across the intra-op threads by claims: each thread takes the next few items from a
+// shared counter until none is left, so a thread that runs slower (a busy core, a VM's vCPU
+// whose host is loaded) simply takes fewer items and the threads finish together. An equal split
+// made up front waits for the slowest thread.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+namespace pagedattn_claims {
+
+class Claims {
+ public:
+  // n items, claimed up to max_claim at a time (fewer where n is small: about 4 claims per
+  // thread at least, so that the last ones are short).
+  Claims(int64_t n, int64_t max_claim)
+      : n_(n),
+        threads_(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n))),
+        claim_(std::clamp<int64_t>(n / (4 * threads_), 1, std::max<int64_t>(1, max_claim))) {}
+
+  // The calling thread's next items [begin, end); false once all are taken.
+  bool next(int64_t& begin, int64_t& end) {
+    begin = next_.fetch_add(claim_, std::memory_order_relaxed);
+    if (begin >= n_) return false;
+    end = std::min(begin + claim_, n_);
+    return true;
+  }
+
+  // fn(*this) once on each thread that takes part (at most one per item).
+  template <typename Fn>
+  void run(const Fn& fn) {
+    if (n_ <= 0) return;
+    at::parallel_for(0, threads_, 1, [&](int64_t, int64_t) { fn(*this); });
+  }
+
+ private:
+  const int64_t n_, threads_, claim_;
+  std::atomic<int64_t> next_{0};
+};
+
+}  // namespace pagedattn_claims
