@@ -38,6 +38,7 @@ def main() -> int:
         " logits gather, one call each.",
         "- `ops_cpu.h`: the declarations of the extension's entry points shared by its files.",
         "- `amx_cpu.h`: AMX helpers shared by the tile kernels (the tile configuration).",
+        "- `claims_cpu.h`: work split by claims: threads take the next few items from a shared counter.",
         "- `vec_cpu.h`: the vector layer over at::vec: fp32/bf16 loads and stores, exp,"
         " horizontal sums, one version per ISA.",
         "",
