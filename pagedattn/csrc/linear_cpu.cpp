@@ -10,9 +10,9 @@
 // The micro-kernel is written on vec_cpu.h's vectors (one source for AVX2, AVX-512 and NEON). It
 // keeps an MR x 32 block of y in MR * 32 / kWidth accumulators and, for each k, loads the panel's
 // 32 weights once and multiplies them with MR broadcast activations. Threads claim the panels a
-// few at a time (claims_cpu.h); every thread runs all rows of a chunk (at least 128 rows, or as many as fit in 1 MB of
-// activations) through its panels, so the weights of a decode step stream from memory once, a
-// prefill re-reads them once per chunk, and the activations stay in L2. The sum over k runs in
+// few at a time (claims_cpu.h); every thread runs all rows of a chunk (at least 128 rows, or as
+// many as fit in 1 MB of activations) through its panels, so the weights of a decode step stream
+// from memory once, a prefill re-reads them once per chunk, and the activations stay in L2. The sum over k runs in
 // order, one fused multiply-add per term, in fp32 whatever the storage.
 
 #include <ATen/Parallel.h>

@@ -424,7 +424,6 @@ inline int64_t following_row_offsets(const Params& p, const int32_t* block_table
                            offsets);
 }
 
-
 // Ask for a token row (all kv heads) in L2 ahead of use.
 template <typename T>
 inline void prefetch_row(const T* row, int64_t num_elems) {

@@ -196,7 +196,6 @@ void rotate(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin
   });
 }
 
-
 template <typename T>
 inline T round_to(float v) {
   return static_cast<T>(v);
