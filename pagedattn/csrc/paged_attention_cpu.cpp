@@ -504,9 +504,14 @@ inline void unpermute(const fVec& lo, const fVec& hi, fVec& a, fVec& b) {
 }
 #endif
 
-// out = round(x * 32767 / max|x|) for n values; returns max|x| / 32767 (1 if x is all zero).
+// The largest int16 query: 127 * 256 + 127, so that every query splits into two int8 halves,
+// q = 256 * high + low with low its signed low byte (the AMX int8 path; the vector path uses the
+// same queries, so the two compute the same integer scores).
+constexpr int kQueryLimit = 32639;
+
+// out = round(x * limit / max|x|) for n values; returns max|x| / limit (1 if x is all zero).
 template <typename T>
-inline float quantize_i16(const T* x, int64_t n, int16_t* out) {
+inline float quantize_i16(const T* x, int64_t n, int16_t* out, int limit = 32767) {
   fVec vm(0.0f);
   int64_t i = 0;
   for (; i + kWidth <= n; i += kWidth) vm = at::vec::maximum(vm, load(x + i).abs());
@@ -517,7 +522,7 @@ inline float quantize_i16(const T* x, int64_t n, int16_t* out) {
     std::fill(out, out + n, int16_t{0});
     return 1.0f;
   }
-  const float inv = 32767.0f / m;
+  const float inv = static_cast<float>(limit) / m;
   const fVec vinv(inv);
   for (i = 0; i + kWidth <= n; i += kWidth) {
     const fVec v = load(x + i) * vinv;  // NOTE: converted with the default rounding, to nearest
@@ -531,7 +536,7 @@ inline float quantize_i16(const T* x, int64_t n, int16_t* out) {
 #endif
   }
   for (; i < n; ++i) out[i] = static_cast<int16_t>(std::lrintf(static_cast<float>(x[i]) * inv));
-  return m / 32767.0f;
+  return m / static_cast<float>(limit);
 }
 
 // scores[g * kChunk + t] = factor[g] * (qint[g] . the D bytes of row t) for G heads (D % kI16 == 0).
@@ -688,6 +693,52 @@ inline void u8_scale_min(const uint8_t* row, int64_t D, float& scale, float& min
   std::memcpy(&min, row + D + sizeof(float), sizeof(float));
 }
 
+// sc[t] = sc[t] * kscale[t] + kmin[t] * qsum for a u8 chunk's scores of one query head
+// (qsum: p.scale * sum(q)), the key rows' scales and mins applied.
+inline void u8_apply_key_scales(float* sc, int64_t count, const float* kscale, const float* kmin,
+                                float qsum) {
+  const fVec qs(qsum);
+  int64_t t = 0;
+  for (; t + kWidth <= count; t += kWidth) {
+    store(sc + t, load(sc + t) * load(kscale + t) + load(kmin + t) * qs);
+  }
+  for (; t < count; ++t) sc[t] = sc[t] * kscale[t] + kmin[t] * qsum;
+}
+
+// A u8 chunk's probabilities pr of one query head become the value bytes' weights p_t * s_t, and
+// sum_t p_t * m_t (the mins' share) is added to every element of the head's acc.
+inline void u8_apply_value_scales(float* pr, int64_t count, const float* vscale, const float* vmin,
+                                  float* acc, int64_t D) {
+  // NOTE: vectorized by hand: the compiler keeps a float sum's order, one add at a time.
+  fVec vbias(0.0f);
+  int64_t t = 0;
+  for (; t + kWidth <= count; t += kWidth) {
+    const fVec pv = load(pr + t);
+    vbias = vbias + pv * load(vmin + t);
+    store(pr + t, pv * load(vscale + t));
+  }
+  float bias =
+      at::vec::vec_reduce_all([](const fVec& a, const fVec& b) { return a + b; }, vbias);
+  for (; t < count; ++t) {
+    bias += pr[t] * vmin[t];
+    pr[t] *= vscale[t];
+  }
+  for (int64_t i = 0; i < D; ++i) acc[i] += bias;
+}
+
+#ifdef PAGEDATTN_U8_INT
+// One query head for the u8 integer paths: qint = the int16 query (kQueryLimit), factor =
+// p.scale times its scale; returns factor * sum(qint) (the min's term, from the same integers as
+// the bytes' term).
+template <typename T>
+inline float u8_int_query(const T* q, int64_t D, float scale, int16_t* qint, float& factor) {
+  factor = scale * quantize_i16(q, D, qint, kQueryLimit);
+  int32_t isum = 0;
+  for (int64_t i = 0; i < D; ++i) isum += qint[i];
+  return factor * static_cast<float>(isum);
+}
+#endif
+
 // Attention of one (row, partition) over every kv head: a chunk's blocks are read once, whole,
 // in order, while the next chunk's (or, in the last chunk, the next item's first) are prefetched.
 // Leaves unnormalised acc, max and sum in scratch; false on an out-of-range block id.
@@ -715,12 +766,7 @@ bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
       float sum = 0.0f;
 #ifdef PAGEDATTN_U8_INT
       if (u8_int) {
-        // NOTE: sum(q) of the int16 queries, so that the min's term matches the bytes' term.
-        const float qs = quantize_i16(q + g * D, D, s.qint.data() + g * D);
-        s.qfactor[g] = p.scale * qs;
-        int32_t isum = 0;
-        for (int64_t i = 0; i < D; ++i) isum += s.qint[g * D + i];
-        qsum[g] = s.qfactor[g] * static_cast<float>(isum);
+        qsum[g] = u8_int_query(q + g * D, D, p.scale, s.qint.data() + g * D, s.qfactor[g]);
         continue;
       }
 #endif
@@ -802,36 +848,15 @@ bool attend_partition(const Params& p, const C* key_cache, const C* value_cache,
           u8_scale_min(vrows[t], D, vscale[t], vmin[t]);
         }
         for (int64_t g = h * G; g < (h + 1) * G; ++g) {
-          float* sc = s.scores.data() + g * kChunk;
-          const fVec qs(qsum[g]);
-          int64_t t = 0;
-          for (; t + kWidth <= count; t += kWidth) {
-            store(sc + t, load(sc + t) * load(kscale + t) + load(kmin + t) * qs);
-          }
-          for (; t < count; ++t) sc[t] = sc[t] * kscale[t] + kmin[t] * qsum[g];
+          u8_apply_key_scales(s.scores.data() + g * kChunk, count, kscale, kmin, qsum[g]);
         }
       }
       for (int64_t g = h * G; g < (h + 1) * G; ++g) {
         softmax_update(s.scores.data() + g * kChunk, count, p.soft_cap, s.max[g], s.sum[g],
                        s.acc.data() + g * D, D);
         if constexpr (kU8) {
-          // NOTE: vectorized by hand: the compiler keeps a float sum's order, one add at a time.
-          float* pr = s.scores.data() + g * kChunk;
-          fVec vbias(0.0f);
-          int64_t t = 0;
-          for (; t + kWidth <= count; t += kWidth) {
-            const fVec pv = load(pr + t);
-            vbias = vbias + pv * load(vmin + t);
-            store(pr + t, pv * load(vscale + t));
-          }
-          float bias = at::vec::vec_reduce_all(
-              [](const fVec& a, const fVec& b) { return a + b; }, vbias);
-          for (; t < count; ++t) {
-            bias += pr[t] * vmin[t];
-            pr[t] *= vscale[t];
-          }
-          float* a = s.acc.data() + g * D;
-          for (int64_t i = 0; i < D; ++i) a[i] += bias;
+          u8_apply_value_scales(s.scores.data() + g * kChunk, count, vscale, vmin,
+                                s.acc.data() + g * D, D);
         }
       }
 #ifdef PAGEDATTN_U8_INT
@@ -1056,6 +1081,281 @@ bool attend_partition_amx(const Params& p, const bf16* key_cache, const bf16* va
   }
   return true;
 }
+
+#if defined(__AMX_INT8__) && defined(PAGEDATTN_U8_INT)
+#define PAGEDATTN_HAS_AMX_U8 1
+// The u8 cache on AMX int8 tiles (amx = true with bf16 queries): the same integers as the u8
+// integer path, multiplied on the tiles. Each int16 query (kQueryLimit) is split into two int8
+// halves, q = 256 * high + low, and one TDPBUSD per block and 64 dims multiplies the block's key
+// bytes (read in place, 16 rows at the cache's row stride) with both halves of the GQA group's
+// queries at once (2G tile columns); score = 256 * (k . high) + (k . low), exact in int32. The
+// chunk's int16 weights p_t * s_t (>= 0) are split into high and low bytes as the 2G rows of the
+// weights tile, and one TDPBUUD per 16 dims multiplies them with the chunk's value bytes,
+// interleaved four tokens to a 32-bit lane (the layout the tiles read). The integer sums are
+// exact, so the results equal the vector integer path's up to the float rounding of its score
+// sums. Needs blocks of 16 tokens, D % 64 == 0, D <= 256 (as the integer path), at most 8 query
+// heads per kv head and no sliding window; anything else runs the vector path.
+constexpr int64_t kAmxU8K = 64;        // bytes per tile row: a key step's dims, a value step's tokens
+constexpr int64_t kAmxU8MaxGroup = 8;  // query heads per kv head (2G tile columns / rows)
+static_assert(kChunk == kAmxU8K, "one value tile product per chunk: kChunk tokens of weights");
+
+// Tiles (palette 1): 0, 3 scores [16 tokens x 2G] int32; 1, 7 key bytes [16 tokens x 64 dims];
+// 2 query halves [16 dim quads x 2G x 4]; 4 weight bytes [2G x 64 tokens]; 5 value bytes [16 token
+// quads x 16 dims x 4]; 6 output [2G x 16 dims] int32.
+void configure_u8_attention_tiles(int64_t G) {
+  pagedattn_amx::TileConfig cfg;
+  cfg.set(0, kAmxBlock, 8 * G);
+  cfg.set(1, kAmxBlock, kAmxU8K);
+  cfg.set(2, kAmxU8K / 4, 8 * G);
+  cfg.set(3, kAmxBlock, 8 * G);
+  cfg.set(4, 2 * G, kAmxU8K);
+  cfg.set(5, kAmxU8K / 4, 64);
+  cfg.set(6, 2 * G, 64);
+  cfg.set(7, kAmxBlock, kAmxU8K);
+  cfg.load();
+}
+
+bool amx_u8_attention_fits(const Params& p) {
+  return p.block_size == kAmxBlock && p.head_size % kAmxU8K == 0 && p.head_size <= 256 &&
+         p.group <= kAmxU8MaxGroup && p.sliding_window == 0 && linear_amx_available();
+}
+
+// Per-thread buffers of the u8 tile path.
+struct AmxU8Scratch {
+  std::vector<int8_t> queries;   // [Hkv][D / 64][16 dim quads][2G][4]: high halves, then low
+  // Two of each (kv heads alternate; see attend_partition_amx_u8):
+  std::vector<uint8_t> weights;  // [2G][kChunk]: the weights' high bytes, then their low bytes
+  std::vector<uint8_t> values;   // [D / 16][16 token quads][16 dims][4 tokens]
+  float wscale[2][kAmxU8MaxGroup];  // the weights' scales
+  std::vector<int16_t> wint;     // one head's int16 weights [kChunk]
+  int32_t tile[kChunk / kAmxBlock][kAmxBlock * kAmxBlock];  // a chunk's score tiles
+  int32_t out[4][kAmxU8MaxGroup * 2 * 16];  // the output tiles of one 64-dim step
+  explicit AmxU8Scratch(const Params& p)
+      : queries(2 * p.num_heads * p.head_size),
+        weights(2 * 2 * p.group * kChunk),
+        values(2 * kChunk * p.head_size),
+        wint(kChunk) {}
+};
+
+// Split the item's int16 queries (s.qint) into the tiles' int8 halves, per kv head.
+void split_u8_queries(const Params& p, const int16_t* qint, int8_t* out) {
+  const int64_t G = p.group, D = p.head_size, ksteps = D / kAmxU8K;
+  for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+    for (int64_t ks = 0; ks < ksteps; ++ks) {
+      int8_t* dst = out + (h * ksteps + ks) * (kAmxU8K / 4) * 2 * G * 4;
+      for (int64_t r = 0; r < kAmxU8K / 4; ++r) {
+        for (int64_t g = 0; g < G; ++g) {
+          for (int64_t i = 0; i < 4; ++i) {
+            const int32_t q = qint[(h * G + g) * D + ks * kAmxU8K + 4 * r + i];
+            const int32_t low = static_cast<int8_t>(q & 0xFF);  // the signed low byte
+            dst[(r * 2 * G + g) * 4 + i] = static_cast<int8_t>((q - low) / 256);
+            dst[(r * 2 * G + G + g) * 4 + i] = static_cast<int8_t>(low);
+          }
+        }
+      }
+    }
+  }
+}
+
+// values[d / 16 + s][r] = the value bytes of tokens 4r .. 4r + 3 (zero past count) of one kv head,
+// four tokens to a 32-bit lane. The unpacks work within 128-bit lanes, so tile s of a 64-dim step
+// holds dims {4s .. 4s + 3} + 16 * lane (unpermute_u8_output puts them back in order).
+void interleave_u8_values(const uint8_t* const* vrows, int64_t count, int64_t D, uint8_t* out,
+                          RowPrefetcher& pf) {
+  for (int64_t r = 0; r < kChunk / 4; ++r) {
+    if (r % 2 == 0) pf.step();
+    const uint8_t* rows[4];
+    for (int i = 0; i < 4; ++i) rows[i] = 4 * r + i < count ? vrows[4 * r + i] : nullptr;
+    for (int64_t d0 = 0; d0 < D; d0 += kAmxU8K) {
+      __m512i v[4];
+      for (int i = 0; i < 4; ++i) {
+        v[i] = rows[i] ? _mm512_loadu_si512(rows[i] + d0) : _mm512_setzero_si512();
+      }
+      const __m512i a = _mm512_unpacklo_epi8(v[0], v[1]), b = _mm512_unpackhi_epi8(v[0], v[1]);
+      const __m512i c = _mm512_unpacklo_epi8(v[2], v[3]), d = _mm512_unpackhi_epi8(v[2], v[3]);
+      uint8_t* dst = out + ((d0 / 16) * (kChunk / 4) + r) * 64;
+      constexpr int64_t kTile = (kChunk / 4) * 64;  // bytes per value tile
+      _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(a, c));
+      _mm512_storeu_si512(dst + kTile, _mm512_unpackhi_epi16(a, c));
+      _mm512_storeu_si512(dst + 2 * kTile, _mm512_unpacklo_epi16(b, d));
+      _mm512_storeu_si512(dst + 3 * kTile, _mm512_unpackhi_epi16(b, d));
+    }
+  }
+}
+
+// The 64 dims of a step in order from its four output tiles' lanes x[s] (dims 4s + 16 * lane ..):
+// a 4 x 4 transpose of 128-bit lanes.
+inline void unpermute_u8_output(const __m512 x[4], __m512 out[4]) {
+  const __m512 t0 = _mm512_shuffle_f32x4(x[0], x[1], 0x44), t1 = _mm512_shuffle_f32x4(x[2], x[3], 0x44);
+  const __m512 t2 = _mm512_shuffle_f32x4(x[0], x[1], 0xEE), t3 = _mm512_shuffle_f32x4(x[2], x[3], 0xEE);
+  out[0] = _mm512_shuffle_f32x4(t0, t1, 0x88);
+  out[1] = _mm512_shuffle_f32x4(t0, t1, 0xDD);
+  out[2] = _mm512_shuffle_f32x4(t2, t3, 0x88);
+  out[3] = _mm512_shuffle_f32x4(t2, t3, 0xDD);
+}
+
+// 256 * x[hi] + x[lo] for 16 int32 lanes, as float.
+inline __m512 combine_halves(__m512i hi, __m512i lo) {
+  return _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(hi, 8), lo));
+}
+
+// attend_partition for a u8 cache on the tiles (configured by configure_u8_attention_tiles).
+bool attend_partition_amx_u8(const Params& p, const uint8_t* key_cache, const uint8_t* value_cache,
+                             const int32_t* block_table, int64_t tok_begin, int64_t tok_end,
+                             const bf16* q, const NextItem& next_item, Scratch& s,
+                             AmxU8Scratch& a) {
+  const int64_t G = p.group, D = p.head_size, Hkv = p.num_kv_heads, hs = p.head_stride;
+  const int64_t row_stride = Hkv * hs, block_bytes = kAmxBlock * row_stride;
+  const int64_t ksteps = D / kAmxU8K;
+  float qsum[kU8MaxHeads];
+  for (int64_t g = 0; g < p.num_heads; ++g) {
+    qsum[g] = u8_int_query(q + g * D, D, p.scale, s.qint.data() + g * D, s.qfactor[g]);
+  }
+  split_u8_queries(p, s.qint.data(), a.queries.data());
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+  std::fill(s.max.begin(), s.max.end(), kNegInf);
+  std::fill(s.sum.begin(), s.sum.end(), 0.0f);
+  const __m512i rows = _mm512_mullo_epi32(  // int32 offsets of a score tile column's 16 rows
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(static_cast<int>(2 * G)));
+  const __m512i trailers = _mm512_mullo_epi32(  // byte offsets of a block's 16 rows
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(static_cast<int>(row_stride)));
+  float kscale[kChunk], kmin[kChunk], vscale[kChunk], vmin[kChunk];
+  const uint8_t* kblocks[kChunk / kAmxBlock];
+  const uint8_t* vrows[kChunk];
+  int64_t next_offsets[kChunk];
+  RowPrefetcher pf;
+  for (int64_t c0 = tok_begin; c0 < tok_end; c0 += kChunk) {
+    const int64_t count = std::min(kChunk, tok_end - c0);
+    const int64_t nblocks = (count + kAmxBlock - 1) / kAmxBlock;
+    for (int64_t j = 0; j < nblocks; ++j) {
+      const int64_t block = block_table[c0 / kAmxBlock + j];
+      if (block < 0 || block >= p.num_blocks) return false;
+      kblocks[j] = key_cache + block * block_bytes;
+    }
+    pf.finish();  // before next_offsets is overwritten
+    const int64_t next_count =
+        following_row_offsets(p, block_table, c0, tok_end, next_item, next_offsets);
+    if (next_count < 0) return false;
+    // step() calls per chunk: per kv head, one per pair of blocks (score products), one per
+    // block and query head (scores), one per query head (weights), one per two token quads
+    // (values) and one per value product.
+    // NOTE: spread over every phase, so that the lines are asked for at an even pace: with none
+    // during the softmax, the kernel sat on its prefetch instructions (28% of its samples, out of
+    // cache), the next burst waiting for fill buffers the last one still held.
+    pf.aim(key_cache, value_cache, next_offsets, next_count, row_stride,
+           Hkv * ((nblocks + 1) / 2 + nblocks * G + G + kChunk / 8 + 4 * ksteps));
+    // acc[h's heads] += the weights times the value bytes of kv head h (its buffers: h % 2).
+    auto value_products = [&](int64_t h) {
+      const int64_t buf = h % 2;
+      const uint8_t* values = a.values.data() + buf * kChunk * D;
+      _tile_loadd(4, a.weights.data() + buf * 2 * G * kChunk, kChunk);
+      for (int64_t ks = 0; ks < ksteps; ++ks) {
+        for (int64_t sub = 0; sub < 4; ++sub) {
+          pf.step();
+          _tile_zero(6);
+          _tile_loadd(5, values + (ks * 4 + sub) * (kChunk / 4) * 64, 64);
+          _tile_dpbuud(6, 4, 5);
+          _tile_stored(6, a.out[sub], 64);  // [2G][16]
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          __m512 x[4], ordered[4];
+          for (int sub = 0; sub < 4; ++sub) {
+            x[sub] = combine_halves(_mm512_loadu_si512(a.out[sub] + g * 16),
+                                    _mm512_loadu_si512(a.out[sub] + (G + g) * 16));
+          }
+          unpermute_u8_output(x, ordered);
+          float* acc = s.acc.data() + (h * G + g) * D + ks * kAmxU8K;
+          const __m512 ws = _mm512_set1_ps(a.wscale[buf][g]);
+          for (int k = 0; k < 4; ++k) {
+            _mm512_storeu_ps(acc + 16 * k,
+                             _mm512_fmadd_ps(ordered[k], ws, _mm512_loadu_ps(acc + 16 * k)));
+          }
+        }
+      }
+    };
+    for (int64_t h = 0; h < Hkv; ++h) {
+      float* scores = s.scores.data() + h * G * kChunk;
+      const int8_t* queries = a.queries.data() + h * ksteps * (kAmxU8K / 4) * 2 * G * 4;
+      // The rows' scales and mins, 16 tokens (a block) per gather.
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const int64_t off = (kblocks[j] - key_cache) + h * hs + D;
+        const uint8_t* k = key_cache + off;
+        const uint8_t* v = value_cache + off;
+        _mm512_storeu_ps(kscale + j * kAmxBlock, _mm512_i32gather_ps(trailers, k, 1));
+        _mm512_storeu_ps(kmin + j * kAmxBlock, _mm512_i32gather_ps(trailers, k + 4, 1));
+        _mm512_storeu_ps(vscale + j * kAmxBlock, _mm512_i32gather_ps(trailers, v, 1));
+        _mm512_storeu_ps(vmin + j * kAmxBlock, _mm512_i32gather_ps(trailers, v + 4, 1));
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        vrows[t] = value_cache + (kblocks[t / kAmxBlock] - key_cache) +
+                   (t % kAmxBlock) * row_stride + h * hs;
+      }
+      const int64_t buf = h % 2;
+      interleave_u8_values(vrows, count, D, a.values.data() + buf * kChunk * D, pf);
+      // NOTE: two blocks per pass (accumulators 0 and 3), as the bf16 tile path; the tiles are
+      // stored as they finish and read back (transposed) only after the chunk's last product,
+      // as reading a tile store at once waits for it.
+      for (int64_t j = 0; j < nblocks; j += 2) {
+        const bool pair = j + 1 < nblocks;
+        pf.step();
+        _tile_zero(0);
+        if (pair) _tile_zero(3);
+        for (int64_t ks = 0; ks < ksteps; ++ks) {
+          _tile_loadd(2, queries + ks * (kAmxU8K / 4) * 2 * G * 4, 8 * G);
+          _tile_loadd(1, kblocks[j] + h * hs + ks * kAmxU8K, row_stride);
+          _tile_dpbusd(0, 1, 2);
+          if (pair) {
+            _tile_loadd(7, kblocks[j + 1] + h * hs + ks * kAmxU8K, row_stride);
+            _tile_dpbusd(3, 7, 2);
+          }
+        }
+        _tile_stored(0, a.tile[j], 8 * G);  // [16 tokens][2G]
+        if (pair) _tile_stored(3, a.tile[j + 1], 8 * G);
+      }
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const __mmask16 mask = static_cast<__mmask16>(
+            (1u << std::min(kAmxBlock, count - j * kAmxBlock)) - 1);
+        for (int64_t g = 0; g < G; ++g) {
+          pf.step();
+          const __m512i hi =
+              _mm512_i32gather_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(g)), a.tile[j], 4);
+          const __m512i lo = _mm512_i32gather_epi32(
+              _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(G + g))), a.tile[j], 4);
+          _mm512_mask_storeu_ps(scores + g * kChunk + j * kAmxBlock, mask,
+                                _mm512_mul_ps(combine_halves(hi, lo),
+                                              _mm512_set1_ps(s.qfactor[h * G + g])));
+        }
+      }
+      uint8_t* weights = a.weights.data() + buf * 2 * G * kChunk;
+      for (int64_t g = 0; g < G; ++g) {
+        pf.step();
+        float* sc = scores + g * kChunk;
+        u8_apply_key_scales(sc, count, kscale, kmin, qsum[h * G + g]);
+        softmax_update(sc, count, p.soft_cap, s.max[h * G + g], s.sum[h * G + g],
+                       s.acc.data() + (h * G + g) * D, D);
+        u8_apply_value_scales(sc, count, vscale, vmin, s.acc.data() + (h * G + g) * D, D);
+        std::fill(sc + count, sc + kChunk, 0.0f);
+        a.wscale[buf][g] = quantize_i16(sc, kChunk, a.wint.data());
+        for (int64_t t = 0; t < kChunk; t += 32) {
+          const __m512i w = _mm512_loadu_si512(a.wint.data() + t);
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + g * kChunk + t),
+                              _mm512_cvtepi16_epi8(_mm512_srli_epi16(w, 8)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + (G + g) * kChunk + t),
+                              _mm512_cvtepi16_epi8(_mm512_and_si512(w, _mm512_set1_epi16(0xFF))));
+        }
+      }
+      // NOTE: a kv head's value products run after the next head's scores: a tile load of bytes
+      // that vector stores have just written waits for them (the first product of each head took
+      // 18% of the kernel's samples, out of cache, when it followed its own weights at once).
+      if (h > 0) value_products(h - 1);
+    }
+    value_products(Hkv - 1);
+  }
+  return true;
+}
+#endif  // __AMX_INT8__ && PAGEDATTN_U8_INT
 #endif  // PAGEDATTN_HAS_AMX
 
 // Partition size: the requested one, halved (down to 2 chunks) until there are enough work items
@@ -1110,11 +1410,23 @@ void paged_decode_impl(const Params& p, const T* query, const C* key_cache, cons
   at::parallel_for(0, std::min(num_threads, num_items), 1, [&](int64_t, int64_t) {
     Scratch s(Hq, D);
 #ifdef PAGEDATTN_HAS_AMX
-    // NOTE: the tile configuration is per thread; p.amx is only set for bf16 and shapes that fit.
+    // NOTE: the tile configuration is per thread; p.amx is only set for bf16 and u8 caches (with
+    // bf16 queries) and shapes that fit.
     std::unique_ptr<AmxScratch> amx;
+#ifdef PAGEDATTN_HAS_AMX_U8
+    std::unique_ptr<AmxU8Scratch> amx_u8;
+#endif
     if (p.amx) {
-      configure_attention_tiles(p.group);
-      amx = std::make_unique<AmxScratch>(p);
+      if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>) {
+        configure_attention_tiles(p.group);
+        amx = std::make_unique<AmxScratch>(p);
+      }
+#ifdef PAGEDATTN_HAS_AMX_U8
+      if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, uint8_t>) {
+        configure_u8_attention_tiles(p.group);
+        amx_u8 = std::make_unique<AmxU8Scratch>(p);
+      }
+#endif
     }
 #endif
     // NOTE: each thread claims its next item one ahead, and the current item's last chunk
@@ -1145,6 +1457,13 @@ void paged_decode_impl(const Params& p, const T* query, const C* key_cache, cons
                                         item.tok_end, q, ahead, s, *amx)
                  : attend_partition<T, C>(p, key_cache, value_cache, table, item.tok_begin,
                                           item.tok_end, q, ahead, s);
+#ifdef PAGEDATTN_HAS_AMX_U8
+      } else if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, uint8_t>) {
+        ok = amx_u8 ? attend_partition_amx_u8(p, key_cache, value_cache, table, item.tok_begin,
+                                              item.tok_end, q, ahead, s, *amx_u8)
+                    : attend_partition<T, C>(p, key_cache, value_cache, table, item.tok_begin,
+                                             item.tok_end, q, ahead, s);
+#endif
       } else {
         ok = attend_partition<T, C>(p, key_cache, value_cache, table, item.tok_begin,
                                     item.tok_end, q, ahead, s);
@@ -1171,7 +1490,7 @@ void paged_decode_impl(const Params& p, const T* query, const C* key_cache, cons
       }
     }
 #ifdef PAGEDATTN_HAS_AMX
-    if (amx) _tile_release();
+    if (p.amx) _tile_release();
 #endif
   });
   TORCH_CHECK(!bad_block, "a block table entry read by paged_decode is outside [0, ",
@@ -1255,7 +1574,11 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   if (u8) {
-    p.amx = false;  // NOTE: the tiles take bf16; a u8 cache runs the vector path
+#ifdef PAGEDATTN_HAS_AMX_U8
+    p.amx = amx && query.scalar_type() == at::kBFloat16 && amx_u8_attention_fits(p);
+#else
+    p.amx = false;
+#endif
     TORCH_CHECK(p.num_heads <= kU8MaxHeads, "a u8 cache supports at most ", kU8MaxHeads,
                 " query heads, got ", p.num_heads);
     const uint8_t* k = key_cache.data_ptr<uint8_t>();

@@ -188,3 +188,83 @@ def test_backend_mixed_batch_matches_reference(use_extension, decode_kernel):
     )
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+needs_amx = pytest.mark.skipif(
+    not cpu_ext.amx_available(), reason="the AMX tile path needs a CPU with AMX (and its build)"
+)
+
+
+@needs_amx
+@pytest.mark.parametrize(
+    "num_kv_heads,group,head_size,partition_size",
+    [(2, 1, 64, 512), (3, 3, 64, 128), (1, 8, 128, 512), (2, 4, 256, 256), (2, 2, 192, 64)],
+)
+def test_decode_on_amx_tiles_matches_vector_path_and_reference(
+    num_kv_heads, group, head_size, partition_size
+):
+    """The u8 tile path (amx=True, bf16 queries, blocks of 16): contexts of partial blocks and
+    chunks, several partitions, against the vector integer path (the same integers; only float
+    roundings differ) and the torch reference."""
+    block = 16
+    specs = [(5 * block + 3, 1), (3 * block - 1, 1), (1, 1), (150, 1), (64, 1), (700, 1)]
+    case = u8_case(specs, block_size=block, num_kv_heads=num_kv_heads, group=group,
+                   head_size=head_size)  # fmt: skip
+    query, meta, scale = case.query.to(torch.bfloat16), case.metadata, head_size**-0.5
+
+    def run(amx: bool) -> torch.Tensor:
+        return cpu_ext.paged_decode(
+            query, case.key_cache, case.value_cache, meta.block_tables, meta.seq_lens,
+            scale=scale, partition_size=partition_size, amx=amx,
+        )  # fmt: skip
+
+    tiles, vector = run(True), run(False)
+    expected = TorchRefBackend().forward(
+        query.float(), case.key_cache, case.value_cache, meta, scale=scale
+    )
+    torch.testing.assert_close(tiles.float(), expected, atol=2e-2, rtol=2e-2)
+    # bf16 outputs one rounding apart at most: the integer sums are the same.
+    torch.testing.assert_close(tiles.float(), vector.float(), atol=1e-2, rtol=1e-2)
+
+
+@needs_amx
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_decode_on_amx_tiles_largest_products(sign):
+    """D = 256 on the tiles: key bytes 255 (and 0) against a query at the int16 limit of either
+    sign (int8 halves +-127), the largest int32 score the split takes, and a query whose low
+    bytes run over every signed value (-128 .. 127)."""
+    head_size, block = 256, 16
+    row = torch.full((head_size,), 1.0)
+    row[0] = -1.0
+    keys = torch.stack([row, torch.full((head_size,), -1.0)] * (block // 2))
+    keys[1, 0] = 1.0
+    gen = torch.Generator().manual_seed(0)
+    values = torch.rand(block, head_size, generator=gen) * 100  # value bytes up to 255
+    key_cache, value_cache = allocate_kv_cache(
+        KVCacheLayout.FLASH, 1, block, 1, head_size, torch.uint8
+    )  # fmt: skip
+    key_cache.copy_(u8.quantize(keys.view(1, block, 1, head_size)))
+    value_cache.copy_(u8.quantize(values.view(1, block, 1, head_size)))
+    meta = AttentionMetadata.build([1, 1], [block, block], [[0], [0]], block)
+    ramp = torch.linspace(-1.0, 1.0, head_size)  # every low byte
+    query = torch.stack([torch.full((head_size,), 0.25 * sign), ramp]).view(2, 1, head_size)
+    query = query.to(torch.bfloat16)
+    out = cpu_ext.paged_decode(
+        query, key_cache, value_cache, meta.block_tables, meta.seq_lens, scale=0.05, amx=True
+    )
+    expected = TorchRefBackend().forward(query.float(), key_cache, value_cache, meta, scale=0.05)
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+@needs_amx
+def test_backend_amx_kernel_runs_a_u8_cache_on_the_tiles():
+    """decode_kernel="amx" with a u8 cache: the mixed batch (decode rows on the tiles, prefill
+    spans gathered) matches the reference."""
+    case = u8_case(mixed_specs(16), block_size=16, num_kv_heads=2, group=3, head_size=64)
+    query = case.query.to(torch.bfloat16)
+    backend = CpuBackend(use_extension=True, decode_kernel="amx")
+    out = backend.forward(query, case.key_cache, case.value_cache, case.metadata, scale=0.125)
+    expected = TorchRefBackend().forward(
+        query.float(), case.key_cache, case.value_cache, case.metadata, scale=0.125
+    )
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
