@@ -3,8 +3,8 @@ rows).
 
 The same random K/V is stored in bf16, in fp8 (computed scales) and in u8 (a scale and min per
 token and kv head, attention.u8); the compiled decode kernel reads each with bf16 queries, timed
-interleaved. bf16 runs on the vector kernel and, where the CPU has AMX, on the tiles too; fp8 and
-u8 always run on the vector kernel (the tiles take bf16).
+interleaved. bf16 and u8 run on the vector kernel and, where the CPU has AMX, on the tiles too
+(bf16 on AMX-BF16, u8 on AMX-INT8: rows bf16-amx, u8-amx); fp8 runs on the vector kernel.
 """
 
 from __future__ import annotations
@@ -67,14 +67,17 @@ def kv_dtype_rows(args, gen: torch.Generator, build_decode_batch, interleaved_ms
                     v_scale=v_scale,
                 )
             if with_u8:
-                fns["u8"] = _run(
-                    CpuBackend(decode_kernel="compiled"),
-                    query,
+                u8_key, u8_value = (
                     _in_pool(u8.quantize(key_cache)),
                     _in_pool(u8.quantize(value_cache)),
-                    meta,
-                    scale,
                 )
+                fns["u8"] = _run(
+                    CpuBackend(decode_kernel="compiled"), query, u8_key, u8_value, meta, scale
+                )
+                if amx:
+                    fns["u8-amx"] = _run(
+                        CpuBackend(decode_kernel="amx"), query, u8_key, u8_value, meta, scale
+                    )
             expected = fns["bf16"]().float()
             diffs = {n: float((fn().float() - expected).abs().max()) for n, fn in fns.items()}
             times = interleaved_ms(fns, args.warmup, args.repeats)
