@@ -31,6 +31,10 @@
 // products sum in fp32; the probabilities' rounding makes results differ from the vector path
 // at bf16 precision. It needs blocks of 16 tokens, D % 32 == 0, at most 16 query heads per kv
 // head and no sliding window; anything else runs the vector path.
+//
+// A u8 cache with bf16 queries runs on the AMX int8 tiles where the CPU has them (amx = true):
+// the vector integer path's int16 queries and weights, split into bytes, against the cache's
+// bytes (attend_partition_amx_u8); its integer sums are exact.
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -1127,14 +1131,12 @@ struct AmxU8Scratch {
   std::vector<uint8_t> weights;  // [2G][kChunk]: the weights' high bytes, then their low bytes
   std::vector<uint8_t> values;   // [D / 16][16 token quads][16 dims][4 tokens]
   float wscale[2][kAmxU8MaxGroup];  // the weights' scales
-  std::vector<int16_t> wint;     // one head's int16 weights [kChunk]
   int32_t tile[kChunk / kAmxBlock][kAmxBlock * kAmxBlock];  // a chunk's score tiles
   int32_t out[4][kAmxU8MaxGroup * 2 * 16];  // the output tiles of one 64-dim step
   explicit AmxU8Scratch(const Params& p)
       : queries(2 * p.num_heads * p.head_size),
         weights(2 * 2 * p.group * kChunk),
-        values(2 * kChunk * p.head_size),
-        wint(kChunk) {}
+        values(2 * kChunk * p.head_size) {}
 };
 
 // Split the item's int16 queries (s.qint) into the tiles' int8 halves, per kv head.
@@ -1192,6 +1194,61 @@ inline void unpermute_u8_output(const __m512 x[4], __m512 out[4]) {
   out[1] = _mm512_shuffle_f32x4(t0, t1, 0xDD);
   out[2] = _mm512_shuffle_f32x4(t2, t3, 0x88);
   out[3] = _mm512_shuffle_f32x4(t2, t3, 0xDD);
+}
+
+// The u8 tile path's softmax and weights for one query head and chunk, fused into two passes:
+// the online-softmax update of softmax_update (running max and sum, acc rescaled) on the scores
+// sc (max: their max over the count tokens), then u8_apply_value_scales, then the weights'
+// int16 quantization of quantize_i16 written as high bytes (hi) and low bytes (lo) for the
+// kChunk tokens (zero past count). Returns the weights' scale.
+inline float u8_tile_weights(float* sc, int64_t count, __m512 max_vec, float soft_cap,
+                             const float* vscale, const float* vmin, float& max, float& sum,
+                             float* acc, int64_t D, uint8_t* hi, uint8_t* lo) {
+  constexpr int64_t kVecs = kChunk / 16;
+  if (soft_cap > 0.0f) {
+    for (int64_t t = 0; t < count; ++t) sc[t] = soft_cap * std::tanh(sc[t] / soft_cap);
+    max_vec = _mm512_set1_ps(max_of(sc, count));
+  }
+  const float new_max = std::max(max, _mm512_reduce_max_ps(max_vec));
+  if (new_max > max && max != kNegInf) {
+    const float alpha = std::exp(max - new_max);
+    sum *= alpha;
+    for (int64_t i = 0; i < D; ++i) acc[i] *= alpha;
+  }
+  max = new_max;
+  const fVec shift(new_max);
+  fVec esum(0.0f), bias(0.0f), wmax(0.0f);
+  __m512 w[kVecs];
+  for (int64_t v = 0; v < kVecs; ++v) {
+    const int64_t t = 16 * v;
+    const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, count - t));
+    const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+    // NOTE: lanes past count are 0, so they add nothing anywhere.
+    const fVec e(_mm512_maskz_mov_ps(
+        mask, pagedattn_vec::exp_nonpos(fVec(_mm512_maskz_loadu_ps(mask, sc + t)) - shift)));
+    esum = esum + e;
+    bias = bias + e * fVec(_mm512_maskz_loadu_ps(mask, vmin + t));
+    w[v] = e * fVec(_mm512_maskz_loadu_ps(mask, vscale + t));
+    wmax = at::vec::maximum(wmax, fVec(w[v]));
+  }
+  auto add = [](const fVec& a, const fVec& b) { return a + b; };
+  sum += at::vec::vec_reduce_all(add, esum);
+  const float b = at::vec::vec_reduce_all(add, bias);
+  for (int64_t i = 0; i < D; ++i) acc[i] += b;
+  const float m = _mm512_reduce_max_ps(wmax);
+  const float inv = m == 0.0f ? 0.0f : 32767.0f / m;
+  for (int64_t v = 0; v < kVecs; v += 2) {
+    // NOTE: converted with the default rounding, to nearest, as quantize_i16.
+    const __m512i lo32 = _mm512_cvtps_epi32(_mm512_mul_ps(w[v], _mm512_set1_ps(inv)));
+    const __m512i hi32 = _mm512_cvtps_epi32(_mm512_mul_ps(w[v + 1], _mm512_set1_ps(inv)));
+    const __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi32_epi16(lo32)),
+                                         _mm512_cvtepi32_epi16(hi32), 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi + 16 * v),
+                        _mm512_cvtepi16_epi8(_mm512_srli_epi16(q, 8)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + 16 * v),
+                        _mm512_cvtepi16_epi8(_mm512_and_si512(q, _mm512_set1_epi16(0xFF))));
+  }
+  return m == 0.0f ? 1.0f : m / 32767.0f;
 }
 
 // 256 * x[hi] + x[lo] for 16 int32 lanes, as float.
@@ -1314,37 +1371,36 @@ bool attend_partition_amx_u8(const Params& p, const uint8_t* key_cache, const ui
         _tile_stored(0, a.tile[j], 8 * G);  // [16 tokens][2G]
         if (pair) _tile_stored(3, a.tile[j + 1], 8 * G);
       }
+      // Scores with the rows' scales and mins (as u8_apply_key_scales), and each head's max.
+      __m512 chunk_max[kAmxU8MaxGroup];
+      for (int64_t g = 0; g < G; ++g) chunk_max[g] = _mm512_set1_ps(kNegInf);
       for (int64_t j = 0; j < nblocks; ++j) {
         const __mmask16 mask = static_cast<__mmask16>(
             (1u << std::min(kAmxBlock, count - j * kAmxBlock)) - 1);
+        const __m512 ks = _mm512_loadu_ps(kscale + j * kAmxBlock);
+        const __m512 km = _mm512_loadu_ps(kmin + j * kAmxBlock);
         for (int64_t g = 0; g < G; ++g) {
           pf.step();
           const __m512i hi =
               _mm512_i32gather_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(g)), a.tile[j], 4);
           const __m512i lo = _mm512_i32gather_epi32(
               _mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(G + g))), a.tile[j], 4);
-          _mm512_mask_storeu_ps(scores + g * kChunk + j * kAmxBlock, mask,
-                                _mm512_mul_ps(combine_halves(hi, lo),
-                                              _mm512_set1_ps(s.qfactor[h * G + g])));
+          const __m512 raw =
+              _mm512_mul_ps(combine_halves(hi, lo), _mm512_set1_ps(s.qfactor[h * G + g]));
+          const __m512 sc = _mm512_add_ps(_mm512_mul_ps(raw, ks),
+                                          _mm512_mul_ps(km, _mm512_set1_ps(qsum[h * G + g])));
+          _mm512_mask_storeu_ps(scores + g * kChunk + j * kAmxBlock, mask, sc);
+          chunk_max[g] = _mm512_mask_max_ps(chunk_max[g], mask, chunk_max[g], sc);
         }
       }
       uint8_t* weights = a.weights.data() + buf * 2 * G * kChunk;
       for (int64_t g = 0; g < G; ++g) {
         pf.step();
         float* sc = scores + g * kChunk;
-        u8_apply_key_scales(sc, count, kscale, kmin, qsum[h * G + g]);
-        softmax_update(sc, count, p.soft_cap, s.max[h * G + g], s.sum[h * G + g],
-                       s.acc.data() + (h * G + g) * D, D);
-        u8_apply_value_scales(sc, count, vscale, vmin, s.acc.data() + (h * G + g) * D, D);
-        std::fill(sc + count, sc + kChunk, 0.0f);
-        a.wscale[buf][g] = quantize_i16(sc, kChunk, a.wint.data());
-        for (int64_t t = 0; t < kChunk; t += 32) {
-          const __m512i w = _mm512_loadu_si512(a.wint.data() + t);
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + g * kChunk + t),
-                              _mm512_cvtepi16_epi8(_mm512_srli_epi16(w, 8)));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(weights + (G + g) * kChunk + t),
-                              _mm512_cvtepi16_epi8(_mm512_and_si512(w, _mm512_set1_epi16(0xFF))));
-        }
+        float* acc = s.acc.data() + (h * G + g) * D;
+        a.wscale[buf][g] = u8_tile_weights(sc, count, chunk_max[g], p.soft_cap, vscale, vmin,
+                                           s.max[h * G + g], s.sum[h * G + g], acc, D,
+                                           weights + g * kChunk, weights + (G + g) * kChunk);
       }
       // NOTE: a kv head's value products run after the next head's scores: a tile load of bytes
       // that vector stores have just written waits for them (the first product of each head took

@@ -257,6 +257,25 @@ def test_decode_on_amx_tiles_largest_products(sign):
 
 
 @needs_amx
+def test_decode_on_amx_tiles_with_soft_cap():
+    """A logit soft cap on the tiles (applied to the chunk's scores before its max)."""
+    case = u8_case([(150, 1), (37, 1)], block_size=16, num_kv_heads=2, group=3, head_size=64)
+    query, meta, scale = case.query.to(torch.bfloat16), case.metadata, 64**-0.5
+    out = cpu_ext.paged_decode(
+        query, case.key_cache, case.value_cache, meta.block_tables, meta.seq_lens, scale=scale,
+        logits_soft_cap=2.0, amx=True,
+    )  # fmt: skip
+    expected = TorchRefBackend().forward(
+        query.float(), case.key_cache, case.value_cache, meta, scale=scale, logits_soft_cap=2.0
+    )
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+    uncapped = TorchRefBackend().forward(
+        query.float(), case.key_cache, case.value_cache, meta, scale=scale
+    )
+    assert (uncapped - expected).abs().max() > 0.05  # the cap changes the output
+
+
+@needs_amx
 def test_backend_amx_kernel_runs_a_u8_cache_on_the_tiles():
     """decode_kernel="amx" with a u8 cache: the mixed batch (decode rows on the tiles, prefill
     spans gathered) matches the reference."""
