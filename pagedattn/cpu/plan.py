@@ -37,6 +37,9 @@ PLAN_VERSION = 4  # bump when what is measured changes, so old plans are measure
 ATTENTION_KERNELS = ("compiled", "amx", "torch")
 # (candidate names, dtype) -> seconds of one timed decode attention call per candidate.
 MeasureAttention = Callable[[Sequence[str], torch.dtype], dict[str, float]]
+# KV cache dtypes (--kv-cache-dtype) whose decode rows the AMX tile path runs with bf16 queries:
+# the model's own bf16 (AMX-BF16) and u8 (AMX-INT8); an fp8 cache always runs the vector kernel.
+AMX_KV_CACHE_DTYPES = (AUTO, "bfloat16", "u8")
 
 
 class ShapeConfig(Protocol):
@@ -88,6 +91,8 @@ class KernelOptions:
     quantization: str | None = None
     decode_stack: bool = True
     step_ops: bool = True
+    # The KV cache dtype (--kv-cache-dtype): the decode attention kernels are timed on it.
+    kv_cache_dtype: str = AUTO
     # Speculative decoding: steps that verify drafts have at most verify_rows - 1 rows (0: none).
     verify_rows: int = 0
 
@@ -160,13 +165,18 @@ class KernelPlan:
         return f"{text} [{self.isa}]"
 
 
-def attention_available(kernel: str, dtype: torch.dtype) -> bool:
-    """Whether the decode attention ``kernel`` runs ``dtype`` here."""
+def attention_available(kernel: str, dtype: torch.dtype, kv_cache_dtype: str = AUTO) -> bool:
+    """Whether the decode attention ``kernel`` runs ``dtype`` queries here (on a cache of
+    ``kv_cache_dtype``; for amx, one the tiles take)."""
     if kernel == "torch":
         return True
     if extension.get_extension() is None or dtype not in extension.SUPPORTED_DTYPES:
         return False
-    return kernel == "compiled" or (dtype == torch.bfloat16 and extension.amx_available())
+    return kernel == "compiled" or (
+        dtype == torch.bfloat16
+        and kv_cache_dtype in AMX_KV_CACHE_DTYPES
+        and extension.amx_available()
+    )
 
 
 class KernelChoiceError(ValueError):
@@ -246,7 +256,8 @@ def choose_plan(
     linear = candidates(dtype, pool) or ["torch"]
     if options.linear_kernel != AUTO:
         linear = [options.linear_kernel]
-    attention = [k for k in ATTENTION_KERNELS if attention_available(k, dtype)]
+    kv = options.kv_cache_dtype
+    attention = [k for k in ATTENTION_KERNELS if attention_available(k, dtype, kv)]
     if options.attention_kernel != AUTO:
         attention = [options.attention_kernel]
     if len(linear) == 1 and (len(attention) == 1 or measure_attention is None):
@@ -254,7 +265,7 @@ def choose_plan(
         plan = dataclasses.replace(plan, **verify_fields(options, dtype, plan))
         _announce(str(plan), f"{_dtype_name(dtype)}: {plan.describe()} (as asked)")
         return plan
-    key = _plan_key(shapes, dtype, linear, attention)
+    key = _plan_key(shapes, dtype, linear, attention, kv)
     path = disk_cache.cache_root() / CACHE_FILE
     entry = {} if envs.PAGEDATTN_RETUNE else disk_cache.read_json(path).get(key)
     cached = _cached_plan(entry, linear, attention)
@@ -332,13 +343,19 @@ def _measure(
 
 
 def _plan_key(
-    shapes: ModelShapes, dtype: torch.dtype, linear: list[str], attention: list[str]
+    shapes: ModelShapes,
+    dtype: torch.dtype,
+    linear: list[str],
+    attention: list[str],
+    kv_cache_dtype: str = AUTO,
 ) -> str:
-    """Cache key: CPU signature, dtype, shapes, torch version and the candidates."""
+    """Cache key: CPU signature, dtype, shapes, torch version, the candidates and the KV cache
+    dtype (unless auto)."""
     digest = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
+    kv = "" if kv_cache_dtype == AUTO else f"|kv {kv_cache_dtype}"
     return (
         f"v{PLAN_VERSION}|{features.cpu_signature()}|{_dtype_name(dtype)}|{digest}|"
-        f"torch {torch.__version__}|{','.join(linear)}|{','.join(attention)}"
+        f"torch {torch.__version__}|{','.join(linear)}|{','.join(attention)}{kv}"
     )
 
 

@@ -172,7 +172,11 @@ def choose_model_plan(
     timing the decode attention kernels on the model's heads where it measures."""
     shapes = model_shapes(config)
     measure = functools.partial(
-        time_decode_attention, shapes.num_heads, shapes.num_kv_heads, shapes.head_size
+        time_decode_attention,
+        shapes.num_heads,
+        shapes.num_kv_heads,
+        shapes.head_size,
+        kv_cache_dtype=options.kv_cache_dtype,
     )
     return choose_plan(shapes, dtype, options, measure, device)
 

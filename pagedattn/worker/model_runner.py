@@ -104,6 +104,7 @@ class ModelRunner:
             # NOTE: the decode stack runs whole layers in one call: no room for an all-reduce.
             decode_stack=model_config.decode_stack and parallel is None,
             step_ops=model_config.step_ops,
+            kv_cache_dtype=cache.kv_cache_dtype,
             verify_rows=verify_row_bound(config.speculative),
         )
         text_config = checkpoint_config(checkpoint)

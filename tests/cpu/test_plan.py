@@ -346,3 +346,41 @@ def test_speculation_runs_verify_rows_on_panels_where_decode_chose_another():
     other = SHAPES._replace(layers=((64, 32),))
     on_panels = choose(fake_measure(panels), shapes=other, verify_rows=9)
     assert on_panels.linear_decode == "panels" and on_panels.linear_verify is None
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["u8", "fp8"])
+def test_attention_is_timed_on_the_kv_cache_dtype_and_cached_apart(kv_cache_dtype):
+    """--kv-cache-dtype reaches the attention timing: the tiles are a candidate for a u8 cache
+    (AMX-INT8) but not for fp8 (it runs the vector kernel), and the plan is cached under its own
+    key, apart from the model dtype's cache."""
+    if not plan_module.attention_available("compiled", torch.bfloat16):
+        pytest.skip("without the extension only torch attention is left: nothing is timed")
+    table = {r: dict.fromkeys(ALL, 1.0) for r in (DECODE_ROWS, PREFILL_ROWS)}
+    seen = []
+
+    def measure(kernels, dtype):
+        seen.append(list(kernels))
+        return {k: 1.0 if k == "torch" else 2.0 for k in kernels}
+
+    choose(fake_measure(table), dtype=torch.bfloat16, attention=measure)
+    auto_candidates = seen.pop()
+    plan = choose(
+        fake_measure(table), dtype=torch.bfloat16, attention=measure, kv_cache_dtype=kv_cache_dtype
+    )
+    assert plan.attention == "torch" and len(seen) == 1  # measured again: not the auto entry
+    amx = plan_module.attention_available("amx", torch.bfloat16)
+    assert ("amx" in seen[0]) == (amx and kv_cache_dtype == "u8")
+    assert ("amx" in auto_candidates) == amx
+    assert not plan_module.attention_available("amx", torch.bfloat16, "fp8")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "u8", "fp8_e5m2"])
+def test_real_attention_timing_on_one_byte_caches(kv_cache_dtype):
+    from pagedattn.attention.backends.cpu import time_decode_attention
+
+    kernels = [k for k in ("compiled", "amx", "torch")
+               if plan_module.attention_available(k, torch.bfloat16, kv_cache_dtype)]  # fmt: skip
+    times = time_decode_attention(
+        3, 1, 64, kernels, torch.bfloat16, num_seqs=2, kv_cache_dtype=kv_cache_dtype
+    )
+    assert set(times) == set(kernels) and all(0 < t < 1 for t in times.values())

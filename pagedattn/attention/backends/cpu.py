@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from pagedattn.attention import fp8, u8
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.fp8 import from_cache, is_fp8
 from pagedattn.attention.layout import KVCacheLayout, layout_of
@@ -414,9 +415,12 @@ def time_decode_attention(
     kernels: Sequence[str],
     dtype: torch.dtype,
     num_seqs: int = 32,
+    kv_cache_dtype: str = "auto",
 ) -> dict[str, float]:
     """Seconds of one decode attention call per kernel of ``kernels`` (compiled, amx, torch):
-    ``num_seqs`` sequences of ``ATTENTION_CONTEXT`` tokens in shuffled blocks of a flash cache."""
+    ``num_seqs`` sequences of ``ATTENTION_CONTEXT`` tokens in shuffled blocks of a flash cache,
+    ``dtype`` queries against a cache of ``dtype`` or of the one-byte ``kv_cache_dtype`` (fp8
+    with computed scales, u8)."""
     from pagedattn.cpu.tuner import fastest_passes
 
     block = ATTENTION_BLOCK_SIZE
@@ -431,10 +435,22 @@ def time_decode_attention(
     )
     query = torch.randn(num_seqs, num_heads, head_size, generator=gen).to(dtype)
     scale = head_size**-0.5
+    scales = {}
+    if kv_cache_dtype in u8.U8_NAMES:
+        key_cache, value_cache = u8.quantize(key_cache), u8.quantize(value_cache)
+    elif kv_cache_dtype in fp8.FP8_DTYPES:
+        cache_dtype = fp8.FP8_DTYPES[kv_cache_dtype]
+        k_scale = fp8.compute_scale(key_cache, cache_dtype)
+        v_scale = fp8.compute_scale(value_cache, cache_dtype)
+        key_cache = fp8.quantize(key_cache, cache_dtype, k_scale)
+        value_cache = fp8.quantize(value_cache, cache_dtype, v_scale)
+        scales = dict(k_scale=k_scale, v_scale=v_scale)
     backends = {k: CpuBackend(decode_kernel=k) for k in kernels}
     return fastest_passes(
         {
-            name: lambda b=backend: b.forward(query, key_cache, value_cache, metadata, scale=scale)
+            name: lambda b=backend: b.forward(
+                query, key_cache, value_cache, metadata, scale=scale, **scales
+            )
             for name, backend in backends.items()
         }
     )
