@@ -140,6 +140,9 @@ def test_a_queued_job_whose_caller_left_never_runs():
         queued = asyncio.ensure_future(pool.run(ran.append, "ran"))
         await asyncio.sleep(0.1)
         queued.cancel()  # the client disconnected: its compile must not start
+        # NOTE: the cancel reaches the executor's future on the loop's next turn; releasing the
+        # worker in the same turn let it pick the job first under load (a CI run saw it run).
+        await asyncio.sleep(0.05)
         release.set()
         await busy
         await asyncio.sleep(0.2)
