@@ -283,8 +283,8 @@ class ModelConfig:
     attention_kernel: str = option(
         "auto",
         "the CPU decode attention kernel: compiled (the extension's, reading K/V through the "
-        "block tables), amx (its AMX tile path: bf16 and u8 caches), torch (gather + SDPA); auto: "
-        "timed with the linear kernels, on the KV cache dtype",
+        "block tables), amx (its AMX tile path: bf16, fp8 and u8 caches), torch (gather + SDPA); "
+        "auto: timed with the linear kernels, on the KV cache dtype",
         choices=("auto", "compiled", "amx", "torch"),
     )
     decode_stack: bool = option(

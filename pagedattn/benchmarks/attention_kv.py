@@ -3,8 +3,8 @@ rows).
 
 The same random K/V is stored in bf16, in fp8 (computed scales) and in u8 (a scale and min per
 token and kv head, attention.u8); the compiled decode kernel reads each with bf16 queries, timed
-interleaved. bf16 and u8 run on the vector kernel and, where the CPU has AMX, on the tiles too
-(bf16 on AMX-BF16, u8 on AMX-INT8: rows bf16-amx, u8-amx); fp8 runs on the vector kernel.
+interleaved. Each runs on the vector kernel and, where the CPU has AMX, on the tiles too (bf16
+and fp8 on AMX-BF16, u8 on AMX-INT8: rows bf16-amx, fp8_e4m3-amx, u8-amx, ...).
 """
 
 from __future__ import annotations
@@ -56,16 +56,19 @@ def kv_dtype_rows(args, gen: torch.Generator, build_decode_batch, interleaved_ms
                     compute_scale(key_cache, dtype),
                     compute_scale(value_cache, dtype),
                 )
-                fns[name] = _run(
-                    CpuBackend(decode_kernel="compiled"),
-                    query,
-                    _in_pool(quantize(key_cache, dtype, k_scale)),
-                    _in_pool(quantize(value_cache, dtype, v_scale)),
-                    meta,
-                    scale,
-                    k_scale=k_scale,
-                    v_scale=v_scale,
-                )
+                fp8_key = _in_pool(quantize(key_cache, dtype, k_scale))
+                fp8_value = _in_pool(quantize(value_cache, dtype, v_scale))
+                for kernel in ("compiled", "amx") if amx else ("compiled",):
+                    fns[name if kernel == "compiled" else f"{name}-amx"] = _run(
+                        CpuBackend(decode_kernel=kernel),
+                        query,
+                        fp8_key,
+                        fp8_value,
+                        meta,
+                        scale,
+                        k_scale=k_scale,
+                        v_scale=v_scale,
+                    )
             if with_u8:
                 u8_key, u8_value = (
                     _in_pool(u8.quantize(key_cache)),

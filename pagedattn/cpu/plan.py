@@ -38,8 +38,8 @@ ATTENTION_KERNELS = ("compiled", "amx", "torch")
 # (candidate names, dtype) -> seconds of one timed decode attention call per candidate.
 MeasureAttention = Callable[[Sequence[str], torch.dtype], dict[str, float]]
 # KV cache dtypes (--kv-cache-dtype) whose decode rows the AMX tile path runs with bf16 queries:
-# the model's own bf16 (AMX-BF16) and u8 (AMX-INT8); an fp8 cache always runs the vector kernel.
-AMX_KV_CACHE_DTYPES = (AUTO, "bfloat16", "u8")
+# the model's own bf16 and fp8 (AMX-BF16), u8 (AMX-INT8).
+AMX_KV_CACHE_DTYPES = (AUTO, "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2", "u8")
 
 
 class ShapeConfig(Protocol):

@@ -15,7 +15,7 @@
 // (e4m3 / e5m2 bytes beside fp32 or bf16 queries) is widened as it is read; its k_scale (and the
 // load's unit, kFp8Unit) is folded into the score scale and its v_scale into the final division,
 // so the inner loops are those of bf16 with a different load; a chunk's key rows are widened once
-// for the whole GQA group. FP8 never runs on AMX. On builds for AVX512-BF16 (the native build of
+// for the whole GQA group. On builds for AVX512-BF16 (the native build of
 // such CPUs) bf16 scores use its dot products instead, and fp8 with bf16 queries runs on them
 // end to end: the bytes become bf16 bits by two shifts and a mask, and values are summed two
 // tokens per dot product (see accumulate_fp8_pairs). A u8 cache with bf16 queries runs integer
@@ -34,7 +34,8 @@
 //
 // A u8 cache with bf16 queries runs on the AMX int8 tiles where the CPU has them (amx = true):
 // the vector integer path's int16 queries and weights, split into bytes, against the cache's
-// bytes (attend_partition_amx_u8); its integer sums are exact.
+// bytes (attend_partition_amx_u8); its integer sums are exact. An fp8 cache with bf16 queries
+// runs the fp8 pairs path's arithmetic on the AMX-BF16 tiles (attend_partition_amx_fp8).
 
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -971,18 +972,12 @@ void pair_value_rows(const Params& p, const bf16* const* blocks, int64_t count, 
 }
 
 // attend_partition on the tiles (the caller configured them with configure_attention_tiles).
-bool attend_partition_amx(const Params& p, const bf16* key_cache, const bf16* value_cache,
-                          const int32_t* block_table, int64_t tok_begin, int64_t tok_end,
-                          const bf16* q, const NextItem& next_item, Scratch& s, AmxScratch& a) {
-  const int64_t G = p.group, D = p.head_size, Hkv = p.num_kv_heads;
-  const int64_t row_stride = Hkv * D, block_elems = kAmxBlock * row_stride;
-  const int64_t qsteps = D / kAmxK, dim_blocks = D / 16;
-  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
-  std::fill(s.max.begin(), s.max.end(), kNegInf);
-  std::fill(s.sum.begin(), s.sum.end(), 0.0f);
-  for (int64_t h = 0; h < Hkv; ++h) {
+// out = the queries q [Hq, D] as each kv head's B tiles: [Hkv][D / 32][16 dim pairs][G][2].
+void pack_amx_queries(const Params& p, const bf16* q, bf16* out) {
+  const int64_t G = p.group, D = p.head_size, qsteps = D / kAmxK;
+  for (int64_t h = 0; h < p.num_kv_heads; ++h) {
     for (int64_t ks = 0; ks < qsteps; ++ks) {
-      bf16* dst = a.queries.data() + (h * qsteps + ks) * (kAmxK / 2) * G * 2;
+      bf16* dst = out + (h * qsteps + ks) * (kAmxK / 2) * G * 2;
       for (int64_t r = 0; r < kAmxK / 2; ++r) {
         for (int64_t g = 0; g < G; ++g) {
           const bf16* src = q + (h * G + g) * D + ks * kAmxK + 2 * r;
@@ -992,6 +987,18 @@ bool attend_partition_amx(const Params& p, const bf16* key_cache, const bf16* va
       }
     }
   }
+}
+
+bool attend_partition_amx(const Params& p, const bf16* key_cache, const bf16* value_cache,
+                          const int32_t* block_table, int64_t tok_begin, int64_t tok_end,
+                          const bf16* q, const NextItem& next_item, Scratch& s, AmxScratch& a) {
+  const int64_t G = p.group, D = p.head_size, Hkv = p.num_kv_heads;
+  const int64_t row_stride = Hkv * D, block_elems = kAmxBlock * row_stride;
+  const int64_t qsteps = D / kAmxK, dim_blocks = D / 16;
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+  std::fill(s.max.begin(), s.max.end(), kNegInf);
+  std::fill(s.sum.begin(), s.sum.end(), 0.0f);
+  pack_amx_queries(p, q, a.queries.data());
   const __m512i rows = _mm512_mullo_epi32(  // element offsets of a tile column's 16 rows
       _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
       _mm512_set1_epi32(static_cast<int>(G)));
@@ -1412,6 +1419,209 @@ bool attend_partition_amx_u8(const Params& p, const uint8_t* key_cache, const ui
   return true;
 }
 #endif  // __AMX_INT8__ && PAGEDATTN_U8_INT
+
+// An fp8 cache with bf16 queries on the AMX-BF16 tiles (amx = true): the fp8 pairs path's
+// arithmetic (bytes as bf16 bits, queries lifted by 2^96, probabilities by 2^112) on the bf16
+// tile path's tiles. A kv head's key rows are widened into a scratch one head ahead of their
+// tile products, and its value rows paired (two tokens to a 32-bit lane, the unpacks' dim order;
+// see accumulate_fp8_pairs) before its scores, so that no tile load waits for the vector stores
+// that wrote its bytes; a kv head's value products run after the next head's scores, as on the
+// u8 tiles. Fits where amx_attention_fits does.
+struct AmxFp8Scratch {
+  std::vector<bf16> queries;  // as AmxScratch's, lifted
+  // Two of each (kv heads alternate):
+  std::vector<bf16> keys;     // [kChunk][D]: a head's key rows as bf16 bits
+  std::vector<bf16> values;   // [kChunk / 32][D / 16][16 token pairs][16 dims][2], dims permuted
+  std::vector<bf16> probs;    // [G][kChunk], lifted
+  float tile[kChunk / kAmxBlock][kAmxBlock * kAmxBlock];
+  float out[kAmxMaxGroup * 16];
+  explicit AmxFp8Scratch(const Params& p)
+      : queries(p.num_heads * p.head_size),
+        keys(2 * kChunk * p.head_size),
+        values(2 * kChunk * p.head_size),
+        probs(2 * p.group * kChunk) {}
+};
+
+// The online-softmax update of one query head with a chunk's scores (as softmax_update; max_vec:
+// their max over count) and its probabilities times kProbLift as bf16 in probs[0, kChunk) (zero
+// past count).
+inline void tile_probabilities(float* sc, int64_t count, __m512 max_vec, float soft_cap,
+                               float& max, float& sum, float* acc, int64_t D, bf16* probs) {
+  if (soft_cap > 0.0f) {
+    for (int64_t t = 0; t < count; ++t) sc[t] = soft_cap * std::tanh(sc[t] / soft_cap);
+    max_vec = _mm512_set1_ps(max_of(sc, count));
+  }
+  const float new_max = std::max(max, _mm512_reduce_max_ps(max_vec));
+  if (new_max > max && max != kNegInf) {
+    const float alpha = std::exp(max - new_max);
+    sum *= alpha;
+    for (int64_t i = 0; i < D; ++i) acc[i] *= alpha;
+  }
+  max = new_max;
+  const fVec shift(new_max), lift(kProbLift);
+  fVec esum(0.0f);
+  for (int64_t t = 0; t < kChunk; t += 32) {
+    __m512 e[2];
+    for (int k = 0; k < 2; ++k) {
+      const int64_t n = std::max<int64_t>(0, std::min<int64_t>(16, count - t - 16 * k));
+      const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+      e[k] = _mm512_maskz_mov_ps(
+          mask, pagedattn_vec::exp_nonpos(fVec(_mm512_maskz_loadu_ps(mask, sc + t + 16 * k)) - shift));
+      esum = esum + fVec(e[k]);
+    }
+    const __m512bh pair = _mm512_cvtne2ps_pbh(fVec(e[1]) * lift, fVec(e[0]) * lift);
+    _mm512_storeu_si512(reinterpret_cast<void*>(probs + t), (__m512i)pair);
+  }
+  sum += at::vec::vec_reduce_all([](const fVec& a, const fVec& b) { return a + b; }, esum);
+}
+
+// attend_partition for an fp8 cache on the tiles (configured by configure_attention_tiles).
+template <typename F>
+bool attend_partition_amx_fp8(const Params& p, const F* key_cache, const F* value_cache,
+                              const int32_t* block_table, int64_t tok_begin, int64_t tok_end,
+                              const bf16* q, const NextItem& next_item, Scratch& s,
+                              AmxFp8Scratch& a) {
+  const int64_t G = p.group, D = p.head_size, Hkv = p.num_kv_heads;
+  const int64_t row_stride = Hkv * D, block_elems = kAmxBlock * row_stride;
+  const int64_t qsteps = D / kAmxK, dim_blocks = D / 16;
+  lift_bf16(q, p.num_heads * D, kQueryLift, s.lifted.data());
+  pack_amx_queries(p, s.lifted.data(), a.queries.data());
+  std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+  std::fill(s.max.begin(), s.max.end(), kNegInf);
+  std::fill(s.sum.begin(), s.sum.end(), 0.0f);
+  const __m512i rows = _mm512_mullo_epi32(  // element offsets of a tile column's 16 rows
+      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+      _mm512_set1_epi32(static_cast<int>(G)));
+  const float score_scale = p.scale * kScoreUnlift;
+  const F* kblocks[kChunk / kAmxBlock];
+  const F* vblocks[kChunk / kAmxBlock];
+  int64_t next_offsets[kChunk];
+  RowPrefetcher pf;
+  for (int64_t c0 = tok_begin; c0 < tok_end; c0 += kChunk) {
+    const int64_t count = std::min(kChunk, tok_end - c0);
+    const int64_t nblocks = (count + kAmxBlock - 1) / kAmxBlock;
+    for (int64_t j = 0; j < nblocks; ++j) {
+      const int64_t block = block_table[c0 / kAmxBlock + j];
+      if (block < 0 || block >= p.num_blocks) return false;
+      kblocks[j] = key_cache + block * block_elems;
+      vblocks[j] = value_cache + block * block_elems;
+    }
+    pf.finish();  // before next_offsets is overwritten
+    const int64_t next_count =
+        following_row_offsets(p, block_table, c0, tok_end, next_item, next_offsets);
+    if (next_count < 0) return false;
+    // step() calls per chunk: per kv head, one per 16 key rows widened, one per 2 value pairs
+    // of 32 tokens, one per pair of blocks (score products), one per block and query head
+    // (scores), one per query head (probabilities) and one per 16 dims (value products).
+    pf.aim(key_cache, value_cache, next_offsets, next_count, row_stride,
+           Hkv * (nblocks + 8 * ((count + 31) / 32) + (nblocks + 1) / 2 + nblocks * G + G +
+                  dim_blocks));
+    auto row = [&](const F* const* blocks, int64_t t, int64_t h) {
+      return blocks[t / kAmxBlock] + (t % kAmxBlock) * row_stride + h * D;
+    };
+    // keys[h % 2] = kv head h's key rows as bf16 bits (rows past count left as they are: their
+    // scores are never stored).
+    auto widen_keys = [&](int64_t h) {
+      bf16* dst = a.keys.data() + (h % 2) * kChunk * D;
+      for (int64_t t = 0; t < count; ++t) {
+        if (t % kAmxBlock == 0) pf.step();
+        for (int64_t d = 0; d < D; d += 32) {
+          _mm512_storeu_si512(dst + t * D + d, fp8_bf16_bits(row(kblocks, t, h) + d));
+        }
+      }
+    };
+    // acc[h's heads] += the probabilities times kv head h's value rows (its buffers: h % 2).
+    auto value_products = [&](int64_t h) {
+      const bf16* values = a.values.data() + (h % 2) * kChunk * D;
+      const bf16* probs = a.probs.data() + (h % 2) * G * kChunk;
+      const int64_t ksteps = (count + kAmxK - 1) / kAmxK;
+      for (int64_t db = 0; db < dim_blocks; db += 2) {
+        fVec lohi[2][kAmxMaxGroup];
+        for (int64_t half = 0; half < 2; ++half) {
+          pf.step();
+          _tile_zero(6);
+          for (int64_t ks = 0; ks < ksteps; ++ks) {
+            _tile_loadd(4, probs + ks * kAmxK, kChunk * sizeof(bf16));
+            _tile_loadd(5, values + ((ks * dim_blocks + db + half) * (kAmxK / 2)) * 32, 64);
+            _tile_dpbf16ps(6, 4, 5);
+          }
+          _tile_stored(6, a.out, 64);  // [G][16 dims]
+          for (int64_t g = 0; g < G; ++g) lohi[half][g] = fVec(_mm512_loadu_ps(a.out + g * 16));
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          fVec x0, x1;
+          unpermute(lohi[0][g], lohi[1][g], x0, x1);
+          float* acc = s.acc.data() + (h * G + g) * D + db * 16;
+          store(acc, load(acc) + x0);
+          store(acc + 16, load(acc + 16) + x1);
+        }
+      }
+    };
+    widen_keys(0);
+    for (int64_t h = 0; h < Hkv; ++h) {
+      const int64_t buf = h % 2;
+      if (h + 1 < Hkv) widen_keys(h + 1);
+      // values[buf][k step][dim block][pair r]: tokens 2r, 2r + 1 of the k step (zero past count).
+      bf16* values = a.values.data() + buf * kChunk * D;
+      for (int64_t ks = 0; ks * kAmxK < count; ++ks) {
+        for (int64_t r = 0; r < kAmxK / 2; ++r) {
+          if (r % 2 == 0) pf.step();
+          const int64_t t0 = ks * kAmxK + 2 * r, t1 = t0 + 1;
+          for (int64_t d = 0; d < D; d += 32) {
+            const __m512i v0 = t0 < count ? fp8_bf16_bits(row(vblocks, t0, h) + d) : _mm512_setzero_si512();
+            const __m512i v1 = t1 < count ? fp8_bf16_bits(row(vblocks, t1, h) + d) : _mm512_setzero_si512();
+            bf16* dst = values + ((ks * dim_blocks + d / 16) * (kAmxK / 2) + r) * 32;
+            _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(v0, v1));
+            _mm512_storeu_si512(dst + (kAmxK / 2) * 32, _mm512_unpackhi_epi16(v0, v1));
+          }
+        }
+      }
+      const bf16* keys = a.keys.data() + buf * kChunk * D;
+      const bf16* queries = a.queries.data() + h * qsteps * (kAmxK / 2) * G * 2;
+      for (int64_t j = 0; j < nblocks; j += 2) {
+        const bool pair = j + 1 < nblocks;
+        pf.step();
+        _tile_zero(0);
+        if (pair) _tile_zero(3);
+        for (int64_t ks = 0; ks < qsteps; ++ks) {
+          _tile_loadd(2, queries + ks * (kAmxK / 2) * G * 2, 4 * G);
+          _tile_loadd(1, keys + j * kAmxBlock * D + ks * kAmxK, D * sizeof(bf16));
+          _tile_dpbf16ps(0, 1, 2);
+          if (pair) {
+            _tile_loadd(7, keys + (j + 1) * kAmxBlock * D + ks * kAmxK, D * sizeof(bf16));
+            _tile_dpbf16ps(3, 7, 2);
+          }
+        }
+        _tile_stored(0, a.tile[j], 4 * G);  // [16 tokens][G]
+        if (pair) _tile_stored(3, a.tile[j + 1], 4 * G);
+      }
+      float* scores = s.scores.data() + h * G * kChunk;
+      __m512 chunk_max[kAmxMaxGroup];
+      for (int64_t g = 0; g < G; ++g) chunk_max[g] = _mm512_set1_ps(kNegInf);
+      for (int64_t j = 0; j < nblocks; ++j) {
+        const __mmask16 mask = static_cast<__mmask16>(
+            (1u << std::min(kAmxBlock, count - j * kAmxBlock)) - 1);
+        for (int64_t g = 0; g < G; ++g) {
+          pf.step();
+          const __m512 sc = _mm512_mul_ps(
+              _mm512_i32gather_ps(_mm512_add_epi32(rows, _mm512_set1_epi32(g)), a.tile[j], 4),
+              _mm512_set1_ps(score_scale));
+          _mm512_mask_storeu_ps(scores + g * kChunk + j * kAmxBlock, mask, sc);
+          chunk_max[g] = _mm512_mask_max_ps(chunk_max[g], mask, chunk_max[g], sc);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        pf.step();
+        tile_probabilities(scores + g * kChunk, count, chunk_max[g], p.soft_cap, s.max[h * G + g],
+                           s.sum[h * G + g], s.acc.data() + (h * G + g) * D, D,
+                           a.probs.data() + buf * G * kChunk + g * kChunk);
+      }
+      if (h > 0) value_products(h - 1);
+    }
+    value_products(Hkv - 1);
+  }
+  return true;
+}
 #endif  // PAGEDATTN_HAS_AMX
 
 // Partition size: the requested one, halved (down to 2 chunks) until there are enough work items
@@ -1469,6 +1679,7 @@ void paged_decode_impl(const Params& p, const T* query, const C* key_cache, cons
     // NOTE: the tile configuration is per thread; p.amx is only set for bf16 and u8 caches (with
     // bf16 queries) and shapes that fit.
     std::unique_ptr<AmxScratch> amx;
+    std::unique_ptr<AmxFp8Scratch> amx_fp8;
 #ifdef PAGEDATTN_HAS_AMX_U8
     std::unique_ptr<AmxU8Scratch> amx_u8;
 #endif
@@ -1476,6 +1687,11 @@ void paged_decode_impl(const Params& p, const T* query, const C* key_cache, cons
       if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, bf16>) {
         configure_attention_tiles(p.group);
         amx = std::make_unique<AmxScratch>(p);
+      }
+      if constexpr (std::is_same_v<T, bf16> && (std::is_same_v<C, fp8_e4m3> ||
+                                                std::is_same_v<C, fp8_e5m2>)) {
+        configure_attention_tiles(p.group);
+        amx_fp8 = std::make_unique<AmxFp8Scratch>(p);
       }
 #ifdef PAGEDATTN_HAS_AMX_U8
       if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, uint8_t>) {
@@ -1513,6 +1729,13 @@ void paged_decode_impl(const Params& p, const T* query, const C* key_cache, cons
                                         item.tok_end, q, ahead, s, *amx)
                  : attend_partition<T, C>(p, key_cache, value_cache, table, item.tok_begin,
                                           item.tok_end, q, ahead, s);
+      } else if constexpr (std::is_same_v<T, bf16> && (std::is_same_v<C, fp8_e4m3> ||
+                                                       std::is_same_v<C, fp8_e5m2>)) {
+        ok = amx_fp8 ? attend_partition_amx_fp8<C>(p, key_cache, value_cache, table,
+                                                   item.tok_begin, item.tok_end, q, ahead, s,
+                                                   *amx_fp8)
+                     : attend_partition<T, C>(p, key_cache, value_cache, table, item.tok_begin,
+                                              item.tok_end, q, ahead, s);
 #ifdef PAGEDATTN_HAS_AMX_U8
       } else if constexpr (std::is_same_v<T, bf16> && std::is_same_v<C, uint8_t>) {
         ok = amx_u8 ? attend_partition_amx_u8(p, key_cache, value_cache, table, item.tok_begin,
@@ -1650,7 +1873,9 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
     return;
   }
   if (fp8) {
-    p.amx = false;  // NOTE: the tiles take bf16; an fp8 cache runs the vector path
+#ifdef PAGEDATTN_HAS_AMX
+    p.amx = amx && query.scalar_type() == at::kBFloat16 && amx_attention_fits(p);
+#endif
     TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
                 "an fp8 cache needs float32 or bfloat16 queries, got ", query.dtype());
     const bool e4m3 = key_cache.scalar_type() == at::kFloat8_e4m3fn;

@@ -33,12 +33,12 @@ def test_kv_dtype_rows_time_every_cache_against_bf16():
     gen = torch.Generator().manual_seed(0)
     rows = attention_kv.kv_dtype_rows(args, gen, build_decode_batch, interleaved_ms, HEAD_CONFIGS)
     kernels = {r["kernel"]: r for r in rows}
-    amx = {"bf16-amx", "u8-amx"} if cpu_ext.amx_available() else set()
+    amx = {"bf16-amx", "fp8_e4m3-amx", "u8-amx"} if cpu_ext.amx_available() else set()
     expected = {"bf16", "fp8_e4m3", "u8"} | amx
     assert set(kernels) == expected
     assert kernels["bf16"]["diff"] == 0.0 and kernels["bf16"]["speedup"] <= 1.0
     # Outputs of unit-variance random K/V: u8 within a few of its steps, fp8 within its mantissa.
     assert kernels["u8"]["diff"] < 0.05 and kernels["fp8_e4m3"]["diff"] < 0.15
     if amx:
-        assert kernels["u8-amx"]["diff"] < 0.05
+        assert kernels["u8-amx"]["diff"] < 0.05 and kernels["fp8_e4m3-amx"]["diff"] < 0.15
     assert all(r["ms"] > 0 for r in rows)

@@ -350,9 +350,9 @@ def test_speculation_runs_verify_rows_on_panels_where_decode_chose_another():
 
 @pytest.mark.parametrize("kv_cache_dtype", ["u8", "fp8"])
 def test_attention_is_timed_on_the_kv_cache_dtype_and_cached_apart(kv_cache_dtype):
-    """--kv-cache-dtype reaches the attention timing: the tiles are a candidate for a u8 cache
-    (AMX-INT8) but not for fp8 (it runs the vector kernel), and the plan is cached under its own
-    key, apart from the model dtype's cache."""
+    """--kv-cache-dtype reaches the attention timing (the tiles a candidate for u8 and fp8
+    caches, where the CPU has AMX), and the plan is cached under its own key, apart from the
+    model dtype's."""
     if not plan_module.attention_available("compiled", torch.bfloat16):
         pytest.skip("without the extension only torch attention is left: nothing is timed")
     table = {r: dict.fromkeys(ALL, 1.0) for r in (DECODE_ROWS, PREFILL_ROWS)}
@@ -369,9 +369,8 @@ def test_attention_is_timed_on_the_kv_cache_dtype_and_cached_apart(kv_cache_dtyp
     )
     assert plan.attention == "torch" and len(seen) == 1  # measured again: not the auto entry
     amx = plan_module.attention_available("amx", torch.bfloat16)
-    assert ("amx" in seen[0]) == (amx and kv_cache_dtype == "u8")
-    assert ("amx" in auto_candidates) == amx
-    assert not plan_module.attention_available("amx", torch.bfloat16, "fp8")
+    assert ("amx" in seen[0]) == amx and ("amx" in auto_candidates) == amx
+    assert not plan_module.attention_available("amx", torch.float32, kv_cache_dtype)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "u8", "fp8_e5m2"])
