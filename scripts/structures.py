@@ -21,7 +21,8 @@ def main() -> int:
         "Native code, one extension built on first use per ISA level (`pagedattn/csrc`, written"
         " over at::vec::Vectorized: AVX2, AVX-512, NEON):",
         "- `paged_attention_cpu.cpp`: CPU paged decode attention through the block tables (vector"
-        " code on every ISA, AVX512-BF16 scores or AMX tiles for bf16), and the module's bindings.",
+        " code on every ISA, AVX512-BF16 scores; AMX tiles for bf16 and fp8 caches, AMX-INT8 for u8),"
+        " and the module's bindings.",
         "- `linear_cpu.cpp`: the panel GEMM, one of the linear kernels the tuner measures"
         " (panels, AMX, MKL, oneDNN, F.linear).",
         "- `linear_amx_cpu.cpp`: the AMX-BF16 tile GEMM for decode row counts (weights packed once"
