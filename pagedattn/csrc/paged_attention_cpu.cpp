@@ -377,19 +377,31 @@ void widen_rows(const C* const* rows, int64_t count, int64_t D, W* out, const W*
   }
 }
 
-// Online-softmax update of one head with a chunk of scores (turned into probabilities in place).
-inline void softmax_update(float* sc, int64_t count, float soft_cap, float& max, float& sum,
-                           float* acc, int64_t head_size) {
+// sc[t] = soft_cap * tanh(sc[t] / soft_cap) for t < count (soft_cap 0: none).
+inline void apply_soft_cap(float* sc, int64_t count, float soft_cap) {
   if (soft_cap > 0.0f) {
     for (int64_t t = 0; t < count; ++t) sc[t] = soft_cap * std::tanh(sc[t] / soft_cap);
   }
-  const float new_max = std::max(max, max_of(sc, count));
+}
+
+// The online softmax's running max of one head raised to include chunk_max, its sum and acc
+// rescaled to the new max; returns it.
+inline float raise_max(float chunk_max, float& max, float& sum, float* acc, int64_t head_size) {
+  const float new_max = std::max(max, chunk_max);
   if (new_max > max && max != kNegInf) {
     const float alpha = std::exp(max - new_max);
     sum *= alpha;
     for (int64_t i = 0; i < head_size; ++i) acc[i] *= alpha;
   }
   max = new_max;
+  return new_max;
+}
+
+// Online-softmax update of one head with a chunk of scores (turned into probabilities in place).
+inline void softmax_update(float* sc, int64_t count, float soft_cap, float& max, float& sum,
+                           float* acc, int64_t head_size) {
+  apply_soft_cap(sc, count, soft_cap);
+  const float new_max = raise_max(max_of(sc, count), max, sum, acc, head_size);
   sum += exp_shifted_sum(sc, count, new_max);
 }
 
@@ -912,6 +924,29 @@ constexpr int64_t kAmxBlock = 16;     // tokens per cache block (the tiles' 16 r
 constexpr int64_t kAmxMaxGroup = 16;  // query heads per kv head (tile rows / columns)
 constexpr int64_t kAmxK = 32;         // bf16 values per tile row
 
+// {0, x, 2x, ..., 15x} as int32 lanes: the offsets of 16 rows x apart (a tile column's 16 rows,
+// a block's 16 token rows).
+inline __m512i lane_multiples(int64_t x) {
+  return _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                            _mm512_set1_epi32(static_cast<int>(x)));
+}
+
+// The cache blocks of the chunk of count tokens at c0 (a multiple of kAmxBlock): kblocks[j] /
+// vblocks[j] point at block j's first element (block_elems elements per block); false on an
+// out-of-range block id.
+template <typename C>
+inline bool chunk_blocks(const Params& p, const int32_t* block_table, int64_t c0, int64_t count,
+                         const C* key_cache, const C* value_cache, int64_t block_elems,
+                         const C** kblocks, const C** vblocks) {
+  for (int64_t j = 0; j * kAmxBlock < count; ++j) {
+    const int64_t block = block_table[c0 / kAmxBlock + j];
+    if (block < 0 || block >= p.num_blocks) return false;
+    kblocks[j] = key_cache + block * block_elems;
+    vblocks[j] = value_cache + block * block_elems;
+  }
+  return true;
+}
+
 // Tiles (palette 1): 0, 3 scores [16 tokens x G] fp32; 1, 7 key rows [16 tokens x 32 dims] bf16;
 // 2 queries [16 dim pairs x G pairs]; 4 probabilities [G x 32 tokens] bf16; 5 values [16 token
 // pairs x 16 dim pairs]; 6 output [G x 16 dims] fp32.
@@ -999,9 +1034,7 @@ bool attend_partition_amx(const Params& p, const bf16* key_cache, const bf16* va
   std::fill(s.max.begin(), s.max.end(), kNegInf);
   std::fill(s.sum.begin(), s.sum.end(), 0.0f);
   pack_amx_queries(p, q, a.queries.data());
-  const __m512i rows = _mm512_mullo_epi32(  // element offsets of a tile column's 16 rows
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-      _mm512_set1_epi32(static_cast<int>(G)));
+  const __m512i rows = lane_multiples(G);  // element offsets of a tile column's 16 rows
   const bf16* kblocks[kChunk / kAmxBlock];
   const bf16* vblocks[kChunk / kAmxBlock];
   int64_t next_offsets[kChunk];
@@ -1010,11 +1043,9 @@ bool attend_partition_amx(const Params& p, const bf16* key_cache, const bf16* va
     const int64_t count = std::min(kChunk, tok_end - c0);
     const int64_t nblocks = (count + kAmxBlock - 1) / kAmxBlock;
     const int64_t ksteps = (count + kAmxK - 1) / kAmxK;
-    for (int64_t j = 0; j < nblocks; ++j) {
-      const int64_t block = block_table[c0 / kAmxBlock + j];
-      if (block < 0 || block >= p.num_blocks) return false;
-      kblocks[j] = key_cache + block * block_elems;
-      vblocks[j] = value_cache + block * block_elems;
+    if (!chunk_blocks(p, block_table, c0, count, key_cache, value_cache, block_elems, kblocks,
+                      vblocks)) {
+      return false;
     }
     // NOTE: the next chunk's blocks are scattered: ask for them while this one computes.
     pf.finish();  // before next_offsets is overwritten
@@ -1091,6 +1122,17 @@ bool attend_partition_amx(const Params& p, const bf16* key_cache, const bf16* va
     }
   }
   return true;
+}
+
+// The tile paths' raise_max for one query head, with the chunk's scores sc already scaled and
+// max_vec their max over count (recomputed here after a soft cap); returns the new max.
+inline float tile_raise_max(float* sc, int64_t count, __m512 max_vec, float soft_cap, float& max,
+                            float& sum, float* acc, int64_t D) {
+  if (soft_cap > 0.0f) {
+    apply_soft_cap(sc, count, soft_cap);
+    return raise_max(max_of(sc, count), max, sum, acc, D);
+  }
+  return raise_max(_mm512_reduce_max_ps(max_vec), max, sum, acc, D);
 }
 
 #if defined(__AMX_INT8__) && defined(PAGEDATTN_U8_INT)
@@ -1212,17 +1254,7 @@ inline float u8_tile_weights(float* sc, int64_t count, __m512 max_vec, float sof
                              const float* vscale, const float* vmin, float& max, float& sum,
                              float* acc, int64_t D, uint8_t* hi, uint8_t* lo) {
   constexpr int64_t kVecs = kChunk / 16;
-  if (soft_cap > 0.0f) {
-    for (int64_t t = 0; t < count; ++t) sc[t] = soft_cap * std::tanh(sc[t] / soft_cap);
-    max_vec = _mm512_set1_ps(max_of(sc, count));
-  }
-  const float new_max = std::max(max, _mm512_reduce_max_ps(max_vec));
-  if (new_max > max && max != kNegInf) {
-    const float alpha = std::exp(max - new_max);
-    sum *= alpha;
-    for (int64_t i = 0; i < D; ++i) acc[i] *= alpha;
-  }
-  max = new_max;
+  const float new_max = tile_raise_max(sc, count, max_vec, soft_cap, max, sum, acc, D);
   const fVec shift(new_max);
   fVec esum(0.0f), bias(0.0f), wmax(0.0f);
   __m512 w[kVecs];
@@ -1279,24 +1311,20 @@ bool attend_partition_amx_u8(const Params& p, const uint8_t* key_cache, const ui
   std::fill(s.acc.begin(), s.acc.end(), 0.0f);
   std::fill(s.max.begin(), s.max.end(), kNegInf);
   std::fill(s.sum.begin(), s.sum.end(), 0.0f);
-  const __m512i rows = _mm512_mullo_epi32(  // int32 offsets of a score tile column's 16 rows
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-      _mm512_set1_epi32(static_cast<int>(2 * G)));
-  const __m512i trailers = _mm512_mullo_epi32(  // byte offsets of a block's 16 rows
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-      _mm512_set1_epi32(static_cast<int>(row_stride)));
+  const __m512i rows = lane_multiples(2 * G);  // int32 offsets of a score tile column's rows
+  const __m512i trailers = lane_multiples(row_stride);  // byte offsets of a block's 16 rows
   float kscale[kChunk], kmin[kChunk], vscale[kChunk], vmin[kChunk];
   const uint8_t* kblocks[kChunk / kAmxBlock];
+  const uint8_t* vblocks[kChunk / kAmxBlock];
   const uint8_t* vrows[kChunk];
   int64_t next_offsets[kChunk];
   RowPrefetcher pf;
   for (int64_t c0 = tok_begin; c0 < tok_end; c0 += kChunk) {
     const int64_t count = std::min(kChunk, tok_end - c0);
     const int64_t nblocks = (count + kAmxBlock - 1) / kAmxBlock;
-    for (int64_t j = 0; j < nblocks; ++j) {
-      const int64_t block = block_table[c0 / kAmxBlock + j];
-      if (block < 0 || block >= p.num_blocks) return false;
-      kblocks[j] = key_cache + block * block_bytes;
+    if (!chunk_blocks(p, block_table, c0, count, key_cache, value_cache, block_bytes, kblocks,
+                      vblocks)) {
+      return false;
     }
     pf.finish();  // before next_offsets is overwritten
     const int64_t next_count =
@@ -1344,17 +1372,15 @@ bool attend_partition_amx_u8(const Params& p, const uint8_t* key_cache, const ui
       const int8_t* queries = a.queries.data() + h * ksteps * (kAmxU8K / 4) * 2 * G * 4;
       // The rows' scales and mins, 16 tokens (a block) per gather.
       for (int64_t j = 0; j < nblocks; ++j) {
-        const int64_t off = (kblocks[j] - key_cache) + h * hs + D;
-        const uint8_t* k = key_cache + off;
-        const uint8_t* v = value_cache + off;
+        const uint8_t* k = kblocks[j] + h * hs + D;
+        const uint8_t* v = vblocks[j] + h * hs + D;
         _mm512_storeu_ps(kscale + j * kAmxBlock, _mm512_i32gather_ps(trailers, k, 1));
         _mm512_storeu_ps(kmin + j * kAmxBlock, _mm512_i32gather_ps(trailers, k + 4, 1));
         _mm512_storeu_ps(vscale + j * kAmxBlock, _mm512_i32gather_ps(trailers, v, 1));
         _mm512_storeu_ps(vmin + j * kAmxBlock, _mm512_i32gather_ps(trailers, v + 4, 1));
       }
       for (int64_t t = 0; t < count; ++t) {
-        vrows[t] = value_cache + (kblocks[t / kAmxBlock] - key_cache) +
-                   (t % kAmxBlock) * row_stride + h * hs;
+        vrows[t] = vblocks[t / kAmxBlock] + (t % kAmxBlock) * row_stride + h * hs;
       }
       const int64_t buf = h % 2;
       interleave_u8_values(vrows, count, D, a.values.data() + buf * kChunk * D, pf);
@@ -1447,17 +1473,7 @@ struct AmxFp8Scratch {
 // past count).
 inline void tile_probabilities(float* sc, int64_t count, __m512 max_vec, float soft_cap,
                                float& max, float& sum, float* acc, int64_t D, bf16* probs) {
-  if (soft_cap > 0.0f) {
-    for (int64_t t = 0; t < count; ++t) sc[t] = soft_cap * std::tanh(sc[t] / soft_cap);
-    max_vec = _mm512_set1_ps(max_of(sc, count));
-  }
-  const float new_max = std::max(max, _mm512_reduce_max_ps(max_vec));
-  if (new_max > max && max != kNegInf) {
-    const float alpha = std::exp(max - new_max);
-    sum *= alpha;
-    for (int64_t i = 0; i < D; ++i) acc[i] *= alpha;
-  }
-  max = new_max;
+  const float new_max = tile_raise_max(sc, count, max_vec, soft_cap, max, sum, acc, D);
   const fVec shift(new_max), lift(kProbLift);
   fVec esum(0.0f);
   for (int64_t t = 0; t < kChunk; t += 32) {
@@ -1489,9 +1505,7 @@ bool attend_partition_amx_fp8(const Params& p, const F* key_cache, const F* valu
   std::fill(s.acc.begin(), s.acc.end(), 0.0f);
   std::fill(s.max.begin(), s.max.end(), kNegInf);
   std::fill(s.sum.begin(), s.sum.end(), 0.0f);
-  const __m512i rows = _mm512_mullo_epi32(  // element offsets of a tile column's 16 rows
-      _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-      _mm512_set1_epi32(static_cast<int>(G)));
+  const __m512i rows = lane_multiples(G);  // element offsets of a tile column's 16 rows
   const float score_scale = p.scale * kScoreUnlift;
   const F* kblocks[kChunk / kAmxBlock];
   const F* vblocks[kChunk / kAmxBlock];
@@ -1500,11 +1514,9 @@ bool attend_partition_amx_fp8(const Params& p, const F* key_cache, const F* valu
   for (int64_t c0 = tok_begin; c0 < tok_end; c0 += kChunk) {
     const int64_t count = std::min(kChunk, tok_end - c0);
     const int64_t nblocks = (count + kAmxBlock - 1) / kAmxBlock;
-    for (int64_t j = 0; j < nblocks; ++j) {
-      const int64_t block = block_table[c0 / kAmxBlock + j];
-      if (block < 0 || block >= p.num_blocks) return false;
-      kblocks[j] = key_cache + block * block_elems;
-      vblocks[j] = value_cache + block * block_elems;
+    if (!chunk_blocks(p, block_table, c0, count, key_cache, value_cache, block_elems, kblocks,
+                      vblocks)) {
+      return false;
     }
     pf.finish();  // before next_offsets is overwritten
     const int64_t next_count =
