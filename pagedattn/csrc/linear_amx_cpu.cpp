@@ -1,4 +1,4 @@
-// bf16 GEMM on AMX tiles for decode-sized row counts: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
+// bf16 GEMM on AMX tiles, decode and prefill row counts: y[M, N] = x[M, K] @ W[N, K]^T (+ bias).
 // W is bf16, or int8 with a per-column scale (--quantization int8): each int8 tile is widened
 // to bf16 in L1 just before its tile product (exact), and the scale applied to the fp32 sums.
 //
@@ -11,11 +11,13 @@
 // - W is packed as [N / 16][K / 32] tiles of 16 k-pairs x 16 columns x 2 (the VNNI layout
 //   TDPBF16PS reads: row r of a tile holds W[n0 + c][k0 + 2r] and W[n0 + c][k0 + 2r + 1] for
 //   c = 0..15), so the tiles of one 16-column block are one contiguous run.
-// - A work item is a pair of 16-column blocks. For every chunk of 32 rows it keeps 2 x 2 fp32
-//   accumulator tiles (rows 0-15 and 16-31, both blocks), and for each 32-wide k step loads two
-//   activation tiles and two weight tiles: four TDPBF16PS per 2 KB of weights.
-// - Threads claim the block pairs a few at a time (claims_cpu.h); activations (a few tens of
-//   KB) stay in L1/L2.
+// - A work item is a pair of 16-column blocks over one row block (all rows at decode sizes).
+//   For every chunk of 32 rows it keeps 2 x 2 fp32 accumulator tiles (rows 0-15 and 16-31,
+//   both blocks), and for each 32-wide k step loads two activation tiles and two weight tiles:
+//   four TDPBF16PS per 2 KB of weights.
+// - Threads claim the items a few at a time (claims_cpu.h), row block by row block: a row
+//   block's activations (about 512 KB; a few tens of KB at decode) stay in L2 while every block
+//   pair reads them.
 // - The sum over k runs in fp32 on the tiles; bias is added in fp32 and the result rounded to
 //   bf16 once (round to nearest even), as oneDNN does. The order of the k sum differs from other
 //   kernels', so results agree with theirs to bf16 rounding, not bit for bit.
@@ -55,6 +57,18 @@ constexpr int64_t kPrefetchTiles = 2;
 // decode step, a third of that time for the other to finish here. Claimed 8 at a time (the LM
 // head's 1,536 pairs), the wait fell to 21%.
 constexpr int64_t kPairsPerClaim = 8;
+// Activation bytes of one row block: a work item is one block pair over one row block, and the
+// items run row block by row block, so a block's rows stay in L2 while every pair reads them.
+// NOTE: with all rows in one block, prefill-sized calls read the activations from L3 once per
+// block pair (2,048 x 576 bf16 is 2.4 MB): one thread ran 0.8 TFLOP/s at 2,048 rows against 1.2
+// at 256 (SmolLM2's MLP up-projection, AMX Xeon).
+constexpr int64_t kRowBlockBytes = 512 << 10;
+
+// Rows per row block for activations of K bf16 values: a multiple of kRowChunk, at least one.
+inline int64_t row_block(int64_t K) {
+  const int64_t rows = kRowBlockBytes / (K * static_cast<int64_t>(sizeof(c10::BFloat16)));
+  return std::max(kRowChunk, rows / kRowChunk * kRowChunk);
+}
 
 #ifdef PAGEDATTN_HAS_AMX
 constexpr int kArchReqXcompPerm = 0x1023;
@@ -131,7 +145,8 @@ inline const c10::BFloat16* weight_tile(const int8_t* w, c10::BFloat16* scratch)
 // a per-column scale applied to the fp32 sums (scale null for bf16).
 template <bool kTwoBlocks, typename W>
 void block_pair(const c10::BFloat16* x, const W* packed, const float* scale, const float* bias,
-                c10::BFloat16* y, int64_t M, int64_t N, int64_t K, int64_t nb0, TileRows& tiles) {
+                c10::BFloat16* y, int64_t m_begin, int64_t M, int64_t N, int64_t K, int64_t nb0,
+                TileRows& tiles) {
   const int64_t kb_count = K / kTileK;
   const int64_t tile_elems = kTileK * kTileCols;  // weight values per tile
   const W* w0 = packed + nb0 * kb_count * tile_elems;
@@ -139,7 +154,7 @@ void block_pair(const c10::BFloat16* x, const W* packed, const float* scale, con
   alignas(64) float acc[kTileRows * kTileCols];
   alignas(64) c10::BFloat16 widened[2][kTileK * kTileCols];  // int8 weights only
   const int64_t ldx = K * sizeof(c10::BFloat16);
-  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+  for (int64_t m0 = m_begin; m0 < M; m0 += kRowChunk) {
     const int64_t rows0 = std::min(kTileRows, M - m0);
     const int64_t rows1 = std::min(kTileRows, std::max<int64_t>(0, M - m0 - kTileRows));
     tiles.configure(rows0, rows1);
@@ -152,7 +167,7 @@ void block_pair(const c10::BFloat16* x, const W* packed, const float* scale, con
       if (kTwoBlocks) _tile_zero(3);
     }
     for (int64_t kb = 0; kb < kb_count; ++kb) {
-      if (m0 == 0) {
+      if (m0 == m_begin) {
         // NOTE: past the pair's last tile this runs into the next pair's, which is next in
         // memory (and harmless past the end of the weight: prefetches never fault).
         const char* p0 = reinterpret_cast<const char*>(w0 + (kb + kPrefetchTiles) * tile_elems);
@@ -247,18 +262,22 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
   auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>());
   const int64_t num_blocks = N / kTileCols;
   const int64_t num_pairs = (num_blocks + 1) / 2;
+  const int64_t block_rows = row_block(K);
+  const int64_t num_row_blocks = (M + block_rows - 1) / block_rows;
   auto run = [&](const auto* wp) {
-    pagedattn_claims::Claims pairs(num_pairs, kPairsPerClaim);
-    pairs.run([&](pagedattn_claims::Claims& claims) {
+    pagedattn_claims::Claims items(num_row_blocks * num_pairs, kPairsPerClaim);
+    items.run([&](pagedattn_claims::Claims& claims) {
       TileRows tiles;
       int64_t begin, end;
       while (claims.next(begin, end)) {
-        for (int64_t p = begin; p < end; ++p) {
-          const int64_t nb0 = 2 * p;
+        for (int64_t item = begin; item < end; ++item) {
+          const int64_t m_begin = item / num_pairs * block_rows;
+          const int64_t m_end = std::min(M, m_begin + block_rows);
+          const int64_t nb0 = 2 * (item % num_pairs);
           if (nb0 + 1 < num_blocks) {
-            block_pair<true>(xp, wp, scale_ptr, bias_ptr, yp, M, N, K, nb0, tiles);
+            block_pair<true>(xp, wp, scale_ptr, bias_ptr, yp, m_begin, m_end, N, K, nb0, tiles);
           } else {
-            block_pair<false>(xp, wp, scale_ptr, bias_ptr, yp, M, N, K, nb0, tiles);
+            block_pair<false>(xp, wp, scale_ptr, bias_ptr, yp, m_begin, m_end, N, K, nb0, tiles);
           }
         }
       }

@@ -254,6 +254,27 @@ def test_amx_linear_is_a_bf16_gemm_with_fp32_accumulation(num_tokens, out_featur
 
 
 @needs_amx
+@pytest.mark.parametrize("kernel", ["amx", "int8_amx"])
+def test_amx_linear_runs_prefill_rows_in_row_blocks_with_the_same_sums(kernel):
+    # K = 2,048 bf16 values make 4 KiB rows: a row block is 128 rows, so 300 rows are three
+    # blocks, the last one partial (44 rows: one whole 32-row chunk and 12 rows).
+    torch.manual_seed(0)
+    w = torch.randn(80, 2048).to(torch.bfloat16)
+    x = torch.randn(300, 2048).to(torch.bfloat16)
+    bias = torch.randn(80)
+    layer = pack_weight(kernel, w, bias)
+    got = layer(x)
+    if kernel == "amx":
+        exact = x.double() @ w.double().T + bias.double()
+        err = (got.double() - exact).abs()
+        assert bool((err <= exact.abs() * 2**-8 + 1e-2).all()), float(err.max())
+    # Every row's sums run in the same order whichever block holds it: bit for bit equal to
+    # the same rows run alone.
+    for start, stop in [(0, 128), (128, 256), (256, 288), (288, 300), (120, 140)]:
+        assert torch.equal(got[start:stop], layer(x[start:stop])), (start, stop)
+
+
+@needs_amx
 def test_amx_layers_fall_back_where_the_tiles_do_not_fit():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 40)).to(torch.bfloat16)
