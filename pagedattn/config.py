@@ -130,6 +130,13 @@ class CacheConfig:
         "fp8 KV cache: set each layer's k/v scale from the first prefill's amax (amax / fp8 "
         "max) instead of 1.0",
     )
+    kv_cache_prefault: bool = option(
+        False,
+        "write every page of the KV cache at startup, as vLLM's up-front allocation does: steps "
+        "then never wait for the OS to map and zero a block's pages on first use (0.8-1.4 GB/s "
+        "on the AMX Xeon VM), and the whole cache is resident from the start (default: a block's "
+        "memory is committed when it is first written)",
+    )
     enable_prefix_caching: bool = option(
         True,
         "reuse the KV blocks of prompt prefixes seen before (chained block hashes)",

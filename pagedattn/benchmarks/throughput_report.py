@@ -286,7 +286,9 @@ def render_markdown(
         "(unless --llama-cpp-weights says otherwise: its note in the JSON names the weights); "
         "OpenVINO and vLLM CPU from the same weights saved as an HF folder (OpenVINO: exported "
         "by optimum-intel, fp32 IR, the dtype as its inference precision). KV cache: the element "
-        "type each engine keeps its cache in (OpenVINO's CPU default is u8).",
+        "type each engine keeps its cache in (OpenVINO's CPU default is u8); pagedattn writes "
+        "its cache's pages at startup (--kv-cache-prefault), as vLLM allocates its cache up "
+        "front, so no timed step waits for the OS to map them.",
         "",
     ]
     report = {

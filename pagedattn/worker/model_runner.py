@@ -171,6 +171,7 @@ class ModelRunner:
                 self.model.head_size,
                 self.kv_cache_dtype,
                 self.device,
+                prefault=cache.kv_cache_prefault,
             )
             for _ in range(self.model.num_layers)
         ]

@@ -20,10 +20,14 @@ from pagedattn.attention.metadata import AttentionMetadata
 # CPU caches at least this large are mapped lazily (see lazy_zeros); smaller ones use torch.zeros.
 LAZY_ZEROS_MIN_BYTES = 1 << 20
 HUGE_PAGE_MIN_BYTES = 4 << 20  # mappings this large ask for transparent huge pages
+PAGE_BYTES = 4096  # the smallest page the OS maps
 
 
-def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero CPU tensor on fresh anonymous pages, which the OS maps (and zeroes) on first touch.
+def lazy_zeros(
+    shape: tuple[int, ...], dtype: torch.dtype, *, prefault: bool = False
+) -> torch.Tensor:
+    """A zero CPU tensor on fresh anonymous pages, which the OS maps (and zeroes) on first touch;
+    with ``prefault``, every page is touched here instead (--kv-cache-prefault).
 
     ``torch.zeros`` writes every byte up front (seconds for a GiB-sized KV pool, all of it
     resident); here a block costs memory only once written. Where the OS allows, the mapping
@@ -41,6 +45,10 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
             buffer.madvise(mmap.MADV_HUGEPAGE)
         except OSError:  # NOTE: a kernel without transparent huge pages: 4 KiB pages
             pass
+    if prefault:
+        # NOTE: a write (a read maps the shared zero page): one byte per 4 KiB page commits and
+        # zeroes each page, or each 2 MiB huge page on its first byte.
+        torch.frombuffer(buffer, dtype=torch.uint8)[::PAGE_BYTES] = 0
     return torch.frombuffer(buffer, dtype=dtype, count=num_bytes // dtype.itemsize).view(shape)
 
 
@@ -78,15 +86,20 @@ class AttentionBackend(ABC):
         head_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        prefault: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Allocate one layer's zeroed (key_cache, value_cache) in this backend's layout."""
+        """Allocate one layer's zeroed (key_cache, value_cache) in this backend's layout (a large
+        CPU cache on lazily mapped pages, all touched now with ``prefault``)."""
         key_shape, value_shape = self.kv_cache_shapes(
             num_blocks, block_size, num_kv_heads, head_size, dtype
         )
         num_bytes = dtype.itemsize * torch.Size(key_shape).numel()
         if torch.device(device).type == "cpu" and num_bytes >= LAZY_ZEROS_MIN_BYTES:
             check_cache_dtype(dtype, device)
-            return lazy_zeros(key_shape, dtype), lazy_zeros(value_shape, dtype)
+            return (
+                lazy_zeros(key_shape, dtype, prefault=prefault),
+                lazy_zeros(value_shape, dtype, prefault=prefault),
+            )
         return allocate_kv_cache(
             self.layout, num_blocks, block_size, num_kv_heads, head_size, dtype, device
         )

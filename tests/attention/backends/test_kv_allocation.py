@@ -38,6 +38,18 @@ def test_large_cpu_cache_costs_no_memory_until_written():
     assert _rss_kib() - before < 64 * 1024
 
 
+def test_a_prefaulted_cache_is_resident_from_the_start():
+    backend = get_attn_backend("torch", "cpu")
+    before = _rss_kib()
+    # 2 x 32 MiB, every page written at allocation (--kv-cache-prefault), still all zeros.
+    key, value = backend.allocate_kv_cache(512, 16, 8, 128, torch.float32, "cpu", prefault=True)
+    assert _rss_kib() - before >= 60 * 1024
+    assert torch.count_nonzero(key) == 0 and torch.count_nonzero(value) == 0
+    # An odd size: the last, partial page is touched too.
+    x = lazy_zeros((4097 * 1024 + 3,), torch.uint8, prefault=True)
+    assert torch.count_nonzero(x) == 0 and x.numel() == 4097 * 1024 + 3
+
+
 def test_small_caches_keep_torch_zeros():
     backend = get_attn_backend("torch", "cpu")
     key, value = backend.allocate_kv_cache(4, 4, 2, 16, torch.float32, "cpu")
