@@ -141,8 +141,8 @@ inline const c10::BFloat16* weight_tile(const int8_t* w, c10::BFloat16* scratch)
   return widen_tile(w, scratch);
 }
 
-// One or two 16-column blocks (nb0, nb0 + 1 when two) over all M rows. W is bf16, or int8 with
-// a per-column scale applied to the fp32 sums (scale null for bf16).
+// One or two 16-column blocks (nb0, nb0 + 1 when two) over rows [m_begin, M). W is bf16, or int8
+// with a per-column scale applied to the fp32 sums (scale null for bf16).
 template <bool kTwoBlocks, typename W>
 void block_pair(const c10::BFloat16* x, const W* packed, const float* scale, const float* bias,
                 c10::BFloat16* y, int64_t m_begin, int64_t M, int64_t N, int64_t K, int64_t nb0,
