@@ -341,10 +341,12 @@ void gelu_tanh_mul_rows(const T* gate_up, T* out, int64_t rows, int64_t I) {
 
 // Index of the first maximum of each row; a NaN counts as the maximum (the first NaN wins), as
 // in torch.argmax. Two passes: the maximum (and whether any NaN exists), then its first position.
-void argmax_rows(const float* x, int64_t* out, int64_t rows, int64_t V) {
+// T is float or bf16 (compared as their exact fp32 values).
+template <typename T>
+void argmax_rows(const T* x, int64_t* out, int64_t rows, int64_t V) {
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const float* row = x + r * V;
+      const T* row = x + r * V;
       float best = -std::numeric_limits<float>::infinity();
       bool has_nan = false;
       int64_t i = 0;
@@ -358,7 +360,7 @@ void argmax_rows(const float* x, int64_t* out, int64_t rows, int64_t V) {
           [](const fVec& a, const fVec& b) { return at::vec::maximum(a, b); }, vmax);
       has_nan = nan_lanes.zero_mask() != (1 << kWidth) - 1;
       for (; i < V; ++i) {
-        const float v = row[i];
+        const float v = static_cast<float>(row[i]);
         has_nan |= std::isnan(v);
         best = v > best ? v : best;
       }
@@ -376,7 +378,8 @@ void argmax_rows(const float* x, int64_t* out, int64_t rows, int64_t V) {
         }
       }
       for (; idx < 0 && i < V; ++i) {
-        if (has_nan ? std::isnan(row[i]) : row[i] == best) idx = i;
+        const float v = static_cast<float>(row[i]);
+        if (has_nan ? std::isnan(v) : v == best) idx = i;
       }
       idx = idx < 0 ? 0 : idx;
       out[r] = idx;
@@ -544,12 +547,18 @@ torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up) {
   return out;
 }
 
-// logits [N, V] float32 contiguous -> [N] int64: the first index of each row's maximum.
+// logits [N, V] float32 or bf16 contiguous -> [N] int64: the first index of each row's maximum.
 torch::Tensor argmax_last_dim(torch::Tensor logits) {
+  const bool bf16_logits = logits.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() &&
-                  logits.scalar_type() == torch::kFloat32 && logits.size(1) > 0,
-              "logits must be a contiguous float32 [N, V] tensor with V > 0");
+                  (logits.scalar_type() == torch::kFloat32 || bf16_logits) && logits.size(1) > 0,
+              "logits must be a contiguous float32 or bf16 [N, V] tensor with V > 0");
   auto out = torch::empty({logits.size(0)}, logits.options().dtype(torch::kInt64));
-  argmax_rows(logits.data_ptr<float>(), out.data_ptr<int64_t>(), logits.size(0), logits.size(1));
+  if (bf16_logits) {
+    argmax_rows(reinterpret_cast<const bf16*>(logits.data_ptr<at::BFloat16>()),
+                out.data_ptr<int64_t>(), logits.size(0), logits.size(1));
+  } else {
+    argmax_rows(logits.data_ptr<float>(), out.data_ptr<int64_t>(), logits.size(0), logits.size(1));
+  }
   return out;
 }

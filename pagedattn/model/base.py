@@ -127,22 +127,28 @@ class PagedCausalLM(nn.Module):
                 verify = pack_weight(self.plan.linear_verify, weight.detach())
                 self.tied_head_verify = None if verify.name == packed.name else verify
 
-    def compute_logits(self, hidden: torch.Tensor, verify: bool = False) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, verify: bool = False, float32: bool = True
+    ) -> torch.Tensor:
         """hidden [N, H] -> float32 logits [N, V] (soft-capped when the model says so).
 
-        verify: the rows score draft tokens (the plan's verify kernel, where it has one)."""
+        verify: the rows score draft tokens (the plan's verify kernel, where it has one).
+        float32=False: the LM head's own dtype where no soft cap applies (the sampler widens
+        them only where it must; a greedy argmax is the same on them)."""
         verify = verify and 2 <= hidden.shape[0] < self.plan.verify_rows
         if not self.tie_word_embeddings:
             head = self.lm_head
             packed = head.verify if verify and head.verify is not None else None
-            logits = (packed(hidden) if packed is not None else head(hidden)).float()  # [N, V]
+            logits = packed(hidden) if packed is not None else head(hidden)  # [N, V]
         elif verify and self.tied_head_verify is not None:
-            logits = self.tied_head_verify(hidden).float()  # [N, V]
+            logits = self.tied_head_verify(hidden)  # [N, V]
         elif self.tied_head is not None:
-            logits = self.tied_head(hidden).float()  # [N, V]
+            logits = self.tied_head(hidden)  # [N, V]
         else:
-            logits = (hidden @ self.lm_head_weight().t()).float()  # [N, V]
+            logits = hidden @ self.lm_head_weight().t()  # [N, V]
         cap = self.final_logit_softcapping
+        if float32 or cap is not None:
+            logits = logits.float()
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits

@@ -194,10 +194,13 @@ class TensorParallelMixin:
             else:
                 yield name, self.tp_shard.slice_weight(name, tensor)
 
-    def compute_logits(self, hidden: torch.Tensor, verify: bool = False) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, verify: bool = False, float32: bool = True
+    ) -> torch.Tensor:
         """Rank 0: the full [N, V] logits; other ranks: zeros of that shape (a free view).
 
-        NOTE: only rank 0 samples; the others call this only to send their vocab rows.
+        NOTE: only rank 0 samples; the others call this only to send their vocab rows. The rows
+        are gathered in float32 whatever ``float32`` asks.
         """
         local = super().compute_logits(hidden, verify)  # [N, vocab_per_rank]
         gathered = self.tp_group.gather_first(local)

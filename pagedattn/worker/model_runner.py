@@ -238,8 +238,11 @@ class ModelRunner:
                 batch.input_ids, batch.positions, self.kv_caches, batch.attn_metadata
             )
         # NOTE: the LM head runs only on the rows that are sampled (the last token of each span).
+        # NOTE: in the LM head's dtype; the sampler widens them to float32 only where it must.
         logits = self.model.compute_logits(
-            hidden.index_select(0, batch.logits_indices), verify=batch.logits_rows is not None
+            hidden.index_select(0, batch.logits_indices),
+            verify=batch.logits_rows is not None,
+            float32=False,
         )
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
         t2 = time.perf_counter()
@@ -256,7 +259,7 @@ class ModelRunner:
                 rows.append(_SampleRow(child_id, logits_row, sched, seed))
         output = self.sample(logits, rows)
         if speculative:
-            verify_rows(output, logits, speculative, self.sampler.generator)
+            verify_rows(output, logits.float(), speculative, self.sampler.generator)
         output.prompt_logprobs = prompt_logprobs
         output.kv_load_shortfalls = shortfalls
         if self.kv_connector is not None:

@@ -34,11 +34,23 @@ class StructuredOutputError(RuntimeError):
 
 def _argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """``logits.argmax(dim=-1)`` (first index on ties); one compiled pass on CPU."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+    compiled_dtype = logits.dtype in (torch.float32, torch.bfloat16)
+    if logits.device.type == "cpu" and compiled_dtype and logits.is_contiguous():
         ext = cpu_ext.step_ops()
         if ext is not None and logits.dim() == 2 and logits.shape[1] > 0:
             return ext.argmax_last_dim(logits)
     return logits.argmax(dim=-1)
+
+
+def _greedy_on_raw_logits(metadata: SamplingMetadata) -> bool:
+    """Every row greedy, and no penalty, bias, grammar or min_tokens to apply first."""
+    return (
+        metadata.all_greedy
+        and metadata.no_penalties
+        and metadata.logit_bias is None
+        and metadata.matchers is None
+        and metadata.min_tokens_mask is None
+    )
 
 
 def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -272,6 +284,14 @@ class Sampler:
         raw_logprobs = None
         if metadata.max_num_logprobs is not None:
             raw_logprobs = compute_logprobs(logits)
+        if raw_logprobs is None and _greedy_on_raw_logits(metadata):
+            # NOTE: nothing changes these logits before their argmax, which is the same on the
+            # LM head's dtype: float() would write a float32 copy of [rows, vocab] every step.
+            sampled = _argmax_rows(logits)
+            terminated = advance_matchers(sampled, metadata)
+            return SamplerOutput(
+                sampled_token_ids=sampled, logprobs=None, terminated_rows=terminated
+            )
         original = logits
         logits = logits.float()
         # NOTE: the caller's logits are never modified: penalties return a copy, else clone.

@@ -45,6 +45,19 @@ def test_all_greedy_is_argmax_and_skips_everything() -> None:
     assert torch.equal(logits, before)
 
 
+def test_greedy_on_bf16_logits_is_their_argmax_and_still_applies_bias() -> None:
+    # A bf16 model's logits: plain greedy rows take their argmax as they are; a logit_bias (or
+    # a penalty, grammar, min_tokens) still goes through the float32 path first.
+    logits = _logits(8).to(torch.bfloat16)
+    plain = Sampler()(logits, _meta([SamplingParams(temperature=0.0)] * 8))
+    assert torch.equal(plain.sampled_token_ids, logits.float().argmax(-1))
+    low = int(logits[0].float().argmin())
+    biased = SamplingParams(temperature=0.0, logit_bias={low: 100.0})
+    out = Sampler()(logits, _meta([biased] + [SamplingParams(temperature=0.0)] * 7))
+    assert out.sampled_token_ids[0].item() == low
+    assert torch.equal(out.sampled_token_ids[1:], plain.sampled_token_ids[1:])
+
+
 def test_greedy_ties_take_lowest_id() -> None:
     logits = torch.zeros(1, VOCAB_SIZE)
     logits[0, [7, 5, 9]] = 2.0

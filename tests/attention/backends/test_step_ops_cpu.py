@@ -149,16 +149,20 @@ def test_compiled_gemma_rms_norm(dtype, shape):
     torch.testing.assert_close(norm(wide[..., : shape[-1]]), norm(x), atol=0, rtol=0)
 
 
-def test_compiled_argmax_first_index_and_nan():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_argmax_first_index_and_nan(dtype):
     torch.manual_seed(0)
     logits = torch.randn(6, 1000)
     logits[1, 10] = logits[1, 900] = 50.0  # a tie: the first wins
     logits[2, 999] = 60.0  # in the scalar tail (1000 = 62 * 16 + 8)
     logits[3, 5] = logits[3, 7] = float("nan")  # NaN is the maximum: the first NaN
     logits[4] = float("-inf")
+    logits = logits.to(dtype)
     got = cpu_ext.load_extension().argmax_last_dim(logits)
     assert torch.equal(got, logits.argmax(dim=-1))
     assert got.tolist()[1:5] == [10, 999, 5, 0]
+    # bf16 logits: their argmax is the float32 copy's (the sampler skips the copy).
+    assert torch.equal(got, cpu_ext.load_extension().argmax_last_dim(logits.float()))
 
 
 def test_step_ops_can_be_switched_off():
