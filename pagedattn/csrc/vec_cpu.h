@@ -159,28 +159,21 @@ inline void store(float* p, const fVec& v, int64_t n) { v.store(p, static_cast<i
 // one vector (v, v) it rounded every lane twice. The one-vector conversion below is the same
 // rounding (nearest even, NaN -> 0xffff) done once: SmolLM2's RMSNorm took 19 us at 32 bf16 rows
 // of 576 against 6 us in fp32 (AMX Xeon), most of it in these roundings.
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #if defined(CPU_CAPABILITY_AVX512)
+using fRegister = __m512;
 using bf16Bits = __m256i;  // kWidth bf16 values
-inline bf16Bits to_bf16_bits(const fVec& v) { return at::vec::cvtfp32_bf16(__m512(v)); }
-inline fVec from_bf16_bits(const bf16Bits& b) {
-  __m512 out;
-  at::vec::cvtbf16_fp32(b, out);
-  return out;
-}
-inline void store_bf16_bits(bf16* p, const bf16Bits& b) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), b);
-}
-#elif defined(CPU_CAPABILITY_AVX2)
+#else
+using fRegister = __m256;
 using bf16Bits = __m128i;
-inline bf16Bits to_bf16_bits(const fVec& v) { return at::vec::cvtfp32_bf16(__m256(v)); }
+#endif
+inline bf16Bits to_bf16_bits(const fVec& v) { return at::vec::cvtfp32_bf16(fRegister(v)); }
 inline fVec from_bf16_bits(const bf16Bits& b) {
-  __m256 out;
+  fRegister out;
   at::vec::cvtbf16_fp32(b, out);
   return out;
 }
-inline void store_bf16_bits(bf16* p, const bf16Bits& b) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), b);
-}
+inline void store_bf16_bits(bf16* p, const bf16Bits& b) { std::memcpy(p, &b, sizeof(b)); }
 #endif
 
 inline void store(bf16* p, const fVec& v, int64_t n = kWidth) {
