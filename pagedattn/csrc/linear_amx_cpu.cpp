@@ -18,6 +18,11 @@
 // - Threads claim the items a few at a time (claims_cpu.h), row block by row block: a row
 //   block's activations (about 512 KB; a few tens of KB at decode) stay in L2 while every block
 //   pair reads them.
+// - At 1 or 2 rows (batch-1 decode, a draft model's steps) the tiles' arithmetic is idle and
+//   only the streaming counts, so the same packing is read by AVX-512 instead: each tile row is
+//   one 64-byte vector of 16 columns x 2 k values, which VDPBF16PS multiplies with the row's k
+//   pair broadcast. A work item there is up to 8 consecutive 16-column blocks read side by side
+//   (8 streams), each prefetched 512 bytes ahead.
 // - The sum over k runs in fp32 on the tiles; bias is added in fp32 and the result rounded to
 //   bf16 once (round to nearest even), as oneDNN does. The order of the k sum differs from other
 //   kernels', so results agree with theirs to bf16 rounding, not bit for bit.
@@ -63,6 +68,16 @@ constexpr int64_t kPairsPerClaim = 8;
 // block pair (2,048 x 576 bf16 is 2.4 MB): one thread ran 0.8 TFLOP/s at 2,048 rows against 1.2
 // at 256 (SmolLM2's MLP up-projection, AMX Xeon).
 constexpr int64_t kRowBlockBytes = 512 << 10;
+
+// At most this many rows are multiplied with AVX-512 dot products instead of the tiles.
+// NOTE: SmolLM2's 30 layers + LM head (256 MiB bf16) at 1 row, 2 threads, AMX Xeon: the tiles
+// streamed 26-27 GB/s, dot products over 8 blocks at a time 30 GB/s (a read-only loop tops out at
+// 30 GB/s there). At 4 rows the dot products were slower than the tiles (22 against 26 GB/s).
+constexpr int64_t kDotRows = 2;
+// 16-column blocks one dot-product work item reads side by side, and how far ahead it prefetches
+// in each (bytes). 2 and 4 streams per thread streamed 25-28 GB/s, 8 streams 30.
+constexpr int kDotBlocks = 8;
+constexpr int kDotPrefetchBytes = 512;
 
 // Rows per row block for activations of K bf16 values: a multiple of kRowChunk, at least one.
 inline int64_t row_block(int64_t K) {
@@ -213,6 +228,89 @@ void block_pair(const c10::BFloat16* x, const W* packed, const float* scale, con
     }
   }
 }
+
+// kBlocks consecutive 16-column blocks from nb0, over kRows (1 or 2) rows, with AVX-512 dot
+// products on the tiles' packing: for each tile row r (16 columns x the k pair 2r, 2r + 1), the
+// rows' k pairs broadcast to all 16 lanes. bf16 weights only.
+template <int kBlocks, int kRows>
+void dot_blocks(const c10::BFloat16* x, const c10::BFloat16* packed, const float* bias,
+                c10::BFloat16* y, int64_t N, int64_t K, int64_t nb0) {
+  const int64_t kb_count = K / kTileK;
+  const int64_t tile_elems = kTileK * kTileCols;
+  const char* w[kBlocks];
+  __m512 acc[kRows][kBlocks];
+  for (int b = 0; b < kBlocks; ++b) {
+    w[b] = reinterpret_cast<const char*>(packed + (nb0 + b) * kb_count * tile_elems);
+    for (int i = 0; i < kRows; ++i) acc[i][b] = _mm512_setzero_ps();
+  }
+  const auto* pairs = reinterpret_cast<const int32_t*>(x);  // a row's k pairs, 2 bf16 each
+  const int64_t pairs_per_row = K / 2;
+  constexpr int64_t kTileRowBytes = kTileCols * 2 * sizeof(c10::BFloat16);  // 64
+  for (int64_t p = 0; p < pairs_per_row; ++p) {
+    __m512bh xv[kRows];
+    for (int i = 0; i < kRows; ++i) {
+      xv[i] = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pairs[i * pairs_per_row + p]));
+    }
+    const int64_t offset = p * kTileRowBytes;  // tile row p % 16 of tile p / 16
+    for (int b = 0; b < kBlocks; ++b) {
+      // NOTE: past a block's end this runs into the next block's tiles (the next stream of
+      // this item, or the next item's), and past the weight's end prefetches never fault.
+      _mm_prefetch(w[b] + offset + kDotPrefetchBytes, _MM_HINT_T0);
+      const __m512bh wv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(w[b] + offset));
+      for (int i = 0; i < kRows; ++i) acc[i][b] = _mm512_dpbf16_ps(acc[i][b], wv, xv[i]);
+    }
+  }
+  for (int b = 0; b < kBlocks; ++b) {
+    const int64_t n0 = (nb0 + b) * kTileCols;
+    const __m512 bv = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    for (int i = 0; i < kRows; ++i) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * N + n0),
+                          reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][b], bv))));
+    }
+  }
+}
+
+// Blocks [nb0, nb0 + count) (count <= kDotBlocks) over kRows rows: the widest item first.
+template <int kRows>
+void dot_item(const c10::BFloat16* x, const c10::BFloat16* packed, const float* bias,
+              c10::BFloat16* y, int64_t N, int64_t K, int64_t nb0, int64_t count) {
+  if (count == kDotBlocks) return dot_blocks<kDotBlocks, kRows>(x, packed, bias, y, N, K, nb0);
+  for (int64_t done = 0; done < count;) {  // a tail of 1-7 blocks: 4, 2, 1 at a time
+    const int64_t left = count - done;
+    if (left >= 4) {
+      dot_blocks<4, kRows>(x, packed, bias, y, N, K, nb0 + done);
+      done += 4;
+    } else if (left >= 2) {
+      dot_blocks<2, kRows>(x, packed, bias, y, N, K, nb0 + done);
+      done += 2;
+    } else {
+      dot_blocks<1, kRows>(x, packed, bias, y, N, K, nb0 + done);
+      done += 1;
+    }
+  }
+}
+
+// y = x @ W^T (+ bias) for M <= kDotRows rows of bf16 weights, items claimed a few at a time.
+void dot_rows(const c10::BFloat16* x, const c10::BFloat16* packed, const float* bias,
+              c10::BFloat16* y, int64_t M, int64_t N, int64_t K) {
+  const int64_t num_blocks = N / kTileCols;
+  const int64_t num_items = (num_blocks + kDotBlocks - 1) / kDotBlocks;
+  pagedattn_claims::Claims items(num_items, 2);
+  items.run([&](pagedattn_claims::Claims& claims) {
+    int64_t begin, end;
+    while (claims.next(begin, end)) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t nb0 = item * kDotBlocks;
+        const int64_t count = std::min<int64_t>(kDotBlocks, num_blocks - nb0);
+        if (M == 1) {
+          dot_item<1>(x, packed, bias, y, N, K, nb0, count);
+        } else {
+          dot_item<2>(x, packed, bias, y, N, K, nb0, count);
+        }
+      }
+    }
+  });
+}
 #endif  // PAGEDATTN_HAS_AMX
 
 }  // namespace
@@ -260,6 +358,11 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
 #ifdef PAGEDATTN_HAS_AMX
   const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>());
+  if (!int8 && M <= kDotRows) {
+    dot_rows(xp, reinterpret_cast<const c10::BFloat16*>(packed.data_ptr<at::BFloat16>()),
+             bias_ptr, yp, M, N, K);
+    return y;
+  }
   const int64_t num_blocks = N / kTileCols;
   const int64_t num_pairs = (num_blocks + 1) / 2;
   const int64_t block_rows = row_block(K);

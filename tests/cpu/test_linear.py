@@ -238,8 +238,10 @@ def test_amx_packing_puts_k_pairs_side_by_side():
 
 
 @needs_amx
-@pytest.mark.parametrize("num_tokens", [0, 1, 15, 16, 17, 32, 33, 70])
-@pytest.mark.parametrize("out_features", [48, 64])  # an odd and an even number of 16-column blocks
+@pytest.mark.parametrize("num_tokens", [0, 1, 2, 3, 15, 16, 17, 32, 33, 70])
+# An odd and an even number of 16-column blocks; 13 blocks are one 8-block dot-product item (1-2
+# rows) and a tail of 4 + 1.
+@pytest.mark.parametrize("out_features", [48, 64, 208])
 def test_amx_linear_is_a_bf16_gemm_with_fp32_accumulation(num_tokens, out_features):
     torch.manual_seed(0)
     w = torch.randn(out_features, 96).to(torch.bfloat16)
