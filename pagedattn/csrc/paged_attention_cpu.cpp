@@ -1717,21 +1717,25 @@ void paged_decode_impl(const Params& p, const T* query, const C* key_cache, cons
     // prefetches that item's first chunk; otherwise the first chunk of every row (all of a short
     // row) is read with cold misses, one token row at a time. Only a thread's first item is asked
     // for in one burst, with nothing to overlap it yet.
-    int64_t w = next.fetch_add(1);
+    // NOTE: with fewer than two items per thread, claiming one ahead let the first thread to
+    // start take the items the others would run: at batch 1 a row's two partitions both ran on
+    // the calling thread while the worker waited. 9/3x64 bf16, 256 tokens, 2 threads, AMX Xeon,
+    // after a 64 MB read: 21.5 -> 17.3 us (vector), 25.9 -> 18.3 us (AMX).
+    const bool claim_ahead = num_items >= 2 * num_threads;
+    int64_t w = next.fetch_add(1), w_ahead = num_items;
     if (w < num_items) {
       const WorkItem& first = items[w];
       prefetch_chunk(p, key_cache, value_cache, block_tables + first.row * p.max_blocks_per_seq,
                      first.tok_begin, first.tok_end);
     }
-    while (w < num_items) {
-      const int64_t w_next = next.fetch_add(1);
+    for (; w < num_items; w = claim_ahead ? w_ahead : next.fetch_add(1)) {
+      if (claim_ahead) w_ahead = next.fetch_add(1);
       NextItem ahead;
-      if (w_next < num_items) {
-        const WorkItem& n = items[w_next];
+      if (w_ahead < num_items) {
+        const WorkItem& n = items[w_ahead];
         ahead = {block_tables + n.row * p.max_blocks_per_seq, n.tok_begin, n.tok_end};
       }
       const WorkItem& item = items[w];
-      w = w_next;
       const int32_t* table = block_tables + item.row * p.max_blocks_per_seq;
       const T* q = query + item.row * Hq * D;
       bool ok;
