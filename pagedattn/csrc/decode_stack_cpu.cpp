@@ -13,6 +13,9 @@
 
 #include "ops_cpu.h"
 
+#include <ATen/Parallel.h>
+
+#include <atomic>
 #include <utility>
 #include <vector>
 
@@ -56,7 +59,8 @@ struct DecodeLinear {
   c10::optional<torch::Tensor> bias;
   int64_t out_features;
 
-  torch::Tensor operator()(const torch::Tensor& x) const {
+  // warmup: the items of this linear that helper threads fetched (AMX dot-product rows only).
+  torch::Tensor operator()(const torch::Tensor& x, DotWarmup* warmup = nullptr) const {
     switch (static_cast<Kernel>(kernel)) {
       case Kernel::kTorch:
         return at::linear(x, a, bias);
@@ -67,7 +71,7 @@ struct DecodeLinear {
       case Kernel::kOnednn:
         return onednn_linear(x, a, bias);
       case Kernel::kAmx:
-        return linear_amx(x, a, out_features, bias, c10::nullopt);
+        return linear_amx_warmed(x, a, out_features, bias, c10::nullopt, warmup);
       case Kernel::kInt8Amx:
         return linear_amx(x, a, out_features, bias, b);
       case Kernel::kInt8: {
@@ -130,6 +134,12 @@ class DecodeStack {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // Whether the helper threads fetch the next linear's weights in the gaps (see overlap()).
+  bool warm_ahead() const { return warm_ahead_; }
+  void set_warm_ahead(bool on) { warm_ahead_ = on; }
+  // Work items of the linears that helper threads fetched ahead and then multiplied, in total.
+  int64_t warmed_items() const { return warmed_items_.load(std::memory_order_relaxed); }
+
   // hidden [T, H] (the embeddings); cos/sin [T, D]; per layer its (key, value) caches; per KV
   // cache group its slot mapping [T], block tables [T, max_blocks] int32 and seq lens [T] int32.
   // kv_scales: per layer (k_scale, v_scale) of an FP8 cache, or empty (all 1.0).
@@ -150,51 +160,89 @@ class DecodeStack {
     const int64_t T = hidden.size(0);
     const int64_t q_size = num_heads_ * head_size_, kv_size = num_kv_heads_ * head_size_;
     torch::Tensor residual;
+    DotWarmup warmup;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const DecodeLayer& layer = layers_[i];
       const auto g = static_cast<size_t>(layer.group);
       TORCH_CHECK(g < slot_mappings.size() && g < block_tables.size() && g < seq_lens.size(),
                   "layer ", i, " reads KV cache group ", g, " that has no step inputs");
       torch::Tensor h;
-      if (!residual.defined()) {
-        residual = hidden;
-        h = rms_norm(hidden, layer.input_norm, eps_, c10::nullopt);
-      } else {
-        h = rms_norm(hidden, layer.input_norm, eps_, residual);
-      }
+      bool warm = overlap(layer.qkv, T, warmup, [&] {
+        if (!residual.defined()) {
+          residual = hidden;
+          h = rms_norm(hidden, layer.input_norm, eps_, c10::nullopt);
+        } else {
+          h = rms_norm(hidden, layer.input_norm, eps_, residual);
+        }
+      });
       const bool lora = lora_slots.has_value();
-      torch::Tensor qkv = layer.qkv(h);  // [T, q_size + 2 * kv_size]
+      torch::Tensor qkv = layer.qkv(h, warm ? &warmup : nullptr);  // [T, q_size + 2 * kv_size]
       if (lora) layer.lora[0].apply(qkv, h, *lora_slots);
-      rotary_inplace(qkv.narrow(1, 0, q_size + kv_size).view({T, -1, head_size_}), cos, sin);
-      auto q = qkv.narrow(1, 0, q_size).view({T, num_heads_, head_size_});
-      auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads_, head_size_});
-      auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads_, head_size_});
       const auto& [key_cache, value_cache] = kv_caches[i];
       const double k_scale = kv_scales.empty() ? 1.0 : kv_scales[i].first;
       const double v_scale = kv_scales.empty() ? 1.0 : kv_scales[i].second;
-      cache_write(k, v, key_cache, value_cache, slot_mappings[g], k_scale, v_scale);
-      q = q.contiguous();
-      auto attn = torch::empty_like(q);
+      torch::Tensor q, attn;
+      warm = overlap(layer.o, T, warmup, [&] {
+        rotary_inplace(qkv.narrow(1, 0, q_size + kv_size).view({T, -1, head_size_}), cos, sin);
+        q = qkv.narrow(1, 0, q_size).view({T, num_heads_, head_size_});
+        auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads_, head_size_});
+        auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads_, head_size_});
+        cache_write(k, v, key_cache, value_cache, slot_mappings[g], k_scale, v_scale);
+        q = q.contiguous();
+        attn = torch::empty_like(q);
+      });
       paged_decode(attn, q, key_cache, value_cache, block_tables[g], seq_lens[g], scale_,
                    layer.sliding_window, 0.0, partition_size_, amx_attention_, k_scale, v_scale);
       const auto attn_rows = attn.view({T, q_size});
-      h = layer.o(attn_rows);
+      h = layer.o(attn_rows, warm ? &warmup : nullptr);
       if (lora) layer.lora[1].apply(h, attn_rows, *lora_slots);
-      h = rms_norm(h, layer.post_norm, eps_, residual);
-      auto gate_up = layer.gate_up(h);  // [T, 2 * I]
+      warm = overlap(layer.gate_up, T, warmup,
+                     [&] { h = rms_norm(h, layer.post_norm, eps_, residual); });
+      auto gate_up = layer.gate_up(h, warm ? &warmup : nullptr);  // [T, 2 * I]
       if (lora) layer.lora[2].apply(gate_up, h, *lora_slots);
-      auto act = silu_and_mul(gate_up);
-      hidden = layer.down(act);
+      torch::Tensor act;
+      warm = overlap(layer.down, T, warmup, [&] { act = silu_and_mul(gate_up); });
+      hidden = layer.down(act, warm ? &warmup : nullptr);
       if (lora) layer.lora[3].apply(hidden, act, *lora_slots);
     }
     return {hidden, residual};
   }
 
  private:
+  // Runs fn on this thread while the other intra-op threads fetch the weights of `next`, the
+  // linear that follows fn, into their caches (warmup; see DotWarmup). Only for AMX linears on
+  // their dot-product path (1-2 rows), where the step streams weights and fn's small ops
+  // otherwise leave the memory idle. Returns whether the helpers ran: then call next with
+  // &warmup, so that each thread multiplies what it fetched.
+  template <typename Fn>
+  bool overlap(const DecodeLinear& next, int64_t rows, DotWarmup& warmup, const Fn& fn) const {
+    const int64_t threads = at::get_num_threads();
+    if (!warm_ahead_ || threads < 2 || at::in_parallel_region() ||
+        static_cast<Kernel>(next.kernel) != Kernel::kAmx || !linear_amx_dot_rows(rows)) {
+      fn();
+      return false;
+    }
+    warmup.aim(next.a, next.out_features, next.a.numel() / next.out_features, threads);
+    std::atomic<bool> busy{true};
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t) {
+      if (begin != 0) return warmup.warm(static_cast<int>(begin), busy);
+      // NOTE: the helpers spin until busy drops, so it drops even when fn throws.
+      struct Done {
+        std::atomic<bool>& busy;
+        ~Done() { busy.store(false, std::memory_order_relaxed); }
+      } done{busy};
+      fn();
+    });
+    warmed_items_.fetch_add(warmup.taken(), std::memory_order_relaxed);
+    return true;
+  }
+
   int64_t num_heads_, num_kv_heads_, head_size_;
   double eps_, scale_;
   int64_t partition_size_;
   bool amx_attention_;  // paged_decode on AMX tiles (the tuner's attention choice "amx")
+  bool warm_ahead_ = true;  // overlap(): helpers fetch the next linear's weights
+  mutable std::atomic<int64_t> warmed_items_{0};
   std::vector<DecodeLayer> layers_;
 };
 
@@ -208,7 +256,7 @@ void register_decode_stack(pybind11::module& m) {
            }),
            py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("bias"),
            py::arg("out_features"))
-      .def("__call__", &DecodeLinear::operator());
+      .def("__call__", [](const DecodeLinear& linear, const torch::Tensor& x) { return linear(x); });
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, bool>(),
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"), py::arg("eps"),
@@ -217,6 +265,8 @@ void register_decode_stack(pybind11::module& m) {
       .def("set_lora", &DecodeStack::set_lora, py::arg("layer"), py::arg("projection"),
            py::arg("a"), py::arg("b"), py::arg("max_loras"), py::arg("max_rank"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)
+      .def_property("warm_ahead", &DecodeStack::warm_ahead, &DecodeStack::set_warm_ahead)
+      .def_property_readonly("warmed_items", &DecodeStack::warmed_items)
       // NOTE: forward touches only tensors, so other Python threads (a server's event loop) run
       // while a step computes, as they do between the Python layers' ops.
       .def("forward", &DecodeStack::forward, py::arg("hidden"), py::arg("cos"), py::arg("sin"),

@@ -291,29 +291,84 @@ void dot_item(const c10::BFloat16* x, const c10::BFloat16* packed, const float* 
 }
 
 // y = x @ W^T (+ bias) for M <= kDotRows rows of bf16 weights, items claimed a few at a time.
+// With warm (items [0, warm->taken()) already fetched by helper threads, see DotWarmup), each
+// thread slot first runs the items its helper thread warmed, and the claims start after them.
 void dot_rows(const c10::BFloat16* x, const c10::BFloat16* packed, const float* bias,
-              c10::BFloat16* y, int64_t M, int64_t N, int64_t K) {
+              c10::BFloat16* y, int64_t M, int64_t N, int64_t K, const DotWarmup* warm) {
   const int64_t num_blocks = N / kTileCols;
   const int64_t num_items = (num_blocks + kDotBlocks - 1) / kDotBlocks;
-  pagedattn_claims::Claims items(num_items, 2);
-  items.run([&](pagedattn_claims::Claims& claims) {
+  const int64_t taken = warm ? warm->taken() : 0;
+  auto run_item = [&](int64_t item) {
+    const int64_t nb0 = item * kDotBlocks;
+    const int64_t count = std::min<int64_t>(kDotBlocks, num_blocks - nb0);
+    if (M == 1) {
+      dot_item<1>(x, packed, bias, y, N, K, nb0, count);
+    } else {
+      dot_item<2>(x, packed, bias, y, N, K, nb0, count);
+    }
+  };
+  pagedattn_claims::Claims items(num_items, 2, taken);
+  items.run_slots([&](pagedattn_claims::Claims& claims, int64_t slot_begin, int64_t slot_end) {
+    for (int64_t item = 0; item < taken; ++item) {
+      // NOTE: a helper thread's number may exceed this call's slots (fewer items than threads).
+      const int64_t slot = warm->owner[item] % claims.threads();
+      if (slot_begin <= slot && slot < slot_end) run_item(item);
+    }
     int64_t begin, end;
     while (claims.next(begin, end)) {
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t nb0 = item * kDotBlocks;
-        const int64_t count = std::min<int64_t>(kDotBlocks, num_blocks - nb0);
-        if (M == 1) {
-          dot_item<1>(x, packed, bias, y, N, K, nb0, count);
-        } else {
-          dot_item<2>(x, packed, bias, y, N, K, nb0, count);
-        }
-      }
+      for (int64_t item = begin; item < end; ++item) run_item(item);
     }
   });
 }
 #endif  // PAGEDATTN_HAS_AMX
 
 }  // namespace
+
+void DotWarmup::aim(const torch::Tensor& packed_weight, int64_t n, int64_t k, int64_t threads) {
+  packed = packed_weight.data_ptr();
+  N = n;
+  K = k;
+  const int64_t items = (N / kTileCols + kDotBlocks - 1) / kDotBlocks;
+  // NOTE: the caller's thread takes its share of the items too, so the helpers warm at most
+  // theirs: (threads - 1) / threads of them.
+  limit = items * (threads - 1) / std::max<int64_t>(1, threads);
+  owner.assign(static_cast<size_t>(limit), 0);
+  next.store(0, std::memory_order_relaxed);
+}
+
+void DotWarmup::warm(int thread, const std::atomic<bool>& busy) {
+#ifdef PAGEDATTN_HAS_AMX
+  const char* base = static_cast<const char*>(packed);
+  const int64_t num_blocks = N / kTileCols;
+  const int64_t block_bytes = K * kTileCols * static_cast<int64_t>(sizeof(c10::BFloat16));
+  const int64_t tile_rows = K / 2;  // 64-byte tile rows per block: one per k pair
+  while (busy.load(std::memory_order_relaxed)) {
+    const int64_t item = next.fetch_add(1, std::memory_order_relaxed);
+    if (item >= limit) return;
+    owner[static_cast<size_t>(item)] = thread;
+    const int64_t nb0 = item * kDotBlocks;
+    const int64_t count = std::min<int64_t>(kDotBlocks, num_blocks - nb0);
+    const char* w = base + nb0 * block_bytes;
+    // In the order dot_blocks reads them: tile row r of every block of the item, r = 0, 1, ...
+    for (int64_t r = 0; r < tile_rows; ++r) {
+      if (r % 8 == 0 && !busy.load(std::memory_order_relaxed)) return;
+      for (int64_t b = 0; b < count; ++b) _mm_prefetch(w + b * block_bytes + 64 * r, _MM_HINT_T1);
+    }
+  }
+#else
+  (void)thread;
+  (void)busy;
+#endif
+}
+
+bool linear_amx_dot_rows(int64_t rows) {
+#ifdef PAGEDATTN_HAS_AMX
+  return rows >= 1 && rows <= kDotRows && linear_amx_available();
+#else
+  (void)rows;
+  return false;
+#endif
+}
 
 bool linear_amx_available() {
 #ifdef PAGEDATTN_HAS_AMX
@@ -326,6 +381,14 @@ bool linear_amx_available() {
 // packed: bf16 tiles, or int8 tiles with scale = the per-column float32 scales.
 torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
                          c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> scale) {
+  return linear_amx_warmed(x, packed, N, bias, scale, nullptr);
+}
+
+// linear_amx with the items that helper threads warmed (DotWarmup::aim on this packing; the
+// dot-product path only, else warmup is ignored).
+torch::Tensor linear_amx_warmed(torch::Tensor x, torch::Tensor packed, int64_t N,
+                                c10::optional<torch::Tensor> bias,
+                                c10::optional<torch::Tensor> scale, DotWarmup* warmup) {
   TORCH_CHECK(linear_amx_available(), "linear_amx needs a CPU with AMX-BF16 (and a build for it)");
   TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu(), "linear_amx runs on CPU");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kBFloat16,
@@ -358,9 +421,10 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
 #ifdef PAGEDATTN_HAS_AMX
   const auto* xp = reinterpret_cast<const c10::BFloat16*>(x.data_ptr<at::BFloat16>());
   auto* yp = reinterpret_cast<c10::BFloat16*>(y.data_ptr<at::BFloat16>());
+  if (warmup != nullptr && warmup->packed != packed.data_ptr()) warmup = nullptr;
   if (!int8 && M <= kDotRows) {
     dot_rows(xp, reinterpret_cast<const c10::BFloat16*>(packed.data_ptr<at::BFloat16>()),
-             bias_ptr, yp, M, N, K);
+             bias_ptr, yp, M, N, K, warmup);
     return y;
   }
   const int64_t num_blocks = N / kTileCols;

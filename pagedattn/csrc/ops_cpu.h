@@ -4,6 +4,31 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+// The weights of a 1-2 row linear_amx call (the dot-product path), fetched into the caches of
+// the threads other than the caller's while the caller runs other work (linear_amx_cpu.cpp; the
+// decode stack's gaps between its linears). aim() names the linear; warm() runs on each helper
+// thread until `busy` drops, taking the linear's work items from the front one by one and asking
+// for their lines in the order the kernel reads them; linear_amx(..., &warmup) then gives each
+// thread the items it warmed first and hands out the rest as usual.
+struct DotWarmup {
+  const void* packed = nullptr;
+  int64_t N = 0, K = 0;
+  int64_t limit = 0;               // items the helpers may take (the rest stay for the caller)
+  std::atomic<int64_t> next{0};    // the next item a helper takes
+  std::vector<int> owner;          // owner[i]: the thread that warmed item i (i < taken())
+
+  // The linear to warm: its packing, out features N and in features K; threads in the region.
+  void aim(const torch::Tensor& packed_weight, int64_t N, int64_t K, int64_t threads);
+  // Warm items on thread `thread` (> 0) while busy holds.
+  void warm(int thread, const std::atomic<bool>& busy);
+  // Items the helpers took (each is its owner's in the next linear_amx call).
+  int64_t taken() const { return std::min(next.load(std::memory_order_relaxed), limit); }
+};
+
 // paged_attention_cpu.cpp
 void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                   torch::Tensor value_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
@@ -16,6 +41,11 @@ bool linear_packed_vectorized();
 // linear_amx_cpu.cpp
 torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
                          c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> scale);
+torch::Tensor linear_amx_warmed(torch::Tensor x, torch::Tensor packed, int64_t N,
+                                c10::optional<torch::Tensor> bias,
+                                c10::optional<torch::Tensor> scale, DotWarmup* warmup);
+// Whether linear_amx multiplies `rows` rows of bf16 weights on the dot-product path.
+bool linear_amx_dot_rows(int64_t rows);
 bool linear_amx_available();
 // step_ops_cpu.cpp
 void cache_write(torch::Tensor key, torch::Tensor value, torch::Tensor key_cache,

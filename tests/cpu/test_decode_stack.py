@@ -167,3 +167,39 @@ def test_verify_steps_run_the_verify_stack_on_the_verify_kernel(checkpoints, mon
     model.decode_stack = None  # no decode stack: no verify stack either
     with_stack.step(three, True)
     assert len(used) == 4
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_helpers_fetching_the_next_weights_change_no_logit(tmp_path, monkeypatch, rows) -> None:
+    # At 1-2 rows the AMX linears read their weights with dot products, and while the stack runs
+    # the small ops between them the other threads fetch the next linear's first work items and
+    # then multiply them (DotWarmup): the logits must not change, only who computes what.
+    if not kernel_available("amx", torch.bfloat16):
+        pytest.skip("no AMX on this CPU")
+    # Wide enough that every linear has 2+ work items of 128 columns (helpers take at most half).
+    path = make_tiny_llama(tmp_path, hidden_size=256, intermediate_size=512, head_dim=64)
+    model = _load(path, "bfloat16", "amx")
+    stack = model.decode_stack
+    compiled = stack.compiled
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        modes = ("warm", "cold", "python")
+        drivers = {mode: PagedDriver(model, seed=1, backend="cpu") for mode in modes}
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(5, 128, (n,), generator=gen).tolist() for n in (9, 17)[:rows]]
+        chunks = {mode: list(enumerate(prompts)) for mode in drivers}
+        for _ in range(DECODE_STEPS + 1):
+            logits = {}
+            for mode, driver in drivers.items():
+                compiled.warm_ahead = mode == "warm"
+                model.decode_stack = None if mode == "python" else stack
+                logits[mode] = driver.step(chunks[mode])
+                chunks[mode] = [(s, [int(g[-1].argmax())]) for s, g in enumerate(logits[mode])]
+            for warm, cold, python in zip(*logits.values(), strict=True):
+                assert torch.equal(warm, cold) and torch.equal(warm, python)
+        assert compiled.warmed_items > 0  # the helpers did take items
+    finally:
+        torch.set_num_threads(threads)
+        compiled.warm_ahead = True
+        model.decode_stack = stack
