@@ -189,16 +189,22 @@ class Scheduler:
 
     # One step.
 
-    def observe_step_time(self, num_tokens: int, step_time_s: float) -> None:
-        """The engine measured a step: num_tokens computed in step_time_s (sizes later steps)."""
-        self.step_budget.observe(num_tokens, step_time_s)
+    def observe_step_time(
+        self, num_tokens: int, step_time_s: float, num_prefill_tokens: int
+    ) -> None:
+        """The engine measured a step: num_tokens computed in step_time_s, num_prefill_tokens
+        of them in prompt chunks (SchedulerStats; sizes later steps)."""
+        self.step_budget.observe(num_tokens, step_time_s, num_prefill_tokens)
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch: running requests first, then admit waiting ones."""
         start = time.perf_counter()
         config = self.scheduler_config
-        token_budget = self.step_budget.tokens
+        # NOTE: the budget keeps decoding streams from stalling; with none, the step may be big.
+        streaming = any(r.num_output_tokens > 0 for r in self.running)
+        token_budget = self.step_budget.tokens_for(streaming)
         num_scheduled: dict[str, int] = {}
+        prefill_ids: set[str] = set()  # requests computing prompt (or recomputed) chunks
         preempted: list[Request] = []
         loads: list[tuple[Request, int, int]] = []  # second-tier hits: (request, blocks [a, b))
         num_recomputed = 0
@@ -217,6 +223,7 @@ class Scheduler:
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
+            prefilling = num_left > 1
             new_blocks = None
             if request.spec_token_ids:
                 # NOTE: a decode step reserves slots for its draft tokens too; without room for
@@ -248,6 +255,8 @@ class Scheduler:
                 break
             num_scheduled[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            if prefilling:
+                prefill_ids.add(request.request_id)
             req_index += 1
 
         running_loras = self._running_loras()
@@ -294,6 +303,7 @@ class Scheduler:
             self.running.append(request)
             num_scheduled[request.request_id] = num_new_tokens
             token_budget -= num_new_tokens
+            prefill_ids.add(request.request_id)
             if num_external:
                 block_size = self.kv_cache_manager.block_size
                 end = num_computed + num_external
@@ -302,6 +312,9 @@ class Scheduler:
         output = self._make_output(num_scheduled, preempted)
         output.kv_loads = [self._make_load(*load) for load in loads]
         output.stats.num_recomputed_tokens = num_recomputed
+        output.stats.num_prefill_tokens = sum(
+            n for rid, n in num_scheduled.items() if rid in prefill_ids
+        )
         output.stats.schedule_time_s = time.perf_counter() - start
         return output
 

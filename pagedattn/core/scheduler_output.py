@@ -53,6 +53,7 @@ class SchedulerStats:
     num_waiting_reqs: int = 0
     num_preemptions: int = 0  # preemptions during this step
     num_recomputed_tokens: int = 0  # computed tokens discarded by this step's preemptions
+    num_prefill_tokens: int = 0  # tokens scheduled in prompt chunks (not one-token decodes)
     schedule_time_s: float = 0.0  # CPU time of schedule() (time.perf_counter)
 
 

@@ -253,7 +253,9 @@ class LLMEngine:
         runner_output = self._execute(sched)
         timings = self.runner.last_timings
         step_time = timings.prepare + timings.forward + timings.sample
-        self.scheduler.observe_step_time(sched.total_num_scheduled_tokens, step_time)
+        self.scheduler.observe_step_time(
+            sched.total_num_scheduled_tokens, step_time, sched.stats.num_prefill_tokens
+        )
         times.prepare += timings.prepare
         times.forward += timings.forward
         times.sample += timings.sample

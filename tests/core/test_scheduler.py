@@ -476,18 +476,47 @@ def test_the_step_budget_follows_measured_step_times():
 
     budget = StepTokenBudget(None, target_step_time_s=0.5, min_tokens=8)
     assert budget.tokens == INITIAL_STEP_TOKENS
-    budget.observe(256, 256 * 0.005)  # a slow CPU: 5 ms per token
+    budget.observe(256, 256 * 0.005, 256)  # a slow CPU: 5 ms per token
     assert budget.tokens == 100
-    budget.observe(4, 0.4)  # a decode-only step is mostly overhead: not measured
+    budget.observe(4, 0.4, 4)  # a tiny step is mostly overhead: not measured
     assert budget.tokens == 100
     for _ in range(12):  # the machine is fast now: 0.1 ms per token; the budget doubles at most
         previous = budget.tokens
-        budget.observe(budget.tokens, budget.tokens * 0.0001)
+        budget.observe(budget.tokens, budget.tokens * 0.0001, budget.tokens)
         assert budget.tokens <= 2 * previous
     assert budget.tokens == 2048  # the cap
+    # Decode-only steps, however wide, are not measured: 32 decodes in 22 ms are 0.69 ms per
+    # token (the weights streamed for a few tokens), which would shrink a prompt's chunk to 700.
+    for _ in range(50):
+        budget.observe(32, 0.022, 0)
+    assert budget.tokens == 2048
+    budget.observe(40, 0.04, 8)  # a step with a prompt chunk beside the decodes is measured
+    assert budget.tokens < 2048
     fixed = StepTokenBudget(512, target_step_time_s=0.5, min_tokens=8)
-    fixed.observe(512, 512 * 0.005)
+    fixed.observe(512, 512 * 0.005, 512)
     assert fixed.tokens == 512 and not fixed.is_adaptive
+    assert budget.tokens_for(streaming=False) == budget.max_tokens == 2048
+    assert budget.tokens_for(streaming=True) == budget.tokens
+
+
+def test_a_step_with_no_stream_decoding_takes_the_whole_budget_cap():
+    # 32 prompts of 64 tokens arrive at once on an unmeasured engine: nothing decodes yet, so the
+    # first step takes the cap (2,048 tokens), not the small first budget (256) that protects
+    # decoding streams; once streams decode, the measured budget applies.
+    from pagedattn.core.step_budget import INITIAL_STEP_TOKENS
+
+    scheduler = make_scheduler(
+        num_blocks=1000, max_num_batched_tokens=None, max_num_seqs=64, max_model_len=512
+    )
+    engine = FakeEngine(scheduler)
+    for i in range(48):
+        engine.add(make_request(f"r{i}", list(range(1 + i, 65 + i))), max_tokens=4)
+    first = engine.step()
+    assert first.total_num_scheduled_tokens == 2048 == 32 * 64
+    assert first.stats.num_prefill_tokens == 2048
+    second = engine.step()  # 32 streams decode: the unmeasured budget (256) holds
+    assert second.total_num_scheduled_tokens == INITIAL_STEP_TOKENS
+    assert second.stats.num_prefill_tokens == INITIAL_STEP_TOKENS - 32
 
 
 @pytest.mark.parametrize("max_num_batched_tokens", [None, 2048])
@@ -506,7 +535,9 @@ def test_a_long_prompt_does_not_stall_decoders_for_seconds(max_num_batched_token
         out = engine.step()
         assert "decoder" in out.num_scheduled_tokens  # it decodes every step
         step_time = out.total_num_scheduled_tokens * seconds_per_token
-        scheduler.observe_step_time(out.total_num_scheduled_tokens, step_time)
+        scheduler.observe_step_time(
+            out.total_num_scheduled_tokens, step_time, out.stats.num_prefill_tokens
+        )
         step_times.append(step_time)
     if max_num_batched_tokens is None:
         # Only the first chunk (before any measurement) may pass the 0.5 s target.
