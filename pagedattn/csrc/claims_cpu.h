@@ -34,8 +34,7 @@ class Claims {
   // fn(*this) once on each thread that takes part (at most one per item).
   template <typename Fn>
   void run(const Fn& fn) {
-    if (n_ <= 0) return;
-    at::parallel_for(0, threads_, 1, [&](int64_t, int64_t) { fn(*this); });
+    run_slots([&](Claims& claims, int64_t, int64_t) { fn(claims); });
   }
 
   // fn(*this, begin, end) once on each thread that takes part, with the thread slots [begin,

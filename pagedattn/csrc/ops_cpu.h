@@ -12,8 +12,8 @@
 // the threads other than the caller's while the caller runs other work (linear_amx_cpu.cpp; the
 // decode stack's gaps between its linears). aim() names the linear; warm() runs on each helper
 // thread until `busy` drops, taking the linear's work items from the front one by one and asking
-// for their lines in the order the kernel reads them; linear_amx(..., &warmup) then gives each
-// thread the items it warmed first and hands out the rest as usual.
+// for their lines in the order the kernel reads them; linear_amx_warmed(..., &warmup) gives each
+// thread the items it warmed first and then hands out the rest as usual.
 struct DotWarmup {
   const void* packed = nullptr;
   int64_t N = 0, K = 0;

@@ -170,7 +170,7 @@ def test_verify_steps_run_the_verify_stack_on_the_verify_kernel(checkpoints, mon
 
 
 @pytest.mark.parametrize("rows", [1, 2])
-def test_helpers_fetching_the_next_weights_change_no_logit(tmp_path, monkeypatch, rows) -> None:
+def test_helpers_fetching_the_next_weights_change_no_logit(tmp_path, rows) -> None:
     # At 1-2 rows the AMX linears read their weights with dot products, and while the stack runs
     # the small ops between them the other threads fetch the next linear's first work items and
     # then multiply them (DotWarmup): the logits must not change, only who computes what.
