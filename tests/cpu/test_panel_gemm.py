@@ -53,3 +53,20 @@ def test_linear_packed_sums_in_order_in_fp32(ext):
     for kk in range(50):  # fma rounds once per term: emulate in float64, round each step
         expected = (expected + x[0, kk].double() * weight[:, kk].double()).float().double()
     torch.testing.assert_close(got[0].double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(64, 40), (70, 300)])
+def test_a_row_is_the_same_whatever_rows_share_the_call(ext, w_dtype, n, k):
+    # 1, 5 and 40 rows take different paths through a panel (one micro-kernel call, two, and
+    # on AVX2 and NEON a bf16 panel widened to fp32 once for 14 blocks of rows); each row's sum
+    # runs the same fused multiply-adds in the same order, so its bits cannot depend on that.
+    torch.manual_seed(n + k)
+    weight, bias = torch.randn(n, k).to(w_dtype), torch.randn(n)
+    x = torch.randn(40, k)
+    packed = pack(weight)
+    whole = ext.linear_packed(x, packed, n, bias)
+    for rows in (1, 5):
+        for start in (0, 17, 40 - rows):
+            part = ext.linear_packed(x[start : start + rows].contiguous(), packed, n, bias)
+            assert torch.equal(part, whole[start : start + rows])
