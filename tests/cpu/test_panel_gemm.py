@@ -56,11 +56,12 @@ def test_linear_packed_sums_in_order_in_fp32(ext):
 
 
 @pytest.mark.parametrize("w_dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k", [(64, 40), (70, 300)])
+@pytest.mark.parametrize("n,k", [(64, 40), (70, 300), (1030, 64)])
 def test_a_row_is_the_same_whatever_rows_share_the_call(ext, w_dtype, n, k):
-    # 1, 5 and 40 rows take different paths through a panel (one micro-kernel call, two, and
-    # on AVX2 and NEON a bf16 panel widened to fp32 once for 14 blocks of rows); each row's sum
-    # runs the same fused multiply-adds in the same order, so its bits cannot depend on that.
+    # 1, 5 and 40 rows take different paths through the panels (one row streams two panels at
+    # a time where a thread claims several; 5 rows make two micro-kernel calls; on AVX2 and NEON
+    # a bf16 panel is widened to fp32 once for 40 rows' 14 blocks). Each row's sum runs the same
+    # fused multiply-adds in the same order, so its bits cannot depend on the path.
     torch.manual_seed(n + k)
     weight, bias = torch.randn(n, k).to(w_dtype), torch.randn(n)
     x = torch.randn(40, k)
