@@ -65,6 +65,8 @@ class LinearKernel:
     name: ClassVar[str]
     cpp_id: ClassVar[int]  # the decode stack's number for this kernel (csrc DecodeLinear)
     quantized: ClassVar[bool] = False
+    # Whether its packed form holds the plain weight itself, which F.linear can then run on.
+    keeps_weight: ClassVar[bool] = False
 
     def available(self, dtype: torch.dtype) -> bool:
         """Whether this kernel runs layers in ``dtype`` on this CPU and build."""
@@ -85,7 +87,7 @@ class LinearKernel:
 
 
 class TorchLinear(LinearKernel):
-    name, cpp_id = "torch", 0
+    name, cpp_id, keeps_weight = "torch", 0, True
 
     def available(self, dtype: torch.dtype) -> bool:
         return True
@@ -175,7 +177,9 @@ class AmxLinear(LinearKernel):
 
 
 class MklLinear(LinearKernel):
-    name, cpp_id = "mkl", 2
+    # NOTE: PyTorch's _mkl_linear runs the packed sgemm only at the pack's batch size
+    # (PACK_BATCH_HINT rows) and F.linear on the plain weight at any other, so it keeps both.
+    name, cpp_id, keeps_weight = "mkl", 2, True
 
     def available(self, dtype):
         return (
@@ -302,6 +306,12 @@ def kernel_available(name: str, dtype: torch.dtype) -> bool:
 def candidates(dtype: torch.dtype, names: tuple[str, ...] = KERNELS) -> list[str]:
     """The kernels of ``names`` that run ``dtype`` here, in their order."""
     return [n for n in names if kernel_available(n, dtype)]
+
+
+def shares_weights(kernel: str, other: str) -> bool:
+    """Whether a layer packed for ``other`` already holds what ``kernel`` runs on, so that
+    running ``kernel`` beside it costs no second copy of the weights."""
+    return kernel == other or (kernel == "torch" and get_kernel(other).keeps_weight)
 
 
 def fitted_kernel(weight: torch.Tensor, name: str) -> str:

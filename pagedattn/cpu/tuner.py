@@ -10,8 +10,10 @@ weights of the model's projection shapes:
 - LM head: ``DECODE_ROWS`` rows through (up to 16k rows of) the head;
 
 and where the decode and prefill winners differ, the row count at which the prefill kernel starts
-winning. The decode attention candidates are timed by a function the caller hands in (the
-attention backends live above this package). Candidates run interleaved, round after round, and
+winning. Prefill prefers a kernel that runs on the decode kernel's own weights when it is nearly
+as fast (``prefill_kernel``), so a layer keeps one packed form of them where a second buys little.
+The decode attention candidates are timed by a function the caller hands in (the attention
+backends live above this package). Candidates run interleaved, round after round, and
 each keeps its fastest pass, so a busy machine slows all of them alike; when the load average
 says other processes hold every core, everything is timed on one thread.
 """
@@ -26,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedattn.cpu.linear import pack_weight
+from pagedattn.cpu.linear import pack_weight, shares_weights
 
 DECODE_ROWS = 32
 PREFILL_ROWS = 2048
@@ -42,6 +44,12 @@ HOPELESS = 3.0  # a kernel this many times slower than the best after a round is
 ONE_THREAD_MARGIN = 0.9
 # Rows at and above which a layer runs its prefill kernel when nothing was measured.
 DEFAULT_PREFILL_ROWS = 128
+# Prefill takes a kernel that runs on the decode kernel's own copy of the weights (the same
+# kernel, or F.linear on the plain weight MKL keeps) when it is within this share of the fastest:
+# any other kernel packs a second copy of every weight. NOTE: AVX2 cap on the AMX Xeon,
+# SmolLM2-135M float32, 2,048 rows: oneDNN 118.3 ms, F.linear 118.5, and oneDNN's copy cost
+# 513 MiB beside MKL's two.
+SHARED_WEIGHTS_MARGIN = 0.05
 
 Shape = tuple[int, int]  # (out_features, in_features) of one weight
 # (kernels, the weights of one pass, rows) -> seconds of the fastest pass, per kernel.
@@ -143,7 +151,8 @@ def tune_linear(
         "prefill": measure(kernels, streamed, PREFILL_ROWS),
         "head": measure(kernels, [(min(head_shape[0], HEAD_MAX_OUT), head_shape[1])], DECODE_ROWS),
     }
-    decode, prefill = fastest(times["decode"]), fastest(times["prefill"])
+    decode = fastest(times["decode"])
+    prefill = prefill_kernel(decode, times["prefill"])
     split = DEFAULT_PREFILL_ROWS
     if decode != prefill:
         split = PREFILL_ROWS
@@ -153,6 +162,18 @@ def tune_linear(
                 split = rows
                 break
     return LinearChoice(decode, prefill, fastest(times["head"]), split), times
+
+
+def prefill_kernel(decode: str, times: dict[str, float]) -> str:
+    """The prefill kernel from its ``times``: the fastest that shares the ``decode`` kernel's
+    weights where it is within SHARED_WEIGHTS_MARGIN of the fastest, else the fastest."""
+    best = fastest(times)
+    shared = {k: t for k, t in times.items() if shares_weights(k, decode)}
+    if shared:
+        kernel = fastest(shared)
+        if shared[kernel] <= (1 + SHARED_WEIGHTS_MARGIN) * times[best]:
+            return kernel
+    return best
 
 
 def tune_threads(

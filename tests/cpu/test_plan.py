@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedattn.cpu import plan as plan_module
 from pagedattn.cpu import tuner
-from pagedattn.cpu.linear import KERNELS, candidates
+from pagedattn.cpu.linear import KERNELS, candidates, shares_weights
 from pagedattn.cpu.plan import (
     KernelChoiceError,
     KernelOptions,
@@ -20,7 +20,7 @@ from pagedattn.cpu.plan import (
     choose_plan,
     model_shapes,
 )
-from pagedattn.cpu.tuner import DECODE_ROWS, PREFILL_ROWS, measure_kernels
+from pagedattn.cpu.tuner import DECODE_ROWS, PREFILL_ROWS, measure_kernels, tune_linear
 from pagedattn.model.layers import Linear, LinearKernels
 from pagedattn.model.loader import load_model
 from pagedattn.model.text_config import TextConfig
@@ -181,6 +181,26 @@ def test_tuner_picks_the_fastest_kernel_per_regime():
     assert plan.linear_head == expected_decode  # the head is timed at decode rows
     if expected_decode != expected_prefill and {expected_prefill} == {"onednn"}:
         assert plan.prefill_rows == 128
+
+
+@pytest.mark.parametrize(
+    "torch_prefill, expected", [(2.05, "torch"), (2.5, "onednn")], ids=["within", "past"]
+)
+def test_prefill_keeps_the_decode_kernels_weights_unless_another_is_clearly_faster(
+    torch_prefill, expected
+):
+    # MKL keeps the plain weight, which F.linear runs on: a prefill on F.linear costs no copy,
+    # while oneDNN's reorder is another copy of every weight. Within 5% F.linear is taken.
+    table = {
+        DECODE_ROWS: {"mkl": 1.0, "onednn": 1.4, "torch": 1.2},
+        PREFILL_ROWS: {"mkl": 3.0, "onednn": 2.0, "torch": torch_prefill},
+        **{rows: {"mkl": 1.0, "onednn": 0.5, "torch": 0.5} for rows in (64, 128, 256)},
+    }
+    choice, _ = tune_linear(LAYER, (100, 64), torch.float32, ["mkl", "onednn", "torch"],
+                            fake_measure(table))  # fmt: skip
+    assert (choice.decode, choice.prefill) == ("mkl", expected)
+    assert shares_weights("torch", "mkl") and not shares_weights("onednn", "mkl")
+    assert shares_weights("panels", "panels") and not shares_weights("torch", "panels")
 
 
 def test_same_winner_needs_no_split_measurement():
