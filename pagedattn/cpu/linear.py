@@ -177,8 +177,9 @@ class AmxLinear(LinearKernel):
 
 
 class MklLinear(LinearKernel):
-    # NOTE: PyTorch's _mkl_linear runs the packed sgemm only at the pack's batch size
-    # (PACK_BATCH_HINT rows) and F.linear on the plain weight at any other, so it keeps both.
+    # NOTE: PyTorch's _mkl_linear takes the plain weight beside the packed one (its sizes, and
+    # F.linear on it where the rows differ from the batch size passed in: apply passes the
+    # call's own rows, so the packed sgemm runs at every row count), so the kernel keeps both.
     name, cpp_id, keeps_weight = "mkl", 2, True
 
     def available(self, dtype):
