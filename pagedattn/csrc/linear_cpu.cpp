@@ -95,6 +95,30 @@ inline void load_panel_row(const bf16* w, fVec* out) {
   }
 }
 
+// Ask for the 32 weights of panel row k of w (one cache line in bf16, two in fp32).
+template <typename T>
+inline void prefetch_panel_row(const T* w, int64_t k) {
+  const char* row = reinterpret_cast<const char*>(w + k * kPanel);
+  __builtin_prefetch(row, 0, 3);
+  if (sizeof(T) == 4) __builtin_prefetch(row + 64, 0, 3);
+}
+
+// b[v]: the bias of vector v of a panel (zero without a bias, or past N).
+inline void load_panel_bias(const float* bias, const int* cols, fVec* b) {
+  for (int v = 0; v < kPanelVecs; ++v) {
+    b[v] = bias != nullptr && cols[v] > 0 ? pagedattn_vec::load(bias + v * kWidth, cols[v])
+                                         : fVec(0.0f);
+  }
+}
+
+// y[0, 32) = acc + b, for the columns inside N.
+template <typename O>
+inline void store_panel_row(O* y, const fVec* acc, const fVec* b, const int* cols) {
+  for (int v = 0; v < kPanelVecs; ++v) {
+    if (cols[v] > 0) pagedattn_vec::store(y + v * kWidth, acc[v] + b[v], cols[v]);
+  }
+}
+
 // cols[v]: how many of the kWidth columns of vector v lie inside the weight (N's last panel).
 template <int MR, typename T, typename O>
 void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, O* y, int64_t ldy,
@@ -105,11 +129,7 @@ void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, O* y, int6
     for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = fVec(0.0f);
   }
   for (int64_t k = 0; k < K; ++k) {
-    if (kPrefetch > 0) {
-      const char* ahead = reinterpret_cast<const char*>(w + (k + kPrefetch) * kPanel);
-      __builtin_prefetch(ahead, 0, 3);
-      if (sizeof(T) == 4) __builtin_prefetch(ahead + 64, 0, 3);
-    }
+    if (kPrefetch > 0) prefetch_panel_row(w, k + kPrefetch);
     fVec wv[kPanelVecs];
     load_panel_row(w + k * kPanel, wv);
 #pragma GCC unroll 12
@@ -119,16 +139,9 @@ void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, O* y, int6
     }
   }
   fVec b[kPanelVecs];
-  for (int v = 0; v < kPanelVecs; ++v) {
-    b[v] = bias != nullptr && cols[v] > 0 ? pagedattn_vec::load(bias + v * kWidth, cols[v])
-                                         : fVec(0.0f);
-  }
+  load_panel_bias(bias, cols, b);
 #pragma GCC unroll 12
-  for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < kPanelVecs; ++v) {
-      if (cols[v] > 0) pagedattn_vec::store(y + r * ldy + v * kWidth, acc[r][v] + b[v], cols[v]);
-    }
-  }
+  for (int r = 0; r < MR; ++r) store_panel_row(y + r * ldy, acc[r], b, cols);
 }
 
 // counts[v]: how many of the kWidth columns of vector v of panel p lie inside N.
@@ -151,14 +164,8 @@ void row_through_two_panels(const float* x, const T* w0, const T* w1, int64_t K,
   for (int v = 0; v < kPanelVecs; ++v) acc0[v] = acc1[v] = fVec(0.0f);
   for (int64_t k = 0; k < K; ++k) {
     if (kRowPrefetch > 0) {
-      const char* a0 = reinterpret_cast<const char*>(w0 + (k + kRowPrefetch) * kPanel);
-      const char* a1 = reinterpret_cast<const char*>(w1 + (k + kRowPrefetch) * kPanel);
-      __builtin_prefetch(a0, 0, 3);
-      __builtin_prefetch(a1, 0, 3);
-      if (sizeof(T) == 4) {
-        __builtin_prefetch(a0 + 64, 0, 3);
-        __builtin_prefetch(a1 + 64, 0, 3);
-      }
+      prefetch_panel_row(w0, k + kRowPrefetch);
+      prefetch_panel_row(w1, k + kRowPrefetch);
     }
     const fVec xk(x[k]);
     fVec wv[kPanelVecs];
@@ -167,16 +174,11 @@ void row_through_two_panels(const float* x, const T* w0, const T* w1, int64_t K,
     load_panel_row(w1 + k * kPanel, wv);
     for (int v = 0; v < kPanelVecs; ++v) acc1[v] = at::vec::fmadd(xk, wv[v], acc1[v]);
   }
-  for (int v = 0; v < kPanelVecs; ++v) {
-    if (cols0[v] > 0) {
-      const fVec b = bias0 != nullptr ? pagedattn_vec::load(bias0 + v * kWidth, cols0[v]) : fVec(0.0f);
-      pagedattn_vec::store(y0 + v * kWidth, acc0[v] + b, cols0[v]);
-    }
-    if (cols1[v] > 0) {
-      const fVec b = bias1 != nullptr ? pagedattn_vec::load(bias1 + v * kWidth, cols1[v]) : fVec(0.0f);
-      pagedattn_vec::store(y1 + v * kWidth, acc1[v] + b, cols1[v]);
-    }
-  }
+  fVec b[kPanelVecs];
+  load_panel_bias(bias0, cols0, b);
+  store_panel_row(y0, acc0, b, cols0);
+  load_panel_bias(bias1, cols1, b);
+  store_panel_row(y1, acc1, b, cols1);
 }
 
 // The micro-kernel for 1..MR rows (MR a compile-time count, so the accumulators stay in
@@ -212,7 +214,7 @@ const float* widen_panel(const bf16* w, int64_t K, std::vector<float>& buffer) {
   float* out = buffer.data() + (-(address / sizeof(float))) % kAlign;
   fVec wv[kPanelVecs];
   for (int64_t k = 0; k < K; ++k) {
-    if (kPrefetch > 0) __builtin_prefetch(w + (k + kPrefetch) * kPanel, 0, 3);
+    if (kPrefetch > 0) prefetch_panel_row(w, k + kPrefetch);
     load_panel_row(w + k * kPanel, wv);
     for (int v = 0; v < kPanelVecs; ++v) wv[v].store(out + k * kPanel + v * kWidth);
   }
@@ -232,9 +234,9 @@ void run(const float* xp, int64_t M, int64_t K, const torch::Tensor& packed, con
     panels.run([&](pagedattn_claims::Claims& claims) {
       int64_t p_begin, p_end;
       thread_local std::vector<float> scratch;  // a widened bf16 panel (kWidenPanels)
+      auto panel_bias = [&](int64_t q) { return bias != nullptr ? bias + q * kPanel : nullptr; };
       while (claims.next(p_begin, p_end)) {
         int64_t p = p_begin;
-        auto panel_bias = [&](int64_t q) { return bias != nullptr ? bias + q * kPanel : nullptr; };
         if (m1 - m0 == 1) {
           // NOTE: one row streams two panels at a time: one stream per thread left bandwidth
           // idle (see row_through_two_panels).
