@@ -23,6 +23,7 @@ import tempfile
 import traceback
 from pathlib import Path
 
+from pagedattn import envs
 from pagedattn.benchmarks import tp_compare
 from pagedattn.benchmarks.pagedattn_runner import (
     PeerUnavailableError,
@@ -48,6 +49,7 @@ from pagedattn.benchmarks.workloads import (
     workload_from_dict,
     workload_to_dict,
 )
+from pagedattn.cpu.cpuid_cap import capped_env
 from pagedattn.cpu.features import describe_cpu
 
 PEERS = ("hf_static", "hf_batch", "llama_cpp", *CPU_ENGINE_RUNNERS)
@@ -269,6 +271,8 @@ def spawn_child(
         HF_HUB_OFFLINE="1",
         PYTHONPATH=os.pathsep.join([str(PACKAGE_PARENT), os.environ.get("PYTHONPATH", "")]),
     )
+    # NOTE: every engine's child sees the CPUID of the capped CPU, not only the peers that read it.
+    env, _ = capped_env(env)
     log = logs / f"{engine}-{workload}.log"
     try:
         with log.open("w") as fh:
@@ -336,7 +340,10 @@ def parent_main(args: argparse.Namespace) -> int:
         f"throughput benchmark: size={size} threads={args.threads} dtype={args.dtype} "
         f"load average {load_before[0]:.2f}"
     )
-    print(f"machine: {describe_cpu(args.threads)}")
+    machine = describe_cpu(args.threads)
+    if envs.PAGEDATTN_CPU_ISA != "native":
+        machine += f"; every engine's {capped_env(dict(os.environ))[1]}"
+    print(f"machine: {machine}")
 
     results: list[dict] = []
     for name in names:
@@ -368,7 +375,7 @@ def parent_main(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "omp_wait_policy": "inherit (in-process)" if args.in_process else args.omp_wait_policy,
         "dtype": args.dtype,
-        "machine": describe_cpu(args.threads),
+        "machine": machine,
         "model": args.model or "smollm2-135m (default)",
         "hf_batch_size": args.hf_batch_size,
         "load_average_start": load_before[0],

@@ -30,6 +30,7 @@ from pagedattn.benchmarks.pagedattn_runner import (
     warmup_ids,
 )
 from pagedattn.benchmarks.workloads import Workload
+from pagedattn.cpu.cpuid_cap import capped_env
 
 RUNNER_DIR = Path(__file__).resolve().parent / "cpu_peers"
 # The checkout that holds the pagedattn package: where `make bench-peers` puts the venvs.
@@ -177,8 +178,10 @@ def openvino_ir(hf_dir: Path, python: Path, popts: CpuPeerOptions) -> Path:
 
 
 def _peer_env(**extra: str) -> dict[str, str]:
-    """The environment of a peer: no PYTHONPATH into the main venv's packages, offline hub."""
+    """The environment of a peer: no PYTHONPATH into the main venv's packages, offline hub, and
+    CPUID capped where PAGEDATTN_CPU_ISA caps this process (the peer picks kernels from it)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env, _ = capped_env(env)
     return env | {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", **extra}
 
 
