@@ -77,7 +77,9 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "native (default), avx512 (x86-64-v4, no AMX or bf16 instructions), avx2 (x86-64-v3) or "
         "scalar. The extension is built for that level and the CPU's flags above it are hidden, "
         "so an AVX-512 machine runs as an AVX2 machine would. `import pagedattn` also caps "
-        "PyTorch, oneDNN and MKL to the same level when they have not been set.",
+        "PyTorch, oneDNN and MKL to the same level when they have not been set. Benchmark "
+        "children and peer engines also get pagedattn.cpu.cpuid_cap's preload library, which "
+        "reads this variable and answers their CPUID as the capped CPU would.",
     ),
     "PAGEDATTN_DISABLE_CPU_EXT": EnvVar(
         _flag("PAGEDATTN_DISABLE_CPU_EXT"),

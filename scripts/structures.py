@@ -42,6 +42,8 @@ def main() -> int:
         "- `claims_cpu.h`: work split by claims: threads take the next few items from a shared counter.",
         "- `vec_cpu.h`: the vector layer over at::vec: fp32/bf16 loads and stores, exp,"
         " horizontal sums, one version per ISA.",
+        "- `preload`: `cpuid_cap.c`, not part of the extension: a preload library that answers"
+        " CPUID as the PAGEDATTN_CPU_ISA-capped CPU would (pagedattn.cpu.cpuid_cap).",
         "",
     ]
     listed = {line.split("`")[1] for line in lines if line.startswith("- `")}
