@@ -130,7 +130,7 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
-def _build_key(isa: str) -> str:
+def build_key(isa: str) -> str:
     """A short hash of what the build depends on: sources, headers, flags, torch version."""
     digest = hashlib.sha1(f"{build_flags(isa)}|{torch.__version__}".encode())
     for path in sorted(CSRC.glob("*.[ch]*")):
@@ -140,7 +140,7 @@ def _build_key(isa: str) -> str:
 
 def build_dir(isa: str) -> Path:
     """Where the build of ``isa`` for this CPU and these sources lives."""
-    return envs.PAGEDATTN_EXT_DIR / f"{isa}-{_cpu_tag()}-{_build_key(isa)}"
+    return envs.PAGEDATTN_EXT_DIR / f"{isa}-{_cpu_tag()}-{build_key(isa)}"
 
 
 def _import_library(path: Path) -> ModuleType:

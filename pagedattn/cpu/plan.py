@@ -349,13 +349,15 @@ def _plan_key(
     attention: list[str],
     kv_cache_dtype: str = AUTO,
 ) -> str:
-    """Cache key: CPU signature, dtype, shapes, torch version, the candidates and the KV cache
-    dtype (unless auto)."""
+    """Cache key: CPU signature, dtype, shapes, torch version, the extension's build (its
+    sources and flags: a kernel changed is a kernel to measure again), the candidates and the KV
+    cache dtype (unless auto)."""
     digest = hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]
     kv = "" if kv_cache_dtype == AUTO else f"|kv {kv_cache_dtype}"
     return (
         f"v{PLAN_VERSION}|{features.cpu_signature()}|{_dtype_name(dtype)}|{digest}|"
-        f"torch {torch.__version__}|{','.join(linear)}|{','.join(attention)}{kv}"
+        f"torch {torch.__version__}|ext {extension.build_key(features.isa_level())}|"
+        f"{','.join(linear)}|{','.join(attention)}{kv}"
     )
 
 

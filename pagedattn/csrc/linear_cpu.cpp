@@ -63,6 +63,11 @@ constexpr int64_t kPrefetch = PAGEDATTN_PREFETCH;  // panel rows (k steps) to pr
 #define PAGEDATTN_ROW_PREFETCH 64
 #endif
 constexpr int64_t kRowPrefetch = PAGEDATTN_ROW_PREFETCH;  // ... in row_through_two_panels
+#ifndef PAGEDATTN_PREFETCH_NEXT_PANEL
+#define PAGEDATTN_PREFETCH_NEXT_PANEL 1
+#endif
+// Row blocks after a panel's first fetch the thread's next panel (SpreadPrefetch).
+constexpr bool kPrefetchNextPanel = PAGEDATTN_PREFETCH_NEXT_PANEL;
 // Where MR is small (AVX2, NEON: 3 rows), a bf16 panel that at least kWidenRowBlocks blocks of
 // MR rows run through is widened to fp32 once per panel and call, into a per-thread buffer, and
 // runs the fp32 micro-kernel: widening inside the micro-kernel costs a load and two ops per 4
@@ -103,6 +108,35 @@ inline void prefetch_panel_row(const T* w, int64_t k) {
   if (sizeof(T) == 4) __builtin_prefetch(row + 64, 0, 3);
 }
 
+// Asks for a range of cache lines (into L2) a few at a time over a micro-kernel's K steps, so
+// that the next panel streams in from memory while the current one, already in cache, runs
+// through its later row blocks. Without it a panel arrived only when its first row block read it,
+// and the FMAs waited on memory for that block.
+class SpreadPrefetch {
+ public:
+  SpreadPrefetch() = default;
+  SpreadPrefetch(const void* begin, int64_t bytes, int64_t steps)
+      : next_(static_cast<const char*>(begin)), end_(next_ + std::max<int64_t>(bytes, 0)) {
+    const int64_t lines = (std::max<int64_t>(bytes, 0) + kLine - 1) / kLine;
+    if (lines == 0 || steps <= 0) return;
+    per_ = (lines + steps - 1) / steps;
+    every_ = std::max<int64_t>(1, steps / ((lines + per_ - 1) / per_));
+    countdown_ = every_;
+  }
+
+  inline void step() {
+    if (next_ >= end_ || --countdown_ > 0) return;
+    countdown_ = every_;
+    for (int64_t i = 0; i < per_; ++i, next_ += kLine) __builtin_prefetch(next_, 0, 2);
+  }
+
+ private:
+  static constexpr int64_t kLine = 64;
+  const char* next_ = nullptr;
+  const char* end_ = nullptr;
+  int64_t every_ = 1, per_ = 0, countdown_ = 1;
+};
+
 // b[v]: the bias of vector v of a panel (zero without a bias, or past N).
 inline void load_panel_bias(const float* bias, const int* cols, fVec* b) {
   for (int v = 0; v < kPanelVecs; ++v) {
@@ -122,7 +156,7 @@ inline void store_panel_row(O* y, const fVec* acc, const fVec* b, const int* col
 // cols[v]: how many of the kWidth columns of vector v lie inside the weight (N's last panel).
 template <int MR, typename T, typename O>
 void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, O* y, int64_t ldy,
-                  const int* cols, const float* bias) {
+                  const int* cols, const float* bias, SpreadPrefetch ahead) {
   fVec acc[MR][kPanelVecs];
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
@@ -130,6 +164,7 @@ void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, O* y, int6
   }
   for (int64_t k = 0; k < K; ++k) {
     if (kPrefetch > 0) prefetch_panel_row(w, k + kPrefetch);
+    ahead.step();
     fVec wv[kPanelVecs];
     load_panel_row(w + k * kPanel, wv);
 #pragma GCC unroll 12
@@ -185,23 +220,34 @@ void row_through_two_panels(const float* x, const T* w0, const T* w1, int64_t K,
 // registers).
 template <typename T, typename O, int MR = kMaxRows>
 void rows_through_panel(int rows, const float* x, int64_t ldx, const T* w, int64_t K, O* y,
-                        int64_t ldy, const int* cols, const float* bias) {
+                        int64_t ldy, const int* cols, const float* bias, SpreadPrefetch ahead) {
   if constexpr (MR > 1) {
     if (rows < MR) {
-      rows_through_panel<T, O, MR - 1>(rows, x, ldx, w, K, y, ldy, cols, bias);
+      rows_through_panel<T, O, MR - 1>(rows, x, ldx, w, K, y, ldy, cols, bias, ahead);
       return;
     }
   }
-  micro_kernel<MR, T, O>(x, ldx, w, K, y, ldy, cols, bias);
+  micro_kernel<MR, T, O>(x, ldx, w, K, y, ldy, cols, bias, ahead);
 }
 
-// Rows m0 .. m1 of x through one panel w, MR rows at a time (y: the panel's first column).
+// Rows m0 .. m1 of x through one panel w, MR rows at a time (y: the panel's first column). The
+// row blocks after the first (which streams w itself) ask for next_bytes of next, in equal
+// slices, while they run on w from cache.
 template <typename T, typename O>
 void rows_through_chunk(int64_t m0, int64_t m1, const float* xp, int64_t K, const T* w, O* y,
-                        int64_t N, const int* cols, const float* bias) {
-  for (int64_t m = m0; m < m1; m += kMaxRows) {
+                        int64_t N, const int* cols, const float* bias, const void* next = nullptr,
+                        int64_t next_bytes = 0) {
+  const int64_t blocks = (m1 - m0 + kMaxRows - 1) / kMaxRows;
+  const int64_t slice = blocks > 1 && next != nullptr ? (next_bytes + blocks - 2) / (blocks - 1) : 0;
+  for (int64_t m = m0, block = 0; m < m1; m += kMaxRows, ++block) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - m));
-    rows_through_panel<T, O>(rows, xp + m * K, K, w, K, y + m * N, N, cols, bias);
+    SpreadPrefetch ahead;
+    if (slice > 0 && block > 0) {
+      const int64_t offset = (block - 1) * slice;
+      ahead = SpreadPrefetch(static_cast<const char*>(next) + offset,
+                             std::min(slice, next_bytes - offset), K);
+    }
+    rows_through_panel<T, O>(rows, xp + m * K, K, w, K, y + m * N, N, cols, bias, ahead);
   }
 }
 
@@ -255,17 +301,22 @@ void run(const float* xp, int64_t M, int64_t K, const torch::Tensor& packed, con
           const float* b = panel_bias(p);
           int col_counts[kPanelVecs];
           panel_columns(N, p, col_counts);
+          // The thread's next panel, fetched while this one runs (none past the claim: the
+          // next claim may be another thread's).
+          const T* next = p + 1 < p_end && kPrefetchNextPanel ? w + K * kPanel : nullptr;
+          const int64_t next_bytes = K * kPanel * static_cast<int64_t>(sizeof(T));
           if constexpr (std::is_same_v<T, bf16> && kWidenPanels) {
             if (m1 - m0 >= kWidenRowBlocks * kMaxRows) {
               // NOTE: several row blocks share this panel: widen it once (exact), then run
               // them all on the fp32 micro-kernel instead of widening it again per block.
               const float* wide = widen_panel(w, K, scratch);
               rows_through_chunk<float, O>(m0, m1, xp, K, wide, yp + p * kPanel, N, col_counts,
-                                           b);
+                                           b, next, next_bytes);
               continue;
             }
           }
-          rows_through_chunk<T, O>(m0, m1, xp, K, w, yp + p * kPanel, N, col_counts, b);
+          rows_through_chunk<T, O>(m0, m1, xp, K, w, yp + p * kPanel, N, col_counts, b, next,
+                                   next_bytes);
         }
       }
     });

@@ -229,6 +229,13 @@ def test_plan_is_cached_and_retune_measures_again(monkeypatch, capsys):
     other = choose(fake_measure(table, calls), shapes=SHAPES._replace(layers=((64, 32),)))
     assert other == plan and len(calls) == 6
 
+    # Another build of the extension (its kernels changed) is measured again.
+    with monkeypatch.context() as patch:
+        patch.setattr(plan_module.extension, "build_key", lambda isa: "another-build")
+        assert choose(fake_measure(table, calls)) == plan and len(calls) == 9
+        assert choose(must_not_measure) == plan
+    assert choose(must_not_measure) == plan
+
     monkeypatch.setenv("PAGEDATTN_RETUNE", "1")
     slow_torch = {r: dict.fromkeys(ALL, 1.0) | {"torch": 9.0} for r in (DECODE_ROWS, PREFILL_ROWS)}
     retuned = choose(fake_measure(slow_torch))
