@@ -14,11 +14,13 @@ lint:
 test: setup lint
 	.venv/bin/python -m pytest -q
 
-# The whole suite as a smaller CPU would run it: `make test-isa ISA=avx2` caps this process, its
-# extension build, PyTorch, oneDNN and MKL to x86-64-v3 (PAGEDATTN_CPU_ISA; see `pagedattn env`).
+# The whole suite as a smaller CPU would run it: `make test-isa ISA=avx2` caps the tests, their
+# extension build, PyTorch, oneDNN and MKL to x86-64-v3 (PAGEDATTN_CPU_ISA; see `pagedattn env`),
+# and where the CPU offers CPUID faulting every process of the run reads CPUID as that CPU's
+# (pagedattn.cpu.cpuid_cap).
 ISA ?= avx2
 test-isa: setup
-	PAGEDATTN_CPU_ISA=$(ISA) .venv/bin/python -m pytest -q
+	.venv/bin/python -m pagedattn.cpu.cpuid_cap $(ISA) -- .venv/bin/python -m pytest -q
 
 bench: setup
 	.venv/bin/python -m pagedattn.benchmarks.bench_allocator

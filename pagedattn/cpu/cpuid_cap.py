@@ -10,7 +10,8 @@ removed, and a glibc tunable keeps glibc's own string functions at the same leve
 It needs an x86-64 Linux CPU that lists ``cpuid_fault`` and a C compiler; elsewhere
 ``capped_env`` returns the environment unchanged with the reason, for the report.
 
-    python -m pagedattn.cpu.cpuid_cap     # build it and print its path
+    python -m pagedattn.cpu.cpuid_cap                       # build it and print its path
+    python -m pagedattn.cpu.cpuid_cap avx2 -- CMD [ARGS...]  # run CMD as an AVX2 CPU would
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from pagedattn import envs
@@ -102,5 +104,25 @@ def capped_env(env: dict[str, str], level: str | None = None) -> tuple[dict[str,
     return capped, f"CPUID capped to {level}"
 
 
+def main(argv: list[str]) -> int:
+    """Print the library's path; or, given ``LEVEL -- CMD ...``, run CMD under PAGEDATTN_CPU_ISA
+    =LEVEL with its CPUID capped (where the CPUID cap cannot be had, CMD still runs, capped by
+    PAGEDATTN_CPU_ISA alone, and the reason is printed)."""
+    if not argv:
+        print(library())
+        return 0
+    if len(argv) < 3 or argv[1] != "--" or argv[0] not in envs.CPU_ISA_LEVELS:
+        levels = "|".join(envs.CPU_ISA_LEVELS)
+        print(
+            f"usage: python -m pagedattn.cpu.cpuid_cap [{levels} -- CMD [ARGS...]]", file=sys.stderr
+        )
+        return 2
+    env, line = capped_env(dict(os.environ), argv[0])
+    env["PAGEDATTN_CPU_ISA"] = argv[0]
+    print(f"cpuid_cap: {line}: {' '.join(argv[2:])}", file=sys.stderr, flush=True)
+    os.execvpe(argv[2], argv[2:], env)
+    return 1  # NOTE: not reached; execvpe raises where the command cannot run
+
+
 if __name__ == "__main__":
-    print(library())
+    raise SystemExit(main(sys.argv[1:]))

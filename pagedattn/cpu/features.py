@@ -139,6 +139,32 @@ def notable_flags() -> list[str]:
     return [f for f in NOTABLE_FLAGS if f in flags]
 
 
+_CACHE_DIR = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+@functools.lru_cache(maxsize=1)
+def last_level_cache_bytes() -> int:
+    """The size of the largest data cache cpu0 sees (its L3 on x86; 0 where sysfs does not say).
+
+    NOTE: on a shared host it is the whole socket's (480 MiB on one Xeon seen here), more than a
+    small model's weights: what a decode step streams may come from this cache, not memory.
+    """
+    best = 0
+    for index in sorted(_CACHE_DIR.glob("index*")):
+        try:
+            kind = (index / "type").read_text().strip()
+            size = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        if kind == "Instruction" or not size:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(size[-1], 1)
+        digits = size.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best
+
+
 def cpu_signature() -> str:
     """A short stable id of this CPU kind: hash of model name, all flags, and the thread count."""
     key = f"{cpu_model_name()}|{' '.join(sorted(cpu_flags()))}|{torch.get_num_threads()}"

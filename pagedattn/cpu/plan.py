@@ -32,7 +32,7 @@ from pagedattn.cpu.linear import get_kernel as get_linear_kernel
 
 AUTO = "auto"
 CACHE_FILE = "kernel_plans.json"
-PLAN_VERSION = 5  # bump when what is measured or chosen changes, so old plans are measured again
+PLAN_VERSION = 6  # bump when what is measured or chosen changes, so old plans are measured again
 # Decode attention kernels: the extension's vector kernel, its AMX tile path, PyTorch's SDPA.
 ATTENTION_KERNELS = ("compiled", "amx", "torch")
 # (candidate names, dtype) -> seconds of one timed decode attention call per candidate.

@@ -4,9 +4,10 @@ Measuring only: ``pagedattn.cpu.plan`` decides when to measure, caches what was 
 the times into a KernelPlan. Every linear candidate (``linear.candidates``) is timed on random
 weights of the model's projection shapes:
 
-- decode: ``DECODE_ROWS`` rows through enough of the model's layers to stream ~24 MiB of weights
-  per pass (as a decode step streams the whole model from memory);
-- prefill: ``PREFILL_ROWS`` rows through the same weights;
+- decode: ``DECODE_ROWS`` rows through enough of the model's layers to stream at least 24 MiB
+  and twice the last-level cache per pass, up to the whole model (as a decode step streams the
+  whole model, from memory or a large L3);
+- prefill: ``PREFILL_ROWS`` rows through the model's first ~24 MiB of weights;
 - LM head: ``DECODE_ROWS`` rows through (up to 16k rows of) the head;
 
 and where the decode and prefill winners differ, the row count at which the prefill kernel starts
@@ -28,12 +29,18 @@ from typing import NamedTuple
 
 import torch
 
+from pagedattn.cpu import features
 from pagedattn.cpu.linear import pack_weight, shares_weights
 
 DECODE_ROWS = 32
 PREFILL_ROWS = 2048
 SPLIT_ROWS = (64, 128, 256, 512, 1024)  # row counts tried for the decode -> prefill switch
-DECODE_PASS_BYTES = 24 << 20  # weights streamed per timed decode pass (well past L2)
+# Weights streamed per timed decode pass, at least: well past L2, and past twice the last-level
+# cache (up to the model's own size), so that the decode kernels are timed streaming weights
+# from where a step finds them. NOTE: on a Xeon with a 480 MiB L3, 24 MiB passes ran from L3,
+# where MKL led at 32 rows (AVX2 cap, float32), while the model's 513 MiB streamed faster
+# through the panels (53.3 ms against 58.4).
+DECODE_PASS_BYTES = 24 << 20
 HEAD_MAX_OUT = 16384  # LM head rows timed (the ranking does not change past this)
 MIN_ROUNDS, MAX_ROUNDS = 3, 9
 ROUND_BUDGET_S = 1.0  # per measurement; the rounds stop after MIN_ROUNDS once it is spent
@@ -124,12 +131,20 @@ def measure_kernels(
     return fastest_passes(passes)
 
 
-def decode_shapes(layer_shapes: Sequence[Shape], dtype: torch.dtype) -> list[Shape]:
-    """The model's first weights, in order, up to DECODE_PASS_BYTES (at least one of each shape)."""
+def decode_pass_bytes() -> int:
+    """Bytes of weights a timed decode pass streams: DECODE_PASS_BYTES or twice the last-level
+    cache, whichever is more."""
+    return max(DECODE_PASS_BYTES, 2 * features.last_level_cache_bytes())
+
+
+def decode_shapes(
+    layer_shapes: Sequence[Shape], dtype: torch.dtype, pass_bytes: int = DECODE_PASS_BYTES
+) -> list[Shape]:
+    """The model's first weights, in order, up to ``pass_bytes`` (at least one of each shape)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
     chosen, total, seen = [], 0, set()
     for shape in layer_shapes:
-        if total >= DECODE_PASS_BYTES and shape in seen:
+        if total >= pass_bytes and shape in seen:
             continue
         chosen.append(shape)
         seen.add(shape)
@@ -145,9 +160,13 @@ def tune_linear(
     measure: Measure,
 ) -> tuple[LinearChoice, dict[str, dict[str, float]]]:
     """The fastest of ``kernels`` per regime, and the seconds measured per regime and kernel."""
+    # NOTE: prefill and the split are compute-bound: their passes keep to DECODE_PASS_BYTES
+    # (a 2,048-row pass over a whole model would take seconds per kernel).
     streamed = decode_shapes(layer_shapes, dtype)
     times = {
-        "decode": measure(kernels, streamed, DECODE_ROWS),
+        "decode": measure(
+            kernels, decode_shapes(layer_shapes, dtype, decode_pass_bytes()), DECODE_ROWS
+        ),
         "prefill": measure(kernels, streamed, PREFILL_ROWS),
         "head": measure(kernels, [(min(head_shape[0], HEAD_MAX_OUT), head_shape[1])], DECODE_ROWS),
     }
@@ -186,16 +205,15 @@ def tune_threads(
 ) -> int:
     """1 when one thread runs both the decode and prefill passes clearly faster
     (``ONE_THREAD_MARGIN``) than ``threads`` threads, else ``threads``."""
-    streamed = decode_shapes(layer_shapes, dtype)
     regimes = {
-        "decode": (choice.decode, DECODE_ROWS),
-        "prefill": (choice.prefill, PREFILL_ROWS),
+        "decode": (choice.decode, DECODE_ROWS, decode_pass_bytes()),
+        "prefill": (choice.prefill, PREFILL_ROWS, DECODE_PASS_BYTES),
     }
     wins = []
-    for regime, (kernel, rows) in regimes.items():
+    for regime, (kernel, rows, pass_bytes) in regimes.items():
         torch.set_num_threads(1)
         try:
-            single = measure([kernel], streamed, rows)[kernel]
+            single = measure([kernel], decode_shapes(layer_shapes, dtype, pass_bytes), rows)[kernel]
         finally:
             torch.set_num_threads(threads)
         times[f"threads_{regime}"] = {f"{threads}": times[regime][kernel], "1": single}

@@ -97,10 +97,10 @@ def test_cpuid_leaf_7_loses_exactly_the_features_above_the_level():
 
 @needs_faulting
 def test_an_uncapped_child_reads_the_real_cpuid():
-    env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+    # NOTE: without this run's own cap (make test-isa runs the suite under the library).
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "LD_PRELOAD")}
     env, line = cpuid_cap.capped_env(env, "native")
-    assert line == "CPUID uncapped"
-    assert env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD")
+    assert line == "CPUID uncapped" and "LD_PRELOAD" not in env
     proc = _run(TORCH_CAPABILITY, env)
     expected = "AVX512" if "avx512f" in features.hardware_flags() else "AVX2"
     assert proc.stdout.split()[-1] == expected
@@ -143,3 +143,21 @@ def test_a_peer_of_a_capped_run_gets_the_capped_cpuid(monkeypatch, tmp_path):
     assert peers_cpu_engines._peer_env()["LD_PRELOAD"] == str(library)
     monkeypatch.setenv("PAGEDATTN_CPU_ISA", "native")
     assert "LD_PRELOAD" not in peers_cpu_engines._peer_env()
+
+
+@needs_faulting
+def test_the_command_line_runs_a_command_on_the_capped_cpu():
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", "LD_PRELOAD")}
+    cmd = [sys.executable, "-m", "pagedattn.cpu.cpuid_cap", "avx2", "--", sys.executable]
+    cmd += [
+        "-c",
+        TORCH_CAPABILITY.replace("print(", "print(__import__('os').environ['PAGEDATTN_CPU_ISA'], "),
+    ]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["avx2", "AVX2"]
+    assert "CPUID capped to avx2" in proc.stderr
+    bad = subprocess.run(
+        [*cmd[:3], "avx9", "--", "true"], capture_output=True, text=True, check=False
+    )
+    assert bad.returncode == 2 and "usage" in bad.stderr

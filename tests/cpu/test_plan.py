@@ -295,6 +295,30 @@ def test_real_measurement_times_every_candidate():
     assert tuple(tuner.decode_shapes(LAYER * 1000, torch.float32)[: len(LAYER)]) == LAYER
 
 
+def test_decode_passes_stream_past_the_last_level_cache(monkeypatch):
+    """Decode kernels are timed on at least twice the last-level cache's bytes of weights (up to
+    the whole model); prefill keeps to DECODE_PASS_BYTES."""
+    layer = ((1024, 1024),)  # 4 MiB in float32
+    model = layer * 100
+    shapes_seen: dict[int, int] = {}
+
+    def measure(kernels, shapes, rows):
+        shapes_seen[rows] = max(shapes_seen.get(rows, 0), len(shapes))
+        return dict.fromkeys(kernels, 1.0)
+
+    def tuned_counts(llc_bytes: int) -> dict[int, int]:
+        shapes_seen.clear()
+        monkeypatch.setattr(tuner.features, "last_level_cache_bytes", lambda: llc_bytes)
+        tuner.tune_linear(model, (64, 1024), torch.float32, ["torch", "panels"], measure)
+        return dict(shapes_seen)
+
+    small = tuned_counts(8 << 20)  # 2 x 8 MiB < DECODE_PASS_BYTES: 24 MiB, 6 layers
+    assert small[tuner.DECODE_ROWS] == 6 and small[tuner.PREFILL_ROWS] == 6
+    large = tuned_counts(100 << 20)  # 200 MiB: 50 layers
+    assert large[tuner.DECODE_ROWS] == 50 and large[tuner.PREFILL_ROWS] == 6
+    assert tuned_counts(1 << 30)[tuner.DECODE_ROWS] == 100  # the whole model, no more
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_split_plan_runs_each_kernel_on_its_rows(dtype):
     kernels = candidates(dtype)
