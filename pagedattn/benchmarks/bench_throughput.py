@@ -294,6 +294,14 @@ def spawn_child(
         result_path.unlink(missing_ok=True)
 
 
+def machine_label(threads: int) -> str:
+    """The CPU as reports name it, and under an ISA cap whether every engine's CPUID is capped."""
+    machine = describe_cpu(threads)
+    if envs.PAGEDATTN_CPU_ISA != "native":
+        machine += f"; every engine's {capped_env(dict(os.environ))[1]}"
+    return machine
+
+
 def _split(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     names = [n.strip() for n in text.split(",") if n.strip()]
     unknown = sorted(set(names) - set(allowed))
@@ -340,9 +348,7 @@ def parent_main(args: argparse.Namespace) -> int:
         f"throughput benchmark: size={size} threads={args.threads} dtype={args.dtype} "
         f"load average {load_before[0]:.2f}"
     )
-    machine = describe_cpu(args.threads)
-    if envs.PAGEDATTN_CPU_ISA != "native":
-        machine += f"; every engine's {capped_env(dict(os.environ))[1]}"
+    machine = machine_label(args.threads)
     print(f"machine: {machine}")
 
     results: list[dict] = []

@@ -11,7 +11,6 @@ from pagedattn.benchmarks import bench_throughput
 from pagedattn.benchmarks.peers import parse_batched_bench
 from pagedattn.benchmarks.throughput_report import percentile, step_analysis
 from pagedattn.benchmarks.workloads import SIZE_PRESETS, load_trace, make_workloads, save_trace
-from pagedattn.cpu.features import describe_cpu
 from tests.model.tiny import TINY_VOCAB_SIZE, make_tiny_llama
 
 SPECIAL = {0, 1, 2, 3, 4}
@@ -105,7 +104,7 @@ def test_end_to_end_rows_ratios_ceiling_and_breakdown(tmp_path, tiny_model, caps
         assert f"| {engine} |" in md
     assert "## Prefix caching" in md and "## pagedattn step breakdown" in md
     assert "thread probe:" in md
-    assert f"Machine: {describe_cpu(2)}." in md and "fastest kernel" in md
+    assert f"Machine: {bench_throughput.machine_label(2)}." in md and "fastest kernel" in md
     printed = capsys.readouterr().out
     assert printed.count("uniform        pagedattn ") == 1  # one line per result
     # The saved trace replays the same requests.
