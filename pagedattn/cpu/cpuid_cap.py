@@ -31,10 +31,8 @@ SOURCE = Path(__file__).resolve().parents[1] / "csrc" / "preload" / "cpuid_cap.c
 LIBRARY_NAME = "libcpuid_cap.so"
 # glibc reads CPUID before any preloaded library runs; its tunable drops the same features from
 # its own choice of memcpy/strlen variants and of the x86-64-v4 library folders.
-GLIBC_HWCAPS = {
-    "avx2": "-AVX512F,-AVX512VL,-AVX512BW,-AVX512DQ,-AVX512CD",
-    "scalar": "-AVX512F,-AVX512VL,-AVX512BW,-AVX512DQ,-AVX512CD,-AVX2,-AVX,-FMA",
-}
+_PAST_AVX2_HWCAPS = "-AVX512F,-AVX512VL,-AVX512BW,-AVX512DQ,-AVX512CD"
+GLIBC_HWCAPS = {"avx2": _PAST_AVX2_HWCAPS, "scalar": f"{_PAST_AVX2_HWCAPS},-AVX2,-AVX,-FMA"}
 
 
 class CpuidCapError(RuntimeError):
@@ -49,9 +47,13 @@ def unavailable_reason() -> str | None:
         )
     if "cpuid_fault" not in features.hardware_flags():
         return "this CPU (or its hypervisor) does not offer CPUID faulting (no cpuid_fault flag)"
-    if shutil.which("cc") is None and shutil.which("gcc") is None:
+    if _compiler() is None:
         return "no C compiler (cc) to build the preload library"
     return None
+
+
+def _compiler() -> str | None:
+    return shutil.which("cc") or shutil.which("gcc")
 
 
 def library() -> Path:
@@ -65,8 +67,7 @@ def library() -> Path:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{LIBRARY_NAME}.{os.getpid()}")
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    cmd = [compiler, "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ldl"]
+    cmd = [_compiler(), "-O2", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ldl"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)

@@ -36,37 +36,49 @@ struct Mask {
   uint32_t l1_ecx, l7_ebx, l7_ecx, l7_edx, l71_eax, l71_edx, ld_eax;
 };
 
-// AMX (tile, bf16, int8, fp16), AVX512-FP16, AVX512-BF16 and the AVX10 line: the x86-64-v4 level
-// this project calls avx512 (AVX-512 without bf16 or AMX instructions).
+// Each level hides the groups above it, the lower levels' groups included.
+// AMX (tile, bf16, int8, fp16), AVX512-FP16, AVX512-BF16 and the AVX10 line: past the x86-64-v4
+// level this project calls avx512 (AVX-512 without bf16 or AMX instructions).
+#define PAST_AVX512_L7_EDX (BIT(22) | BIT(23) | BIT(24) | BIT(25))
+#define PAST_AVX512_L71_EAX (BIT(5) | BIT(21))
+#define PAST_AVX512_L71_EDX BIT(19)
+#define PAST_AVX512_LD_EAX (BIT(17) | BIT(18))
+// Every AVX-512 subset, AVX-VNNI and its relatives: past an x86-64-v3 CPU such as AMD Zen 3.
+#define PAST_AVX2_L7_EBX \
+  (BIT(16) | BIT(17) | BIT(21) | BIT(26) | BIT(27) | BIT(28) | BIT(30) | BIT(31))
+#define PAST_AVX2_L7_ECX (BIT(1) | BIT(6) | BIT(11) | BIT(12) | BIT(14))
+#define PAST_AVX2_L7_EDX (PAST_AVX512_L7_EDX | BIT(2) | BIT(3) | BIT(8))
+#define PAST_AVX2_L71_EAX (PAST_AVX512_L71_EAX | BIT(4) | BIT(23))
+#define PAST_AVX2_L71_EDX (PAST_AVX512_L71_EDX | BIT(4) | BIT(5) | BIT(10))
+#define PAST_AVX2_LD_EAX (PAST_AVX512_LD_EAX | BIT(5) | BIT(6) | BIT(7))
+
 static const struct Mask kAboveAvx512 = {
     .l1_ecx = 0,
     .l7_ebx = 0,
     .l7_ecx = 0,
-    .l7_edx = BIT(22) | BIT(23) | BIT(24) | BIT(25),
-    .l71_eax = BIT(5) | BIT(21),
-    .l71_edx = BIT(19),
-    .ld_eax = BIT(17) | BIT(18),
+    .l7_edx = PAST_AVX512_L7_EDX,
+    .l71_eax = PAST_AVX512_L71_EAX,
+    .l71_edx = PAST_AVX512_L71_EDX,
+    .ld_eax = PAST_AVX512_LD_EAX,
 };
-// Every AVX-512 subset, AVX-VNNI and its relatives: an x86-64-v3 CPU such as AMD Zen 3.
 static const struct Mask kAboveAvx2 = {
     .l1_ecx = 0,
-    .l7_ebx = BIT(16) | BIT(17) | BIT(21) | BIT(26) | BIT(27) | BIT(28) | BIT(30) | BIT(31),
-    .l7_ecx = BIT(1) | BIT(6) | BIT(11) | BIT(12) | BIT(14),
-    .l7_edx = BIT(2) | BIT(3) | BIT(8) | BIT(22) | BIT(23) | BIT(24) | BIT(25),
-    .l71_eax = BIT(4) | BIT(5) | BIT(21) | BIT(23),
-    .l71_edx = BIT(4) | BIT(5) | BIT(10) | BIT(19),
-    .ld_eax = BIT(5) | BIT(6) | BIT(7) | BIT(17) | BIT(18),
+    .l7_ebx = PAST_AVX2_L7_EBX,
+    .l7_ecx = PAST_AVX2_L7_ECX,
+    .l7_edx = PAST_AVX2_L7_EDX,
+    .l71_eax = PAST_AVX2_L71_EAX,
+    .l71_edx = PAST_AVX2_L71_EDX,
+    .ld_eax = PAST_AVX2_LD_EAX,
 };
-// And AVX, AVX2, FMA, F16C: x86-64-v2.
+// And FMA, AVX, F16C (leaf 1), AVX2, VAES, VPCLMULQDQ (leaf 7) and the YMM state: x86-64-v2.
 static const struct Mask kAboveScalar = {
     .l1_ecx = BIT(12) | BIT(28) | BIT(29),
-    .l7_ebx = BIT(5) | BIT(16) | BIT(17) | BIT(21) | BIT(26) | BIT(27) | BIT(28) | BIT(30) |
-              BIT(31),
-    .l7_ecx = BIT(1) | BIT(6) | BIT(9) | BIT(10) | BIT(11) | BIT(12) | BIT(14),
-    .l7_edx = BIT(2) | BIT(3) | BIT(8) | BIT(22) | BIT(23) | BIT(24) | BIT(25),
-    .l71_eax = BIT(4) | BIT(5) | BIT(21) | BIT(23),
-    .l71_edx = BIT(4) | BIT(5) | BIT(10) | BIT(19),
-    .ld_eax = BIT(2) | BIT(5) | BIT(6) | BIT(7) | BIT(17) | BIT(18),
+    .l7_ebx = PAST_AVX2_L7_EBX | BIT(5),
+    .l7_ecx = PAST_AVX2_L7_ECX | BIT(9) | BIT(10),
+    .l7_edx = PAST_AVX2_L7_EDX,
+    .l71_eax = PAST_AVX2_L71_EAX,
+    .l71_edx = PAST_AVX2_L71_EDX,
+    .ld_eax = PAST_AVX2_LD_EAX | BIT(2),
 };
 
 static const struct Mask* g_mask;
