@@ -38,9 +38,9 @@ using pagedattn_vec::kWidth;
 constexpr int64_t kPanel = 32;  // output columns per panel
 constexpr int kPanelVecs = kPanel / kWidth;
 static_assert(kWidth <= 16 && kPanel % kWidth == 0, "a panel row must be whole vectors");
-// MR: rows per micro-kernel call: accumulators in all registers but two (the broadcast and one
-// weight vector; the other weight vectors feed the FMAs from L1), at most 12: 12 on AVX-512
-// (24 accumulators), 3 on AVX2 and NEON. NOTE: on AVX2 (x86-64-v3 build on the AVX-512 Xeon,
+// MR: rows per micro-kernel call: accumulators in all registers but two, at most 12: 12 on
+// AVX-512 (24 accumulators), 3 on AVX2 and NEON (12 and 24; there the MR broadcasts and one
+// weight vector take the rest, see kBroadcastsFirst). NOTE: on AVX2 (x86-64-v3 build on the AVX-512 Xeon,
 // 2 threads, SmolLM2-135M's 30 layers, fp32, 32 rows) MR 3 took 76.8-79.4 ms against MR 2's
 // 96.5-104 ms (which keeps the whole weight row in registers); at 1 row both stream ~20 GB/s.
 #ifndef PAGEDATTN_PANEL_ROWS
@@ -153,18 +153,47 @@ inline void store_panel_row(O* y, const fVec* acc, const fVec* b, const int* col
   }
 }
 
-// cols[v]: how many of the kWidth columns of vector v lie inside the weight (N's last panel).
-template <int MR, typename T, typename O>
-void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, O* y, int64_t ldy,
-                  const int* cols, const float* bias, SpreadPrefetch ahead) {
-  fVec acc[MR][kPanelVecs];
+// Whether the MR-row micro-kernel on T keeps the MR broadcast activations in registers and runs
+// the panel's weight vectors through them one at a time: in builds where the other order (the
+// weights of step k in registers, each row broadcast in turn) does not fit the registers at
+// kMaxRows rows, for every MR where this one fits.
+// NOTE: the AVX2 kernel (3 rows x 32 columns: 12 accumulators, 4 weight vectors) compiled in the
+// other order re-loaded its fourth weight vector for every row, 9 loads and ~30 instructions per
+// 12 FMAs. A standalone copy of the loop on one core of the AMX Xeon (x86-64-v3 build, K 576, 32
+// rows, 48 panels from L3 / 8 panels in L2; one core's FMA peak ~120 GFLOP/s): weights first
+// 89 / 99 GFLOP/s, broadcasts first 99 / 112, with K unrolled by 4 103 / 119. On AVX-512 (2 weight
+// vectors) the weights fit beside any MR; broadcasts first there took 8 rows from 27.5 to 30 ms
+// (bench linear, 30 layers), and unrolling K cost time at 12 rows (200 -> 197 GFLOP/s).
+template <int MR, typename T>
+constexpr bool kBroadcastsFirst = std::is_same_v<T, float> &&
+                                  kMaxRows * kPanelVecs + kPanelVecs + 1 > pagedattn_vec::kNumRegs &&
+                                  MR * kPanelVecs + MR + 1 <= pagedattn_vec::kNumRegs;
+// K steps per pass of the micro-kernel's loop where the broadcasts come first (see above).
+template <int MR, typename T>
+constexpr int64_t kUnrollK = kBroadcastsFirst<MR, T> ? 4 : 1;
+
+// SpreadPrefetch::step() calls of the MR-row micro-kernel over K steps.
+template <int MR, typename T>
+constexpr int64_t kernel_passes(int64_t K) {
+  return K / kUnrollK<MR, T> + K % kUnrollK<MR, T>;
+}
+
+// acc[r][.] += x[r, k] * w[k, .] for the MR rows, one step k of the panel.
+template <int MR, typename T>
+inline void panel_step(const float* x, int64_t ldx, const T* w, int64_t k,
+                       fVec (&acc)[MR][kPanelVecs]) {
+  if (kPrefetch > 0) prefetch_panel_row(w, k + kPrefetch);
+  if constexpr (kBroadcastsFirst<MR, T>) {
+    fVec xr[MR];
 #pragma GCC unroll 12
-  for (int r = 0; r < MR; ++r) {
-    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = fVec(0.0f);
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    if (kPrefetch > 0) prefetch_panel_row(w, k + kPrefetch);
-    ahead.step();
+    for (int r = 0; r < MR; ++r) xr[r] = fVec(x[r * ldx + k]);
+#pragma GCC unroll 8
+    for (int v = 0; v < kPanelVecs; ++v) {
+      const fVec wv = fVec::loadu(w + k * kPanel + v * kWidth);
+#pragma GCC unroll 12
+      for (int r = 0; r < MR; ++r) acc[r][v] = at::vec::fmadd(xr[r], wv, acc[r][v]);
+    }
+  } else {
     fVec wv[kPanelVecs];
     load_panel_row(w + k * kPanel, wv);
 #pragma GCC unroll 12
@@ -173,10 +202,43 @@ void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, O* y, int6
       for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = at::vec::fmadd(xr, wv[v], acc[r][v]);
     }
   }
+}
+
+// cols[v]: how many of the kWidth columns of vector v lie inside the weight (N's last panel).
+// ahead: stepped once per pass of the loop (kernel_passes<MR, T>(K) in all).
+template <int MR, typename T, typename O>
+inline void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, O* y, int64_t ldy,
+                  const int* cols, const float* bias, SpreadPrefetch& ahead) {
+  constexpr int64_t kUnroll = kUnrollK<MR, T>;
+  fVec acc[MR][kPanelVecs];
+#pragma GCC unroll 12
+  for (int r = 0; r < MR; ++r) {
+    for (int v = 0; v < kPanelVecs; ++v) acc[r][v] = fVec(0.0f);
+  }
+  int64_t k = 0;
+  for (; k + kUnroll <= K; k += kUnroll) {
+    ahead.step();
+#pragma GCC unroll 4
+    for (int64_t u = 0; u < kUnroll; ++u) panel_step<MR, T>(x, ldx, w, k + u, acc);
+  }
+  for (; k < K; ++k) {
+    ahead.step();
+    panel_step<MR, T>(x, ldx, w, k, acc);
+  }
   fVec b[kPanelVecs];
   load_panel_bias(bias, cols, b);
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) store_panel_row(y + r * ldy, acc[r], b, cols);
+}
+
+// The micro-kernel in a function of its own. NOTE: inlined into its callers (all MR in one
+// function), the x86-64-v3 build's unrolled broadcasts-first loop spilled accumulators to the
+// stack; on its own it keeps all 16 registers for the loop.
+template <int MR, typename T, typename O>
+[[gnu::noinline]] void micro_kernel_outlined(const float* x, int64_t ldx, const T* w, int64_t K,
+                                             O* y, int64_t ldy, const int* cols,
+                                             const float* bias, SpreadPrefetch& ahead) {
+  micro_kernel<MR, T, O>(x, ldx, w, K, y, ldy, cols, bias, ahead);
 }
 
 // counts[v]: how many of the kWidth columns of vector v of panel p lie inside N.
@@ -220,14 +282,18 @@ void row_through_two_panels(const float* x, const T* w0, const T* w1, int64_t K,
 // registers).
 template <typename T, typename O, int MR = kMaxRows>
 void rows_through_panel(int rows, const float* x, int64_t ldx, const T* w, int64_t K, O* y,
-                        int64_t ldy, const int* cols, const float* bias, SpreadPrefetch ahead) {
+                        int64_t ldy, const int* cols, const float* bias, SpreadPrefetch& ahead) {
   if constexpr (MR > 1) {
     if (rows < MR) {
       rows_through_panel<T, O, MR - 1>(rows, x, ldx, w, K, y, ldy, cols, bias, ahead);
       return;
     }
   }
-  micro_kernel<MR, T, O>(x, ldx, w, K, y, ldy, cols, bias, ahead);
+  if constexpr (kBroadcastsFirst<MR, T>) {
+    micro_kernel_outlined<MR, T, O>(x, ldx, w, K, y, ldy, cols, bias, ahead);
+  } else {
+    micro_kernel<MR, T, O>(x, ldx, w, K, y, ldy, cols, bias, ahead);
+  }
 }
 
 // Rows m0 .. m1 of x through one panel w, MR rows at a time (y: the panel's first column). The
@@ -245,7 +311,7 @@ void rows_through_chunk(int64_t m0, int64_t m1, const float* xp, int64_t K, cons
     if (slice > 0 && block > 0) {
       const int64_t offset = (block - 1) * slice;
       ahead = SpreadPrefetch(static_cast<const char*>(next) + offset,
-                             std::min(slice, next_bytes - offset), K);
+                             std::min(slice, next_bytes - offset), kernel_passes<kMaxRows, T>(K));
     }
     rows_through_panel<T, O>(rows, xp + m * K, K, w, K, y + m * N, N, cols, bias, ahead);
   }
@@ -278,10 +344,20 @@ void run(const float* xp, int64_t M, int64_t K, const torch::Tensor& packed, con
     const int64_t m1 = std::min(M, m0 + row_chunk);
     pagedattn_claims::Claims panels(P, kPanelsPerClaim);
     panels.run([&](pagedattn_claims::Claims& claims) {
-      int64_t p_begin, p_end;
+      int64_t p_begin = 0, p_end = 0;
       thread_local std::vector<float> scratch;  // a widened bf16 panel (kWidenPanels)
       auto panel_bias = [&](int64_t q) { return bias != nullptr ? bias + q * kPanel : nullptr; };
-      while (claims.next(p_begin, p_end)) {
+      bool claimed = claims.next(p_begin, p_end);
+      while (claimed) {
+        // The thread's next claim, taken when this claim's last panel starts, so that its first
+        // panel streams in while that one runs (SpreadPrefetch) as the claim's other panels do.
+        int64_t n_begin = 0, n_end = 0;
+        bool asked = false, next_claimed = false;
+        auto claim_ahead = [&]() {
+          if (!asked) next_claimed = claims.next(n_begin, n_end);
+          asked = true;
+          return next_claimed;
+        };
         int64_t p = p_begin;
         if (m1 - m0 == 1) {
           // NOTE: one row streams two panels at a time: one stream per thread left bandwidth
@@ -301,9 +377,16 @@ void run(const float* xp, int64_t M, int64_t K, const torch::Tensor& packed, con
           const float* b = panel_bias(p);
           int col_counts[kPanelVecs];
           panel_columns(N, p, col_counts);
-          // The thread's next panel, fetched while this one runs (none past the claim: the
-          // next claim may be another thread's).
-          const T* next = p + 1 < p_end && kPrefetchNextPanel ? w + K * kPanel : nullptr;
+          // The thread's next panel, fetched while this one runs: the claim's next, or the
+          // first of the thread's next claim.
+          const T* next = nullptr;
+          if (kPrefetchNextPanel && m1 - m0 > kMaxRows) {  // (one row block fetches none)
+            if (p + 1 < p_end) {
+              next = w + K * kPanel;
+            } else if (claim_ahead()) {
+              next = wp + n_begin * K * kPanel;
+            }
+          }
           const int64_t next_bytes = K * kPanel * static_cast<int64_t>(sizeof(T));
           if constexpr (std::is_same_v<T, bf16> && kWidenPanels) {
             if (m1 - m0 >= kWidenRowBlocks * kMaxRows) {
@@ -318,6 +401,9 @@ void run(const float* xp, int64_t M, int64_t K, const torch::Tensor& packed, con
           rows_through_chunk<T, O>(m0, m1, xp, K, w, yp + p * kPanel, N, col_counts, b, next,
                                    next_bytes);
         }
+        claimed = claim_ahead();
+        p_begin = n_begin;
+        p_end = n_end;
       }
     });
   }
