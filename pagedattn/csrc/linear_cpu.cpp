@@ -40,9 +40,10 @@ constexpr int kPanelVecs = kPanel / kWidth;
 static_assert(kWidth <= 16 && kPanel % kWidth == 0, "a panel row must be whole vectors");
 // MR: rows per micro-kernel call: accumulators in all registers but two, at most 12: 12 on
 // AVX-512 (24 accumulators), 3 on AVX2 and NEON (12 and 24; there the MR broadcasts and one
-// weight vector take the rest, see kBroadcastsFirst). NOTE: on AVX2 (x86-64-v3 build on the AVX-512 Xeon,
-// 2 threads, SmolLM2-135M's 30 layers, fp32, 32 rows) MR 3 took 76.8-79.4 ms against MR 2's
-// 96.5-104 ms (which keeps the whole weight row in registers); at 1 row both stream ~20 GB/s.
+// weight vector take the rest, see kBroadcastsFirst). NOTE: on AVX2 (x86-64-v3 build on the
+// AVX-512 Xeon, 2 threads, SmolLM2-135M's 30 layers, fp32, 32 rows) MR 3 took 76.8-79.4 ms
+// against MR 2's 96.5-104 ms (which keeps the whole weight row in registers); at 1 row both
+// stream ~20 GB/s.
 #ifndef PAGEDATTN_PANEL_ROWS
 #define PAGEDATTN_PANEL_ROWS std::min(12, (pagedattn_vec::kNumRegs - 2) / kPanelVecs)
 #endif
@@ -162,12 +163,14 @@ inline void store_panel_row(O* y, const fVec* acc, const fVec* b, const int* col
 // 12 FMAs. A standalone copy of the loop on one core of the AMX Xeon (x86-64-v3 build, K 576, 32
 // rows, 48 panels from L3 / 8 panels in L2; one core's FMA peak ~120 GFLOP/s): weights first
 // 89 / 99 GFLOP/s, broadcasts first 99 / 112, with K unrolled by 4 103 / 119. On AVX-512 (2 weight
-// vectors) the weights fit beside any MR; broadcasts first there took 8 rows from 27.5 to 30 ms
-// (bench linear, 30 layers), and unrolling K cost time at 12 rows (200 -> 197 GFLOP/s).
+// vectors) the weights fit beside any MR; broadcasts first (K unrolled) there took 8 rows from 27.5
+// to 30 ms (bench linear, 30 layers), and unrolling K alone cost time at 12 rows (200 -> 197
+// GFLOP/s, the standalone loop).
 template <int MR, typename T>
-constexpr bool kBroadcastsFirst = std::is_same_v<T, float> &&
-                                  kMaxRows * kPanelVecs + kPanelVecs + 1 > pagedattn_vec::kNumRegs &&
-                                  MR * kPanelVecs + MR + 1 <= pagedattn_vec::kNumRegs;
+constexpr bool kBroadcastsFirst =
+    std::is_same_v<T, float> &&
+    kMaxRows * kPanelVecs + kPanelVecs + 1 > pagedattn_vec::kNumRegs &&
+    MR * kPanelVecs + MR + 1 <= pagedattn_vec::kNumRegs;
 // K steps per pass of the micro-kernel's loop where the broadcasts come first (see above).
 template <int MR, typename T>
 constexpr int64_t kUnrollK = kBroadcastsFirst<MR, T> ? 4 : 1;
@@ -208,7 +211,7 @@ inline void panel_step(const float* x, int64_t ldx, const T* w, int64_t k,
 // ahead: stepped once per pass of the loop (kernel_passes<MR, T>(K) in all).
 template <int MR, typename T, typename O>
 inline void micro_kernel(const float* x, int64_t ldx, const T* w, int64_t K, O* y, int64_t ldy,
-                  const int* cols, const float* bias, SpreadPrefetch& ahead) {
+                         const int* cols, const float* bias, SpreadPrefetch& ahead) {
   constexpr int64_t kUnroll = kUnrollK<MR, T>;
   fVec acc[MR][kPanelVecs];
 #pragma GCC unroll 12
