@@ -299,18 +299,18 @@ void rows_through_panel(int rows, const float* x, int64_t ldx, const T* w, int64
   }
 }
 
-// Rows m0 .. m1 of x through one panel w, MR rows at a time (y: the panel's first column). Where
-// there are two blocks or more, each asks for an equal slice of next_bytes of next while it runs
-// on w (which the previous panel's blocks fetched). NOTE: the first block fetched none (it read
-// w from memory before the next panel was fetched ahead): with it taking a slice too, 32 rows
-// took 47.8-48.3 ms against 48.2-49.7 (AVX2 cap) and 39.2-39.7 against 40.0-40.3 (AVX-512 cap),
-// bench linear, 30 layers. With one block, fetching the next panel too gained nothing.
+// Rows m0 .. m1 of x through one panel w, MR rows at a time (y: the panel's first column). Each
+// block asks for an equal slice of next_bytes of next (if given) while it runs on w (which the
+// previous panel's blocks fetched). NOTE: the first block fetched none (it read w from memory
+// before the next panel was fetched ahead): with it taking a slice too, 32 rows took 47.8-48.3
+// ms against 48.2-49.7 (AVX2 cap) and 39.2-39.7 against 40.0-40.3 (AVX-512 cap), bench linear,
+// 30 layers.
 template <typename T, typename O>
 void rows_through_chunk(int64_t m0, int64_t m1, const float* xp, int64_t K, const T* w, O* y,
                         int64_t N, const int* cols, const float* bias, const void* next = nullptr,
                         int64_t next_bytes = 0) {
   const int64_t blocks = (m1 - m0 + kMaxRows - 1) / kMaxRows;
-  const int64_t slice = blocks > 1 && next != nullptr ? (next_bytes + blocks - 1) / blocks : 0;
+  const int64_t slice = next != nullptr ? (next_bytes + blocks - 1) / blocks : 0;
   for (int64_t m = m0, block = 0; m < m1; m += kMaxRows, ++block) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - m));
     SpreadPrefetch ahead;
@@ -384,9 +384,10 @@ void run(const float* xp, int64_t M, int64_t K, const torch::Tensor& packed, con
           int col_counts[kPanelVecs];
           panel_columns(N, p, col_counts);
           // The thread's next panel, fetched while this one runs: the claim's next, or the
-          // first of the thread's next claim.
+          // first of the thread's next claim. NOTE: not where the rows make one block: fetching
+          // it there too gained nothing (bench linear, 4 and 8 rows at the AVX-512 cap).
           const T* next = nullptr;
-          if (kPrefetchNextPanel && m1 - m0 > kMaxRows) {  // (one row block fetches none)
+          if (kPrefetchNextPanel && m1 - m0 > kMaxRows) {
             if (p + 1 < p_end) {
               next = w + K * kPanel;
             } else if (claim_ahead()) {
