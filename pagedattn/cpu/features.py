@@ -186,6 +186,14 @@ def has_bf16_hardware() -> bool:
     return any(f in cpu_flags() for f in BF16_FLAGS)
 
 
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+
+
+def has_int8_dot_hardware() -> bool:
+    """True where the CPU has int8 dot-product instructions (VNNI or AMX-INT8)."""
+    return any(f in cpu_flags() for f in INT8_DOT_FLAGS)
+
+
 def has_amx() -> bool:
     """True where the CPU has AMX tiles with bf16 support."""
     return {"amx_tile", "amx_bf16"} <= cpu_flags()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedattn.benchmarks import bench_linear
@@ -46,3 +47,14 @@ def test_kernels_option_picks_columns(capsys):
         assert exc.code == 2
     else:
         raise AssertionError("an unknown kernel name must be refused")
+
+
+def test_w8a8_column_only_with_int8_dot_products_unless_named(monkeypatch):
+    if not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        pytest.skip("this torch has no oneDNN int8 GEMM: the column never exists")
+    weights = [torch.randn(32, 64)]
+    monkeypatch.setattr(bench_linear, "has_int8_dot_hardware", lambda: False)
+    assert "int8 W8A8 oneDNN" not in bench_linear.kernels(weights)
+    assert "int8 W8A8 oneDNN" in bench_linear.kernels(weights, frozenset({"int8 W8A8 oneDNN"}))
+    monkeypatch.setattr(bench_linear, "has_int8_dot_hardware", lambda: True)
+    assert "int8 W8A8 oneDNN" in bench_linear.kernels(weights)
