@@ -139,8 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--vocab", type=int, default=HEAD_SHAPE[0], help="LM head rows")
-    p.add_argument("--kernels", default="", help="comma list of kernel names (default: all, but int8 W8A8 oneDNN only where "
-                   "the CPU has VNNI or AMX-INT8)")
+    p.add_argument(
+        "--kernels",
+        default="",
+        help="comma list of kernel names (default: all, but int8 W8A8 oneDNN only where "
+        "the CPU has VNNI or AMX-INT8)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
