@@ -23,6 +23,7 @@ from pagedattn import envs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 # Flags worth naming when a report says what the machine can do.
 NOTABLE_FLAGS = (
     "avx2",
@@ -184,9 +185,6 @@ def describe_cpu(threads: int | None = None) -> str:
 def has_bf16_hardware() -> bool:
     """True where the CPU computes bf16 products natively (AVX512-BF16 or AMX-BF16)."""
     return any(f in cpu_flags() for f in BF16_FLAGS)
-
-
-INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
 
 
 def has_int8_dot_hardware() -> bool:
