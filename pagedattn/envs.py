@@ -112,6 +112,13 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "Comma-separated API keys of the OpenAI server when --api-key is not given.",
         secret=True,
     ),
+    "PAGEDATTN_TP_AUTHKEY": EnvVar(
+        _text("PAGEDATTN_TP_AUTHKEY"),
+        "Set by the tensor-parallel executor for the rank processes it starts (hex): the key of "
+        "their control connection. Not a user setting; a rank removes it from its environment "
+        "on start (take_tp_authkey).",
+        secret=True,
+    ),
 }
 
 
@@ -123,6 +130,11 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(ENVIRONMENT_VARIABLES)
+
+
+def take_tp_authkey() -> bytes:
+    """PAGEDATTN_TP_AUTHKEY as bytes, removed from the environment (children do not inherit it)."""
+    return bytes.fromhex(os.environ.pop("PAGEDATTN_TP_AUTHKEY"))
 
 
 def describe() -> list[tuple[str, str, str]]:

@@ -18,7 +18,8 @@ from pagedattn.cpu.plan import ATTENTION_KERNELS
 PACKAGE = Path(envs.__file__).parent
 # Reading the environment is envs.py's job; these only set variables or hand them on.
 ALLOWED = {"envs.py"}
-READ = re.compile(r"os\.environ\.get\(|os\.getenv\(|os\.environ\[")
+READ = re.compile(r"os\.environ\.get\(|os\.getenv\(|os\.environ\[|os\.environ\.pop\(")
+NAME = re.compile(r"PAGEDATTN_[A-Z0-9_]+")
 
 
 def test_no_module_but_envs_reads_the_environment():
@@ -33,6 +34,11 @@ def test_no_module_but_envs_reads_the_environment():
     # benchmarks hand PYTHONPATH and the peers' own variables on to their subprocesses.
     offenders = [o for o in offenders if "serve_app.py" not in o and "benchmarks/" not in o]
     assert offenders == []
+
+
+def test_every_pagedattn_variable_the_package_names_is_listed():
+    named = {m for path in PACKAGE.rglob("*.py") for m in NAME.findall(path.read_text())}
+    assert named - set(envs.ENVIRONMENT_VARIABLES) == set()
 
 
 def test_every_variable_is_documented_and_secrets_are_not_printed(monkeypatch):

@@ -104,5 +104,7 @@ def serve(host: str, port: int, authkey: bytes) -> int:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s")
-    key = bytes.fromhex(os.environ.pop("PAGEDATTN_TP_AUTHKEY"))
+    from pagedattn import envs
+
+    key = envs.take_tp_authkey()
     sys.exit(serve(sys.argv[1], int(sys.argv[2]), key))
