@@ -47,7 +47,7 @@ def test_every_variable_is_documented_and_secrets_are_not_printed(monkeypatch):
     assert set(rows) == set(envs.ENVIRONMENT_VARIABLES) and all(d for _, d in rows.values())
     assert rows["PAGEDATTN_API_KEY"][0] == "(set)"
     out = subprocess.run(
-        [sys.executable, "-m", "pagedattn.entrypoints.cli", "env"],
+        [sys.executable, "-m", "pagedattn.cli", "env"],
         capture_output=True,
         text=True,
         check=True,

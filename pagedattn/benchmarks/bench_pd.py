@@ -222,8 +222,8 @@ def _config(args, threshold: int = 0):
 def deploy(layout: str, args) -> None:
     from ray import serve
 
-    from pagedattn.distributed.pd_app import build_pd_app
-    from pagedattn.distributed.serve_app import build_app
+    from pagedattn.serve.pd_app import build_pd_app
+    from pagedattn.serve.serve_app import build_app
 
     common = dict(
         api_keys=[KEY],

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from pagedattn.distributed.router import DEFAULT_IMBALANCE_RATIO, DEFAULT_IMBALANCE_THRESHOLD
+from pagedattn.serve.router import DEFAULT_IMBALANCE_RATIO, DEFAULT_IMBALANCE_THRESHOLD
 
 
 @dataclass
@@ -202,7 +202,7 @@ def _deploy(args, num_replicas: int, router: str, port: int):
     from ray import serve
 
     from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-    from pagedattn.distributed.serve_app import APP_NAME, build_app
+    from pagedattn.serve.serve_app import APP_NAME, build_app
 
     threads = (
         max(1, (os.cpu_count() or 1) // num_replicas) if args.threads is None else args.threads
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     import ray
     from ray import serve
 
-    from pagedattn.distributed.serve_app import APP_NAME
+    from pagedattn.serve.serve_app import APP_NAME
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

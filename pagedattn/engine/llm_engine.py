@@ -17,11 +17,11 @@ from pagedattn.core.scheduler import RequestRejectedError, Scheduler
 from pagedattn.core.scheduler_output import RunnerOutput, SchedulerOutput
 from pagedattn.engine.errors import EngineFaultError, InvalidRequestError
 from pagedattn.engine.input_processor import InputProcessor
+from pagedattn.engine.lora_registry import LoRARegistry
 from pagedattn.engine.output_processor import OutputProcessor
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.engine.request_state import EngineRequest
 from pagedattn.engine.stats import EngineStats, StepTimes
-from pagedattn.lora.engine import LoRARegistry
 from pagedattn.lora.request import LoRARequest
 from pagedattn.sampling_params import InvalidSamplingParamsError, SamplingParams
 from pagedattn.worker.model_runner import BlockCopyError
@@ -80,7 +80,7 @@ class LLMEngine:
             from pagedattn.spec_decode.factory import make_speculator
 
             self.speculator = make_speculator(config, self)
-        self.loras = LoRARegistry(self)
+        self.loras = LoRARegistry(runner, self.scheduler, self.kv_cache_manager, self.model_name)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._core_ids = itertools.count()

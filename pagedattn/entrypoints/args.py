@@ -188,7 +188,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind the API key when keys are set)",
     )
-    from pagedattn.distributed.args import add_distributed_args
+    from pagedattn.serve.args import add_distributed_args
 
     add_distributed_args(parser)
 

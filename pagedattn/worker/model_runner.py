@@ -30,12 +30,12 @@ from pagedattn.model.loader import (
 from pagedattn.model.parallel_layers import shard_key_name, shard_text_config
 from pagedattn.sampling_params import SamplingParams
 from pagedattn.spec_decode.policy import verify_row_bound
-from pagedattn.spec_decode.verify_rows import verify_rows
 from pagedattn.worker.input_batch import InputBatch, build_input_batch
 from pagedattn.worker.kv_cache_sizing import plan_kv_cache
 from pagedattn.worker.logprobs import compute_logprobs, gather_logprobs
 from pagedattn.worker.sampler import Sampler
 from pagedattn.worker.sampling_metadata import build_sampling_metadata, make_generator
+from pagedattn.worker.verify_rows import verify_rows
 
 if TYPE_CHECKING:
     from pagedattn.distributed.parallel_state import TensorParallelGroup

@@ -22,7 +22,7 @@ from pagedattn.distributed.kv_events import (
     encode_batch,
     make_batch,
 )
-from pagedattn.distributed.prefix_index import PrefixIndex
+from pagedattn.serve.prefix_index import PrefixIndex
 
 LOOPBACK = "tcp://127.0.0.1:*"
 

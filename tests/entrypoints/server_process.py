@@ -43,7 +43,7 @@ def make_model_dir(tmp_dir: Path, **overrides: Any) -> Path:
 
 SERVER_COMMAND = ("-m", "pagedattn.entrypoints.openai.server")
 # `pagedattn serve` (with --data-parallel-size N: the Ray Serve ingress in front of N replicas).
-CLI_SERVE_COMMAND = ("-m", "pagedattn.entrypoints.cli", "serve")
+CLI_SERVE_COMMAND = ("-m", "pagedattn.cli", "serve")
 
 
 class ServerProcess:

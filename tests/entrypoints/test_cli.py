@@ -12,9 +12,9 @@ import pytest
 
 import pagedattn.benchmarks
 import pagedattn.entrypoints
+from pagedattn.cli import build_parser, main
 from pagedattn.config import engine_options
 from pagedattn.entrypoints.chat import ChatSessions, run_chat
-from pagedattn.entrypoints.cli import build_parser, main
 from tests.model.tiny import make_tiny_llama
 
 
@@ -25,7 +25,7 @@ def tiny_model(tmp_path_factory):
 
 def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "pagedattn.entrypoints.cli", *args],
+        [sys.executable, "-m", "pagedattn.cli", *args],
         input=stdin,
         capture_output=True,
         text=True,
@@ -198,7 +198,7 @@ def test_entrypoints_import_each_other_without_a_circle():
     }
     graph = {m: _imports(p) & set(modules) for m, p in modules.items()}
     # Only the CLI imports the commands it dispatches to; nothing imports the CLI.
-    assert not any("pagedattn.entrypoints.cli" in deps for deps in graph.values())
+    assert not any("pagedattn.cli" in deps for deps in graph.values())
 
     def reaches(start: str, target: str, seen: set[str]) -> bool:
         return any(

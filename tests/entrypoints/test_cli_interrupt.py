@@ -53,7 +53,7 @@ def _interrupt_generate(model: Path, delay_s: float) -> tuple[bool, int, str, st
 
     Returns (signalled before the first output, exit status, stdout, stderr).
     """
-    cmd = [sys.executable, "-m", "pagedattn.entrypoints.cli", "generate", "--model", str(model),
+    cmd = [sys.executable, "-m", "pagedattn.cli", "generate", "--model", str(model),
            "--dtype", "float32", "--threads", "1", "--max-tokens", "4"]  # fmt: skip
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     proc = subprocess.Popen(

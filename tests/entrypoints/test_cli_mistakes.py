@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from pagedattn import cli
 from pagedattn.engine.stats import EngineStats, StepTimes
-from pagedattn.entrypoints import cli
 
 NO_MODEL = "/no/such/model"  # a mistake found before loading never gets to the model
 

@@ -54,7 +54,7 @@ def test_wheel_ships_every_benchmark_and_runs_one_outside_the_checkout(tmp_path)
     work = tmp_path / "work"
     work.mkdir()
     code = (
-        "import sys, pagedattn; from pagedattn.entrypoints.cli import main; "
+        "import sys, pagedattn; from pagedattn.cli import main; "
         "print('package:', pagedattn.__file__); sys.exit(main(sys.argv[1:]))"
     )
     res = subprocess.run(

@@ -1,7 +1,7 @@
 """Issue 21, the front door: one HTTP layer, bounded grammar compiles and prompts, a truthful
 /health, and the adversarial probes (scripts/adversarial_probes.py) on the single server.
 
-The Ray Serve ingress runs the same probes in tests/distributed/test_serve_app.py.
+The Ray Serve ingress runs the same probes in tests/serve/test_serve_app.py.
 """
 
 from __future__ import annotations
@@ -271,7 +271,7 @@ def test_the_two_front_doors_do_not_import_each_other():
         return names
 
     server = imports(ROOT / "pagedattn/entrypoints/openai/server.py")
-    ingress = imports(ROOT / "pagedattn/distributed/serve_app.py")
+    ingress = imports(ROOT / "pagedattn/serve/serve_app.py")
     assert not any("serve_app" in n for n in server)
     assert not any(n.startswith("pagedattn.entrypoints.openai.server") for n in ingress)
     assert "pagedattn.entrypoints.openai.http" in server & ingress

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from pagedattn.cli import kv_summary_lines
 from pagedattn.engine.stats import EngineStats
-from pagedattn.entrypoints.cli import kv_summary_lines
 from pagedattn.metrics import ServerMetrics
 from pagedattn.spec_decode.speculator import SpecDecodeStats
 

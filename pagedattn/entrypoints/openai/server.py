@@ -319,7 +319,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add_serve_args(parser)
     args = parser.parse_args(argv)
-    from pagedattn.distributed.args import uses_replicas
+    from pagedattn.serve.args import uses_replicas
 
     if uses_replicas(args):
         parser.error("replicas (--data-parallel-size, --ray-address) run with `pagedattn serve`")

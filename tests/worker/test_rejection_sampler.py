@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from pagedattn.sampling_params import SamplingParams
-from pagedattn.spec_decode.rejection_sampler import target_probs, verify, verify_greedy
+from pagedattn.worker.rejection_sampler import target_probs, verify, verify_greedy
 
 NUM_SAMPLES = 12000
 # |empirical - exact| in total variation: the noise of 12000 samples over 6 tokens is ~0.01.

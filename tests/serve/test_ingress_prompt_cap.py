@@ -15,10 +15,10 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from pagedattn.distributed.serve_app import OpenAIIngress  # noqa: E402
 from pagedattn.engine.errors import InvalidRequestError  # noqa: E402
 from pagedattn.entrypoints.openai.protocol import CompletionRequest  # noqa: E402
 from pagedattn.entrypoints.openai.worker_pool import WorkerPool  # noqa: E402
+from pagedattn.serve.serve_app import OpenAIIngress  # noqa: E402
 
 
 class CountingTokenizer:

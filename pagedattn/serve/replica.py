@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedattn.distributed.kv_events import ZmqEventPublisher
-from pagedattn.distributed.prefix_index import hashes_digest
+from pagedattn.serve.prefix_index import hashes_digest
 
 logger = logging.getLogger(__name__)
 

@@ -60,7 +60,7 @@ def check_before_load(args: argparse.Namespace) -> None:
 
 def check_serve_args(args: argparse.Namespace) -> None:
     """Replica options, the `ray` extra and a free port, before the model loads."""
-    from pagedattn.distributed.args import uses_replicas, validate_distributed_args
+    from pagedattn.serve.args import uses_replicas, validate_distributed_args
 
     try:
         validate_distributed_args(args)
@@ -245,12 +245,12 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """One engine behind the OpenAI server, or N replicas behind the Ray Serve ingress."""
-    from pagedattn.distributed.args import uses_replicas
+    from pagedattn.serve.args import uses_replicas
 
     check_before_load(args)
     if uses_replicas(args):
         from pagedattn.config import EngineConfig
-        from pagedattn.distributed.serve_app import run_replicas
+        from pagedattn.serve.serve_app import run_replicas
 
         return run_replicas(args, EngineConfig.from_cli(args)) or 0
     from pagedattn.entrypoints.openai.server import run_server

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedattn.distributed.metrics_merge import merge_metrics
+from pagedattn.serve.metrics_merge import merge_metrics
 
 
 def page(requests: int, usage: float) -> str:

@@ -10,8 +10,8 @@ from pagedattn.core import kv_events as core
 from pagedattn.core.kv_cache_utils import hash_request_tokens
 from pagedattn.core.request import Request
 from pagedattn.distributed.kv_events import make_batch
-from pagedattn.distributed.prefix_index import PrefixIndex
-from pagedattn.distributed.router import (
+from pagedattn.serve.prefix_index import PrefixIndex
+from pagedattn.serve.router import (
     PowerOfTwoPolicy,
     PrefixAwarePolicy,
     RequestHasher,

@@ -4,7 +4,7 @@
 valid, invalid and disconnecting clients at once. Afterwards every valid request completed in full,
 `/health` is 200, both replicas are idle with every KV block free (`/debug/replicas` and the
 merged `/metrics` agree), and SIGTERM drains and exits 0. No poisoned client: its engine wrapper
-cannot be put inside a Ray replica (tests/distributed/test_serve_app.py kills a replica instead).
+cannot be put inside a Ray replica (tests/serve/test_serve_app.py kills a replica instead).
 """
 
 from __future__ import annotations

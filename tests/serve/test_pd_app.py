@@ -18,9 +18,9 @@ serve = pytest.importorskip("ray.serve")
 
 from pagedattn import LLM, SamplingParams  # noqa: E402
 from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from pagedattn.distributed.pd_app import build_pd_app  # noqa: E402
-from tests.distributed.test_serve_app import prompt, wait_for  # noqa: E402
+from pagedattn.serve.pd_app import build_pd_app  # noqa: E402
 from tests.entrypoints.server_process import free_port, make_model_dir  # noqa: E402
+from tests.serve.test_serve_app import prompt, wait_for  # noqa: E402
 
 KEY = "key-a"
 BLOCK_SIZE = 4

@@ -21,8 +21,8 @@ pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from tests.distributed.test_multi_node import _alive, _replicas, _wait_until  # noqa: E402
 from tests.entrypoints.server_process import free_port, make_model_dir  # noqa: E402
+from tests.serve.test_multi_node import _alive, _replicas, _wait_until  # noqa: E402
 
 STARTUP_TIMEOUT_S = 240.0
 
@@ -54,7 +54,7 @@ def test_tensor_parallel_replicas_on_two_ray_nodes(tmp_path):
         node_ids = {node.node_id for node in cluster.list_all_nodes()}
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "pagedattn.distributed.serve_app", "--model", str(model),
+        cmd = [sys.executable, "-m", "pagedattn.serve.serve_app", "--model", str(model),
                "--dtype", "float32", "--num-blocks", "64", "--block-size", "4", "--threads", "1",
                "--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "2",
                "--tensor-parallel-size", "2", "--ray-address", cluster.address,

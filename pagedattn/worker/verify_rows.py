@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedattn.core.scheduler_output import RunnerOutput, ScheduledRequest
-from pagedattn.spec_decode.rejection_sampler import verify
+from pagedattn.worker.rejection_sampler import verify
 
 
 def verify_rows(

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pagedattn.engine.errors import InvalidRequestError
 from pagedattn.lora.adapter import LoRAAdapter
 from pagedattn.lora.request import (
@@ -14,23 +12,24 @@ from pagedattn.lora.request import (
     LoRARequest,
 )
 
-if TYPE_CHECKING:
-    from pagedattn.engine.llm_engine import LLMEngine
-
 
 class LoRARegistry:
     """Adapters of one engine; their weights live in the runner's LoRAManager.
 
+    Takes the three parts it works on (the runner's adapters, the scheduler's live requests, the
+    KV cache manager's cached blocks), not the engine.
     NOTE: engine-thread only, except ``read`` (files only), which a server runs off the loop.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.base_model = engine.model_name
+    def __init__(self, runner, scheduler, kv_cache_manager, base_model: str) -> None:
+        self.runner = runner
+        self.scheduler = scheduler
+        self.kv_cache_manager = kv_cache_manager
+        self.base_model = base_model
 
     @property
     def manager(self):
-        manager = self.engine.runner.lora_manager
+        manager = self.runner.lora_manager
         if manager is None:
             raise LoRADisabledError(
                 "LoRA adapters are off: start the engine with enable_lora=True (--enable-lora)"
@@ -39,7 +38,7 @@ class LoRARegistry:
 
     @property
     def enabled(self) -> bool:
-        return self.engine.runner.lora_manager is not None
+        return self.runner.lora_manager is not None
 
     def read(self, request: LoRARequest) -> LoRAAdapter:
         """Read and check an adapter's files; registers nothing."""
@@ -76,13 +75,13 @@ class LoRARegistry:
         manager = self.manager
         if name not in manager.adapters:
             raise LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded")
-        users = [r for r in self.engine.scheduler.requests.values() if r.lora_id == name]
+        users = [r for r in self.scheduler.requests.values() if r.lora_id == name]
         if users:
             raise LoRAInUseError(
                 f"LoRA {name!r} serves {len(users)} live request(s): unload it once they end"
             )
         manager.remove(name)
-        return self.engine.kv_cache_manager.uncache_lora_blocks(name)
+        return self.kv_cache_manager.uncache_lora_blocks(name)
 
     def list(self) -> list[LoRARequest]:
         """The loaded adapters, in load order."""

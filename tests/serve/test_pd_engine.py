@@ -18,11 +18,11 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from pagedattn import LLM, SamplingParams
-from pagedattn.distributed.pd_engine import DisaggregatedEngine, run_prefill
 from pagedattn.engine.async_engine import AsyncLLMEngine
 from pagedattn.kv_transfer import pd as pd_module
 from pagedattn.kv_transfer.pd import DecodeRole, PrefillRole
 from pagedattn.metrics import PREFIX
+from pagedattn.serve.pd_engine import DisaggregatedEngine, run_prefill
 from tests.model.tiny import SPECIAL_TOKENS, TINY_VOCAB_SIZE, make_tiny_llama
 
 PROMPT = list(range(5, 5 + 70))

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from pagedattn.distributed.args import (
+from pagedattn.serve.args import (
     add_distributed_args,
     uses_replicas,
     validate_distributed_args,
@@ -71,7 +71,7 @@ def test_half_a_layout_is_refused_with_the_fix(argv, message):
 )
 def test_options_replicas_cannot_honour_are_refused_before_ray_starts(extra, message):
     """The serve parser as the CLI builds it: these would be dropped or wrong on replicas."""
-    from pagedattn.entrypoints.cli import build_parser
+    from pagedattn.cli import build_parser
 
     args = build_parser().parse_args(["serve", *extra])
     with pytest.raises(ValueError, match=message):

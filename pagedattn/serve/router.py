@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from pagedattn.core.kv_cache_utils import BlockHash, hash_request_tokens
 
 if TYPE_CHECKING:
-    from pagedattn.distributed.prefix_index import PrefixIndex
+    from pagedattn.serve.prefix_index import PrefixIndex
 
 ROUTERS = ("prefix", "pow2", "round_robin")
 # Queue-length spread (max - min) past which the prefix router ignores cache affinity ...
@@ -176,7 +176,7 @@ def make_policy(
     if name == "prefix":
         # NOTE: imported here: it loads msgspec and zmq, ~60 ms of every CLI start otherwise
         # (the CLI's parser reads ROUTERS).
-        from pagedattn.distributed.prefix_index import PrefixIndex
+        from pagedattn.serve.prefix_index import PrefixIndex
 
         return PrefixAwarePolicy(index or PrefixIndex(), imbalance_threshold, seed, imbalance_ratio)
     if name == "pow2":

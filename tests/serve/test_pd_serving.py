@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import asyncio
 
-from pagedattn.distributed.pd_engine import DisaggregatedEngine
 from pagedattn.engine.async_engine import AsyncLLMEngine
 from pagedattn.entrypoints.openai.protocol import CompletionRequest
 from pagedattn.entrypoints.openai.serving import OpenAIServing
 from pagedattn.kv_transfer.pd import DecodeRole, PrefillRole
-from tests.distributed.test_pd_engine import PROMPT, PrefillHandle, _engine
+from pagedattn.serve.pd_engine import DisaggregatedEngine
 from tests.model.tiny import make_tiny_llama
+from tests.serve.test_pd_engine import PROMPT, PrefillHandle, _engine
 
 MODEL = "tiny"
 

@@ -16,8 +16,8 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedattn.distributed.kv_events import ZmqEventSubscriber
-from pagedattn.distributed.prefix_index import DEFAULT_ROUTED_TTL_S, PrefixIndex, hashes_digest
-from pagedattn.distributed.router import (
+from pagedattn.serve.prefix_index import DEFAULT_ROUTED_TTL_S, PrefixIndex, hashes_digest
+from pagedattn.serve.router import (
     DEFAULT_IMBALANCE_RATIO,
     DEFAULT_IMBALANCE_THRESHOLD,
     make_policy,
@@ -48,7 +48,7 @@ class PagedRequestRouter(RequestRouter):
         self.lock = threading.Lock()
         # NOTE: Ray Serve ships the router class to the caller pickled, possibly by value with a
         # copy of this module's globals; the import finds the one registry the ingress reads.
-        from pagedattn.distributed import serve_router
+        from pagedattn.serve import serve_router
 
         serve_router.ACTIVE_ROUTERS.add(self)
 

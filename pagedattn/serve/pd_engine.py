@@ -25,7 +25,6 @@ import time
 from typing import Any
 
 from pagedattn.core.kv_cache_utils import hash_request_tokens
-from pagedattn.distributed.pd_output import JoinedOutput
 from pagedattn.engine.errors import InvalidRequestError
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.kv_transfer.pd import (
@@ -39,6 +38,7 @@ from pagedattn.kv_transfer.pd import (
     prefill_params,
 )
 from pagedattn.sampling_params import SamplingParams
+from pagedattn.serve.pd_output import JoinedOutput
 
 logger = logging.getLogger(__name__)
 

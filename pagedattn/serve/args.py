@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedattn.distributed.router import DEFAULT_IMBALANCE_THRESHOLD, ROUTERS
+from pagedattn.serve.router import DEFAULT_IMBALANCE_THRESHOLD, ROUTERS
 
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:

@@ -18,8 +18,8 @@ from typing import Any
 
 from ray import serve
 
-from pagedattn.distributed.replica import EngineReplica, _node_ip
-from pagedattn.distributed.serve_app import bind_ingress, make_router_config, replica_cpu_bind
+from pagedattn.serve.replica import EngineReplica, _node_ip
+from pagedattn.serve.serve_app import bind_ingress, make_router_config, replica_cpu_bind
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ class PrefillReplica(EngineReplica):
         self, request_id, prompt, params, cache_salt=None, priority=0, routing_hashes=None
     ):
         """(the first output, KVTransferParams or None when the first token ended the request)."""
-        from pagedattn.distributed.pd_engine import run_prefill
+        from pagedattn.serve.pd_engine import run_prefill
 
         return await run_prefill(
             self.engine, self.role, request_id, prompt, params, cache_salt, priority
@@ -117,8 +117,8 @@ class DecodeReplica(EngineReplica):
     ) -> None:
         import dataclasses
 
-        from pagedattn.distributed.pd_engine import DisaggregatedEngine
         from pagedattn.kv_transfer.pd import DecodeRole
+        from pagedattn.serve.pd_engine import DisaggregatedEngine
 
         engine_config, shared = _split_store(engine_config)
         if step_time_s is not None:

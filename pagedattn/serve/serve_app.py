@@ -24,13 +24,6 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from pagedattn.distributed.metrics_merge import merge_metrics
-from pagedattn.distributed.replica import CHAT, COMPLETION, EngineReplica
-from pagedattn.distributed.router import (
-    DEFAULT_IMBALANCE_RATIO,
-    DEFAULT_IMBALANCE_THRESHOLD,
-    RequestHasher,
-)
 from pagedattn.entrypoints.args import DEFAULT_HEALTH_STALL_S, DEFAULT_MAX_REQUEST_BYTES
 from pagedattn.entrypoints.openai.http import (
     CLIENT_CLOSED_REQUEST,
@@ -48,11 +41,18 @@ from pagedattn.entrypoints.openai.protocol import (
     error_body,
 )
 from pagedattn.entrypoints.openai.worker_pool import WorkerPool
+from pagedattn.serve.metrics_merge import merge_metrics
+from pagedattn.serve.replica import CHAT, COMPLETION, EngineReplica
+from pagedattn.serve.router import (
+    DEFAULT_IMBALANCE_RATIO,
+    DEFAULT_IMBALANCE_THRESHOLD,
+    RequestHasher,
+)
 
 logger = logging.getLogger(__name__)
 
 APP_NAME = "pagedattn"
-ROUTER_CLASS = "pagedattn.distributed.serve_router.PagedRequestRouter"
+ROUTER_CLASS = "pagedattn.serve.serve_router.PagedRequestRouter"
 # Routing hashes cover the prompt's first this-many characters: prefix affinity needs only the
 # leading blocks, and hashing a 20 MB prompt would hold a worker for seconds.
 ROUTING_PREFIX_CHARS = 8192
@@ -77,7 +77,7 @@ async def _await(response):
 
 
 def _routers():
-    from pagedattn.distributed.serve_router import ACTIVE_ROUTERS
+    from pagedattn.serve.serve_router import ACTIVE_ROUTERS
 
     return list(ACTIVE_ROUTERS)
 
@@ -489,8 +489,8 @@ def run_replicas(args, engine_config) -> int:
 
     import ray
 
-    from pagedattn.distributed.args import validate_distributed_args
     from pagedattn.entrypoints.openai.http import keys_from_env
+    from pagedattn.serve.args import validate_distributed_args
 
     validate_distributed_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
@@ -514,7 +514,7 @@ def run_replicas(args, engine_config) -> int:
         serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
         build = build_app
         if num_pd:  # prefill/decode disaggregation (pd_app.py)
-            from pagedattn.distributed.pd_app import pd_app_builder
+            from pagedattn.serve.pd_app import pd_app_builder
 
             build = pd_app_builder(
                 args.prefill_replicas,
@@ -561,13 +561,13 @@ def run_replicas(args, engine_config) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m pagedattn.distributed.serve_app --data-parallel-size N ...` (serve's options)."""
+    """`python -m pagedattn.serve.serve_app --data-parallel-size N ...` (serve's options)."""
     import argparse
     import os
 
     from pagedattn.config import EngineConfig
-    from pagedattn.distributed.args import add_distributed_args
     from pagedattn.entrypoints.args import add_serve_args
+    from pagedattn.serve.args import add_distributed_args
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

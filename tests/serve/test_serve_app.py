@@ -15,7 +15,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from pagedattn.distributed.serve_app import build_app  # noqa: E402
+from pagedattn.serve.serve_app import build_app  # noqa: E402
 from tests.entrypoints.server_process import free_port, make_model_dir  # noqa: E402
 from tests.entrypoints.test_front_door import load_probes  # noqa: E402
 
@@ -178,7 +178,7 @@ def test_adversarial_probes_hold_on_the_replicas(app):
 
 
 def test_a_failed_replica_call_sends_no_ray_detail():
-    from pagedattn.distributed.serve_app import _replica_failed
+    from pagedattn.serve.serve_app import _replica_failed
 
     exc = RuntimeError("ActorDiedError: actor 5a1f... pid=31337, ip=10.9.8.7")
     body = json.dumps(_replica_failed(exc)["body"])

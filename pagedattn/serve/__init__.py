@@ -1,0 +1,1 @@
+"""Many processes: Ray Serve replicas and ingress, prefix routing, prefill/decode disaggregation."""
