@@ -1,5 +1,6 @@
-# `make demo`: set up and run the main job on the default model. `make test`: set up, lint, test.
-.PHONY: setup demo test test-isa lint bench bench-peers
+# `make demo`: set up and run the main job on the default model. `make test`: set up, lint, build
+# the docs site (strict), test.
+.PHONY: setup demo test test-isa lint docs bench bench-peers
 
 setup:
 	bash scripts/setup.sh
@@ -11,7 +12,12 @@ lint:
 	.venv/bin/ruff format --check pagedattn tests
 	.venv/bin/ruff check pagedattn tests
 
-test: setup lint
+# The docs site (mkdocs.yml, docs/) into site/, strict: a broken link or #anchor, or a page missing
+# from the nav, fails. NOTE: no --quiet: it hides the warnings that strict mode fails on.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict
+
+test: setup lint docs
 	.venv/bin/python -m pytest -q
 
 # The whole suite as a smaller CPU would run it: `make test-isa ISA=avx2` caps the tests, their

