@@ -4,7 +4,16 @@ Wire format (as vLLM's `vllm/distributed/kv_events.py`): each batch is one ZMQ m
 `[topic, seq (8-byte big-endian), msgpack(KVEventBatch)]` on a PUB socket; the structs are
 array-like and tagged by class name, so a consumer of vLLM's events decodes ours unchanged. With
 a replay endpoint, a ROUTER socket answers `[b"", start_seq]` with every buffered batch from
-start_seq on, then `[END_SEQ, b""]`.
+start_seq on, then `[END_SEQ, b""]`; a malformed request gets `[END_SEQ, b""]` at once.
+
+Privacy (the router's internal feed with replicas, distributed/zmq_auth.py): a publisher given
+the deployment's `CurveKeys` binds its PUB and replay sockets as CURVE servers, so only a holder
+of the deployment secret can subscribe or replay. Decision: that internal feed also leaves token
+ids out (`token_ids=False`: `BlockStored.token_ids` is empty, `extra_keys` None): the prefix
+router matches the block hashes the ingress computes from the request's prompt
+(serve/router.py `RequestHasher`), so the ids, which are every tenant's prompt text, never need
+to leave the replica. An external `--kv-events-endpoint` keeps vLLM's schema (token ids
+included, as vLLM sends them), unauthenticated as vLLM's, and binds only where the user says.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import msgspec
 import zmq
 
 from pagedattn.core import kv_events as core_events
+from pagedattn.distributed.zmq_auth import CurveKeys, secure_client, secure_server
 
 logger = logging.getLogger(__name__)
 
@@ -74,18 +84,24 @@ class KVEventBatch(EventBatch):
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
 
 
-def to_wire(event: core_events.KVCacheEvent) -> BlockStored | BlockRemoved | AllBlocksCleared:
-    """The msgspec struct of one core event (group 0 leaves group_idx out, as vLLM does)."""
+def to_wire(
+    event: core_events.KVCacheEvent, token_ids: bool = True
+) -> BlockStored | BlockRemoved | AllBlocksCleared:
+    """The msgspec struct of one core event (group 0 leaves group_idx out, as vLLM does).
+
+    token_ids=False: a BlockStored without its token ids and extra keys (hashes only).
+    """
     if isinstance(event, core_events.BlockStored):
+        extra = event.extra_keys if token_ids else None
         return BlockStored(
             block_hashes=list(event.block_hashes),
             parent_block_hash=event.parent_block_hash,
-            token_ids=list(event.token_ids),
+            token_ids=list(event.token_ids) if token_ids else [],
             block_size=event.block_size,
             lora_id=None,
             medium=event.medium,
             lora_name=event.lora_name,
-            extra_keys=list(event.extra_keys) if event.extra_keys is not None else None,
+            extra_keys=list(extra) if extra is not None else None,
             group_idx=event.group_id or None,
         )
     if isinstance(event, core_events.BlockRemoved):
@@ -94,10 +110,13 @@ def to_wire(event: core_events.KVCacheEvent) -> BlockStored | BlockRemoved | All
 
 
 def make_batch(
-    events: Iterable[core_events.KVCacheEvent], data_parallel_rank: int | None = None
+    events: Iterable[core_events.KVCacheEvent],
+    data_parallel_rank: int | None = None,
+    token_ids: bool = True,
 ) -> KVEventBatch:
-    """A wire batch of core events, stamped now."""
-    return KVEventBatch(time.time(), [to_wire(e) for e in events], data_parallel_rank)
+    """A wire batch of core events, stamped now (token_ids=False: hashes only, see to_wire)."""
+    wire = [to_wire(e, token_ids) for e in events]
+    return KVEventBatch(time.time(), wire, data_parallel_rank)
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -124,6 +143,8 @@ class ZmqEventPublisher:
 
     `publish(events)` never blocks the engine: it queues the batch; the thread stamps it with
     the next sequence number, sends it and keeps the last `buffer_steps` batches for replay.
+    With ``curve`` both sockets are CURVE servers of the deployment (only its clients read);
+    ``token_ids=False`` publishes block hashes without token ids.
     """
 
     def __init__(
@@ -134,8 +155,11 @@ class ZmqEventPublisher:
         buffer_steps: int = 10_000,
         data_parallel_rank: int | None = None,
         hwm: int = 100_000,
+        curve: CurveKeys | None = None,
+        token_ids: bool = True,
     ) -> None:
         self.endpoint = endpoint
+        self.token_ids = token_ids
         self.replay_endpoint = replay_endpoint
         self.data_parallel_rank = data_parallel_rank
         self._topic = topic.encode()
@@ -143,6 +167,8 @@ class ZmqEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         self._replay: zmq.Socket | None = None
+        if curve is not None:
+            secure_server(self._pub, curve)
         try:
             if _binds(endpoint):
                 self._pub.bind(endpoint)
@@ -151,6 +177,8 @@ class ZmqEventPublisher:
                 self._pub.connect(endpoint)
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
+                if curve is not None:
+                    secure_server(self._replay, curve)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError:
@@ -170,7 +198,7 @@ class ZmqEventPublisher:
         if not isinstance(events, KVEventBatch):
             if not events:
                 return
-            events = make_batch(events, self.data_parallel_rank)
+            events = make_batch(events, self.data_parallel_rank, self.token_ids)
         self._queue.put(events)
 
     def shutdown(self, timeout: float = 2.0) -> None:
@@ -191,7 +219,10 @@ class ZmqEventPublisher:
         while True:
             if self._replay is not None:
                 while self._replay.poll(0):
-                    self._answer_replay()
+                    try:
+                        self._answer_replay()
+                    except Exception:  # NOTE: one bad request never stops the publisher
+                        logger.exception("answering a KV event replay request failed")
             try:
                 batch = self._queue.get(timeout=0.05)
             except queue.Empty:
@@ -206,11 +237,13 @@ class ZmqEventPublisher:
 
     def _answer_replay(self) -> None:
         frames = self._replay.recv_multipart()
-        if len(frames) != 3:
-            logger.warning("ignoring a malformed replay request of %d frames", len(frames))
+        client = frames[0]
+        if len(frames) != 3 or frames[1] != b"" or len(frames[2]) != 8:
+            # NOTE: answered (an empty replay), so a peer waiting on it does not hang.
+            logger.warning("malformed replay request (%d frames): answered empty", len(frames))
+            self._replay.send_multipart((client, b"", END_SEQ, b""))
             return
-        client, _, start = frames
-        start_seq = int.from_bytes(start, "big")
+        start_seq = int.from_bytes(frames[2], "big")
         for seq, payload in list(self._buffer):
             if seq >= start_seq:
                 self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
@@ -221,7 +254,8 @@ class ZmqEventSubscriber:
     """Receives a publisher's batches in order; asks its replay socket for any it missed.
 
     With a replay endpoint, the first poll fetches every batch the publisher still buffers (a
-    subscriber that joins late, or after a quiet spell, would otherwise never see a gap).
+    subscriber that joins late, or after a quiet spell, would otherwise never see a gap). With
+    ``curve`` its sockets are the deployment's CURVE clients (the publisher's must be servers).
     """
 
     def __init__(
@@ -230,9 +264,13 @@ class ZmqEventSubscriber:
         topic: str = "",
         replay_endpoint: str | None = None,
         hwm: int = 100_000,
+        curve: CurveKeys | None = None,
     ) -> None:
         self._ctx = zmq.Context.instance()
+        self._curve = curve
         self._sub = self._ctx.socket(zmq.SUB)
+        if curve is not None:
+            secure_client(self._sub, curve)
         # NOTE: the default receive HWM (1,000 messages) dropped the newest batches while the
         # router did not poll (a replica publishes up to one batch per step); match the PUB's.
         self._sub.set_hwm(hwm)
@@ -286,6 +324,8 @@ class ZmqEventSubscriber:
             req = self._ctx.socket(zmq.DEALER)
             req.setsockopt(zmq.RCVTIMEO, REPLAY_TIMEOUT_MS)
             req.setsockopt(zmq.LINGER, 0)
+            if self._curve is not None:
+                secure_client(req, self._curve)
             try:
                 req.connect(self._replay_endpoint)
                 req.send_multipart((b"", start.to_bytes(8, "big")))

@@ -6,6 +6,11 @@ the tenant salt). A ``BlockServer`` answers ``get`` requests for outbox keys on 
 socket; ``fetch_blocks`` on the decode replica asks for the keys its prefix cache lacks and puts
 the answers in its inbox, from which the decode engine's connector loads them before the first
 step (as for store hits). A value that is missing, late or fails verification means recompute.
+
+Privacy: the server binds where it is told (loopback by default); with the deployment's
+``CurveKeys`` (distributed/zmq_auth.py) it is a CURVE server and ``fetch_blocks`` a CURVE client,
+so a peer without the deployment secret cannot pull a block. A malformed request is answered
+``[b"error", reason]`` and the server goes on serving.
 """
 
 from __future__ import annotations
@@ -19,19 +24,33 @@ from collections.abc import Callable, Sequence
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from pagedattn.distributed.zmq_auth import CurveKeys, secure_client, secure_server
 from pagedattn.kv_transfer.codec import HEADER_BYTES, BlockFormat
 from pagedattn.kv_transfer.connector import KVConnector
 from pagedattn.kv_transfer.store import KVStore
 
 logger = logging.getLogger(__name__)
 
-_GET, _OK = b"get", b"ok"
+_GET, _OK, _ERROR = b"get", b"ok", b"error"
+# The most keys one pull may ask for (a prompt of 16,384 blocks); more is a malformed request.
+MAX_KEYS_PER_PULL = 16_384
 # How long the server's poll waits before it checks whether it should stop.
 _POLL_MS = 100
 # A TCP connect to a live BlockServer takes milliseconds; past this the peer counts as gone.
 _CONNECT_TIMEOUT_MS = 2000
 # Socket events that mean the BlockServer is gone: connect refused or timed out, peer closed.
-_PEER_GONE = zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
+# A failed CURVE handshake (wrong deployment secret) counts as gone too: no retry will pass it.
+_PEER_GONE = (
+    zmq.EVENT_CONNECT_RETRIED
+    | zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+class MalformedRequest(ValueError):
+    """A BlockServer request that is not `[b"get", key, ...]` with UTF-8 keys."""
 
 
 class ExportConnector(KVConnector):
@@ -85,17 +104,24 @@ def attach_connector(engine, connector: KVConnector) -> None:
 class BlockServer:
     """Serves a store's values by key on a ZMQ ROUTER socket, on a thread of its own.
 
-    Request: ``[b"get", key, ...]``; reply: ``[b"ok", value or b"", ...]`` (empty: missing).
+    Request: ``[b"get", key, ...]``; reply: ``[b"ok", value or b"", ...]`` (empty: missing), or
+    ``[b"error", reason]`` for a malformed request. With ``curve``: a CURVE server of the
+    deployment (only its clients connect).
     """
 
-    def __init__(self, store: KVStore, endpoint: str = "tcp://127.0.0.1:*") -> None:
+    def __init__(
+        self, store: KVStore, endpoint: str = "tcp://127.0.0.1:*", curve: CurveKeys | None = None
+    ) -> None:
         self.store = store
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            secure_server(self._socket, curve)
         self._socket.bind(endpoint)
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.num_requests = 0
+        self.num_malformed = 0
         self.bytes_sent = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kv-block-server", daemon=True)
@@ -109,18 +135,32 @@ class BlockServer:
                 if not poller.poll(_POLL_MS):
                     continue
                 frames = self._socket.recv_multipart()
-                ident, rest = frames[0], frames[1:]
-                if rest and rest[0] == b"":
-                    rest = rest[1:]  # NOTE: a REQ peer's empty delimiter
-                if not rest or rest[0] != _GET:
-                    self._socket.send_multipart([ident, b"", b"bad request"])
-                    continue
-                values = [self._get(key.decode()) for key in rest[1:]]
-                self.num_requests += 1
-                self.bytes_sent += sum(len(v) for v in values)
-                self._socket.send_multipart([ident, b"", _OK, *values], copy=False)
+                try:
+                    self._answer(frames)
+                except Exception as exc:  # NOTE: one request never stops the server
+                    self.num_malformed += 1
+                    reason = str(exc) if isinstance(exc, MalformedRequest) else "internal error"
+                    logger.warning("block server: refused a request: %s", exc)
+                    self._socket.send_multipart([frames[0], b"", _ERROR, reason.encode()])
         finally:
             self._socket.close(linger=0)
+
+    def _answer(self, frames: list[bytes]) -> None:
+        ident, rest = frames[0], frames[1:]
+        if rest and rest[0] == b"":
+            rest = rest[1:]  # NOTE: a REQ peer's empty delimiter
+        if not rest or rest[0] != _GET:
+            raise MalformedRequest("bad request: send [b'get', key, ...]")
+        if len(rest) - 1 > MAX_KEYS_PER_PULL:
+            raise MalformedRequest(f"bad request: more than {MAX_KEYS_PER_PULL} keys")
+        try:
+            keys = [key.decode() for key in rest[1:]]
+        except UnicodeDecodeError:
+            raise MalformedRequest("bad request: a key is not UTF-8") from None
+        values = [self._get(key) for key in keys]
+        self.num_requests += 1
+        self.bytes_sent += sum(len(v) for v in values)
+        self._socket.send_multipart([ident, b"", _OK, *values], copy=False)
 
     def _get(self, key: str) -> bytes:
         try:
@@ -144,13 +184,18 @@ class PeerUnreachableError(TransferError):
 
 
 def fetch_blocks(
-    endpoint: str, keys: Sequence[str], timeout_s: float, ctx: zmq.Context | None = None
+    endpoint: str,
+    keys: Sequence[str],
+    timeout_s: float,
+    ctx: zmq.Context | None = None,
+    curve: CurveKeys | None = None,
 ) -> list[memoryview | None]:
     """Pull keys' values from a BlockServer; None for a key it lacks. Raises TransferError.
 
     A refused or dropped connection raises PeerUnreachableError as soon as the socket reports
     it, not at the deadline (a dead prefill replica's port refuses at once). ``ctx``: the ZMQ
-    context whose I/O thread receives (default: the process's shared one).
+    context whose I/O thread receives (default: the process's shared one). ``curve``: the
+    deployment's keys, when the server is a CURVE server.
     """
     if not keys:
         return []
@@ -158,6 +203,8 @@ def fetch_blocks(
     socket = ctx.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.CONNECT_TIMEOUT, min(_CONNECT_TIMEOUT_MS, int(timeout_s * 1000)))
+    if curve is not None:
+        secure_client(socket, curve)
     monitor = socket.get_monitor_socket(_PEER_GONE)
     try:
         socket.connect(endpoint)
@@ -178,6 +225,9 @@ def fetch_blocks(
         socket.disable_monitor()
         monitor.close(linger=0)
         socket.close(linger=0)
+    if frames and frames[0].bytes == _ERROR:
+        reason = frames[1].bytes.decode(errors="replace") if len(frames) > 1 else ""
+        raise TransferError(f"{endpoint} refused the pull: {reason}")
     if not frames or frames[0].bytes != _OK or len(frames) != len(keys) + 1:
         raise TransferError(f"{endpoint} answered {len(frames)} frames for {len(keys)} keys")
     # NOTE: memoryviews of the received frames: no copy until the connector loads them.
@@ -236,6 +286,7 @@ def pull_into(
     verify: Callable[[str, memoryview], bool] | None = None,
     on_unreachable: Callable[[str], None] | None = None,
     ctx: zmq.Context | None = None,
+    curve: CurveKeys | None = None,
 ) -> tuple[int, int, float]:
     """fetch_blocks, then put the leading present (and verified) values in the inbox:
     (blocks, bytes, seconds).
@@ -246,7 +297,7 @@ def pull_into(
     """
     start = time.perf_counter()
     try:
-        values = fetch_blocks(endpoint, keys, timeout_s, ctx)
+        values = fetch_blocks(endpoint, keys, timeout_s, ctx, curve)
     except TransferError as exc:
         logger.warning("block transfer failed, recomputing the prompt: %s", exc)
         if on_unreachable is not None and isinstance(exc, PeerUnreachableError):

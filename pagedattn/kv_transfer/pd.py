@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from pagedattn.attention.layout import block_size_of, layout_of
 from pagedattn.core.kv_cache_utils import hash_request_tokens, make_block_hash_with_group_id
+from pagedattn.distributed.zmq_auth import CurveKeys
 from pagedattn.kv_transfer.codec import decode_block
 from pagedattn.kv_transfer.direct import (
     BlockServer,
@@ -130,7 +131,13 @@ def _kv_cache_bytes(engine) -> int:
 
 class PrefillRole:
     """Makes an LLMEngine a prefill engine: an outbox of its blocks and a server for pulls;
-    with ``fallback`` (the shared file/Redis store) its blocks are saved there too."""
+    with ``fallback`` (the shared file/Redis store) its blocks are saved there too.
+
+    ``endpoint``: where the BlockServer binds (loopback by default); ``advertised_host``: the
+    host decode replicas pull from (default: the bound one, e.g. the node's address for a
+    wildcard bind); ``curve``: the deployment's keys (only its decode replicas can pull; Ray
+    Serve's PD replicas always pass them).
+    """
 
     def __init__(
         self,
@@ -139,6 +146,8 @@ class PrefillRole:
         outbox_bytes: int | None = None,
         endpoint: str = "tcp://127.0.0.1:*",
         fallback: KVStore | None = None,
+        curve: CurveKeys | None = None,
+        advertised_host: str | None = None,
     ) -> None:
         self.engine = engine
         size = outbox_bytes or _kv_cache_bytes(engine) + (64 << 20)
@@ -146,8 +155,11 @@ class PrefillRole:
         store = self.outbox if fallback is None else TieredKVStore(self.outbox, fallback)
         self.connector = _connector(ExportConnector, engine, store, size)
         attach_connector(engine, self.connector)
-        self.server = BlockServer(self.outbox, endpoint)
+        self.server = BlockServer(self.outbox, endpoint, curve)
         self.endpoint = self.server.endpoint
+        if advertised_host is not None:
+            port = self.endpoint.rpartition(":")[2]
+            self.endpoint = f"tcp://{advertised_host}:{port}"
 
     def transfer_params(
         self, prompt_token_ids: Sequence[int], first_token_id: int, cache_salt: str | None
@@ -176,7 +188,8 @@ class DecodeRole:
     step; ``fallback`` (the shared file/Redis store) is read for blocks the pull lacked.
 
     Pulled values are verified (checksum over key and payload) in the pulling thread, so the
-    engine step that loads them only copies.
+    engine step that loads them only copies. ``curve``: the deployment's keys (the prefill
+    side's BlockServer is a CURVE server).
     """
 
     def __init__(
@@ -186,9 +199,11 @@ class DecodeRole:
         inbox_bytes: int | None = None,
         fallback: KVStore | None = None,
         timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+        curve: CurveKeys | None = None,
     ) -> None:
         self.engine = engine
         self.timeout_s = timeout_s
+        self.curve = curve
         size = inbox_bytes or _kv_cache_bytes(engine) + (64 << 20)
         self.inbox = MemoryKVStore(size, pop_on_read=True)
         store = self.inbox if fallback is None else TieredKVStore(self.inbox, fallback)
@@ -235,6 +250,7 @@ class DecodeRole:
             self._verify,
             on_unreachable=self.mark_unreachable,
             ctx=self.puller.ctx,
+            curve=self.curve,
         )
         return TransferResult(num_local, num_blocks, num_bytes, seconds)
 

@@ -14,6 +14,7 @@ from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec
 from pagedattn.core.request import Request
 from pagedattn.distributed.kv_events import (
+    END_SEQ,
     BlockStored,
     KVEventBatch,
     ZmqEventPublisher,
@@ -22,6 +23,7 @@ from pagedattn.distributed.kv_events import (
     encode_batch,
     make_batch,
 )
+from pagedattn.distributed.zmq_auth import CurveKeys, new_deployment_secret, secure_client
 from pagedattn.serve.prefix_index import PrefixIndex
 
 LOOPBACK = "tcp://127.0.0.1:*"
@@ -199,6 +201,86 @@ def test_publisher_refuses_after_shutdown_and_busy_port_raises():
     pub.shutdown()
     with pytest.raises(RuntimeError, match="shut down"):
         pub.publish([core.AllBlocksCleared()])
+
+
+def _raw_replay(endpoint: str, frames, curve: CurveKeys | None = None, timeout_ms: int = 1000):
+    """Every message a DEALER gets within timeout_ms after sending frames to a replay socket."""
+    req = zmq.Context.instance().socket(zmq.DEALER)
+    req.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        secure_client(req, curve)
+    req.connect(endpoint)
+    req.send_multipart(frames)
+    got = []
+    while req.poll(timeout_ms):
+        got.append(req.recv_multipart())
+        timeout_ms = 200
+    req.close()
+    return got
+
+
+def _stored(i: int) -> core.BlockStored:
+    return core.BlockStored((bytes([i]),), None, (101, 102, 103, 104), 4, None, ((("s", "x"),),))
+
+
+def test_a_curve_publisher_feeds_only_the_deployments_subscribers_and_hides_token_ids():
+    curve = CurveKeys.from_secret(new_deployment_secret())
+    pub = ZmqEventPublisher(
+        LOOPBACK, replay_endpoint=LOOPBACK, curve=curve, token_ids=False, topic="kv"
+    )
+    try:
+        assert pub.endpoint.startswith("tcp://127.0.0.1:")
+        for i in range(3):
+            pub.publish([_stored(i)])
+        deadline = time.monotonic() + 5
+        while pub.next_seq < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        start = (0).to_bytes(8, "big")
+        # No key, or another deployment's keys: the replay socket answers nothing at all.
+        assert _raw_replay(pub.replay_endpoint, [b"", start]) == []
+        other = CurveKeys.from_secret(new_deployment_secret())
+        assert _raw_replay(pub.replay_endpoint, [b"", start], other) == []
+        # Nor does the PUB socket: an unauthenticated SUB receives no batch.
+        spy = zmq.Context.instance().socket(zmq.SUB)
+        spy.setsockopt(zmq.LINGER, 0)
+        spy.setsockopt(zmq.SUBSCRIBE, b"")
+        spy.connect(pub.endpoint)
+        sub = ZmqEventSubscriber(
+            pub.endpoint, topic="kv", replay_endpoint=pub.replay_endpoint, curve=curve
+        )
+        got = sub.poll(0)  # the deployment's subscriber: the history, by replay
+        assert [b.events[0].block_hashes for b in got] == [[bytes([i])] for i in range(3)]
+        got = []
+        for _ in range(100):
+            pub.publish([_stored(9)])
+            got = sub.poll(50)
+            if got:
+                break
+        assert got and got[0].events[0].block_hashes == [bytes([9])]
+        # Hashes only: neither the prompt's token ids nor its extra keys leave the replica.
+        assert all(b.events[0].token_ids == [] and b.events[0].extra_keys is None for b in got)
+        assert not spy.poll(300)
+        spy.close()
+        sub.close()
+    finally:
+        pub.shutdown()
+
+
+def test_malformed_replay_requests_get_an_empty_answer_and_the_publisher_goes_on():
+    pub = ZmqEventPublisher(LOOPBACK, replay_endpoint=LOOPBACK)
+    try:
+        pub.publish([_stored(1)])
+        for frames in ([b"", b"\xff" * 3], [b"x", b"y", b"z"], [b"only"]):
+            answer = _raw_replay(pub.replay_endpoint, frames)
+            if frames[0] == b"":
+                assert answer == [[b"", END_SEQ, b""]], frames
+        # The default external feed keeps vLLM's schema: token ids included.
+        answer = _raw_replay(pub.replay_endpoint, [b"", (0).to_bytes(8, "big")])
+        assert answer[-1] == [b"", END_SEQ, b""]
+        batch = decode_batch(answer[0][2])
+        assert batch.events[0].token_ids == [101, 102, 103, 104]
+    finally:
+        pub.shutdown()
 
 
 def _cached(manager: KVCacheManager) -> set[bytes]:
