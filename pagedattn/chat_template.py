@@ -20,6 +20,79 @@ import numpy as np
 
 # Names a message's reasoning is passed under; templates read the first (transformers' order).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# For a template without tool support (as llama.cpp does): the tools and the Hermes format.
+GENERIC_TOOL_PROMPT = (
+    "You can call functions. Their signatures, as JSON schemas, are in <tools></tools>:\n"
+    "<tools>\n{tools}\n</tools>\n"
+    "To call a function, answer with only a JSON object with its name and arguments inside "
+    "<tool_call></tool_call> tags:\n"
+    '<tool_call>\n{{"name": "<function name>", "arguments": {{<arguments as JSON>}}}}\n'
+    "</tool_call>\n"
+    "Otherwise answer normally."
+)
+
+
+def template_supports_tools(template: str | dict | None) -> bool:
+    """Whether a chat template renders the `tools` variable itself."""
+    if isinstance(template, dict):
+        return "tool_use" in template or any(template_supports_tools(t) for t in template.values())
+    return bool(template) and "tools" in template
+
+
+def tool_conversation(
+    messages: Sequence[dict[str, Any]], tools: list[dict] | None, native: bool
+) -> list[dict[str, Any]]:
+    """A conversation with tool calls, as a template with (`native`) or without tool support
+    reads it.
+
+    Tool-call arguments become objects (templates expect them so). Without tool support, the
+    tools go into the system message as GENERIC_TOOL_PROMPT, earlier calls are written in its
+    `<tool_call>` format and tool results become user turns in `<tool_response>` tags.
+    """
+    out: list[dict[str, Any]] = []
+    for message in messages:
+        msg = dict(message)
+        calls = [_with_object_arguments(c) for c in msg.get("tool_calls") or []]
+        if calls:
+            msg["tool_calls"] = calls
+        if not native:
+            if calls:
+                written = "\n".join(
+                    "<tool_call>\n"
+                    + json.dumps(c["function"], ensure_ascii=False)
+                    + "\n</tool_call>"
+                    for c in calls
+                )
+                msg["content"] = ((msg.get("content") or "") + "\n" + written).lstrip("\n")
+                del msg["tool_calls"]
+            if msg.get("role") == "tool":
+                content = msg.get("content") or ""
+                msg = {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+        out.append(msg)
+    if tools and not native:
+        prompt = GENERIC_TOOL_PROMPT.format(
+            tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+        )
+        if out and out[0].get("role") in ("system", "developer"):
+            out[0] = {
+                **out[0],
+                "role": "system",
+                "content": f"{out[0].get('content') or ''}\n\n{prompt}",
+            }
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call.get("function") or {})
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # NOTE: not JSON: the template gets the text as the client sent it
+    return {**call, "function": function}
 
 
 def render_chat_template(

@@ -108,19 +108,52 @@ class LLM:
         *,
         add_generation_prompt: bool = True,
         use_tqdm: bool = False,
+        tools: list[dict] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation and generate a reply."""
+        """Apply the model's chat template to each conversation and generate a reply.
+
+        ``tools``: OpenAI-style function tools (``{"type": "function", "function": {...}}``),
+        rendered by the template's own tool support, or for a template without it in the generic
+        tool prompt (pagedattn.chat_template.GENERIC_TOOL_PROMPT); messages may carry
+        ``tool_calls`` and ``role: "tool"`` results. The reply is the model's raw text, as
+        vLLM's ``LLM.chat`` returns it. ``chat_template_kwargs``: extra template variables."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        texts = [
-            self.engine.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
-            for conv in conversations
-        ]
+        if tools is None and not chat_template_kwargs:
+            texts = [
+                self.engine.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)
+                for conv in conversations
+            ]
+        else:
+            texts = [
+                self._render_with_tools(conv, tools, add_generation_prompt, chat_template_kwargs)
+                for conv in conversations
+            ]
         # NOTE: the template already holds the special tokens; encoding must not add a second BOS.
         ids = [self.tokenizer.encode(t, add_special_tokens=False) for t in texts]
         outputs = self.generate(ids, sampling_params, use_tqdm=use_tqdm)
         for out, text in zip(outputs, texts, strict=True):
             out.prompt = text
         return outputs
+
+    def _render_with_tools(
+        self,
+        conversation: Sequence[Message],
+        tools: list[dict] | None,
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
+    ) -> str:
+        from pagedattn.chat_template import template_supports_tools, tool_conversation
+
+        native = template_supports_tools(getattr(self.tokenizer, "chat_template", None))
+        messages = tool_conversation(conversation, tools, native)
+        return self.tokenizer.apply_chat_template(
+            messages,
+            tools=tools if native else None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(template_kwargs or {}),
+        )
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams):
         """Beam search per prompt; beams share blocks by fork and diverge by copy-on-write."""

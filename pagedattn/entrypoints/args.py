@@ -188,9 +188,37 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind the API key when keys are set)",
     )
+    add_agent_args(g)
     from pagedattn.serve.args import add_distributed_args
 
     add_distributed_args(parser)
+
+
+def add_agent_args(group) -> None:
+    """Tool calling and reasoning options (vLLM's names); docs/agent-api.md explains them."""
+    from pagedattn.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from pagedattn.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    group.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="how the model writes tool calls (hermes: Qwen/Hermes <tool_call>; llama3_json; "
+        "mistral [TOOL_CALLS]; pythonic); default: hermes for a chat template without tool "
+        "support (it gets the generic tool prompt), else none",
+    )
+    group.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='allow tool_choice "auto" (the model decides; its calls are parsed); "required" '
+        "and named choices work without it",
+    )
+    group.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split the model's <think> block into reasoning_content (deepseek_r1, qwen3)",
+    )
 
 
 def add_limit_args(group) -> None:

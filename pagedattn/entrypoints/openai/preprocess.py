@@ -12,6 +12,7 @@ refused after encoding about max_model_len tokens, not all of it.
 from __future__ import annotations
 
 import copy
+import json
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -150,19 +151,41 @@ class PromptPreprocessor:
         ids = await self.run(self._encode, prompt, num_chars=len(prompt))
         return self._check_tokens(ids, param)
 
-    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+    def _render(
+        self, messages: list[dict[str, Any]], tools: list[dict] | None, kwargs: dict[str, Any]
+    ) -> list[int]:
         tok = self.local_tokenizer()
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        if tools is not None:
+            kwargs = {**kwargs, "tools": tools}
+        text = tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **kwargs
+        )
         # NOTE: the template already holds any BOS token; do not add special tokens again.
         return self._encode(text, add_special_tokens=False)
 
-    async def render_chat(self, messages: list[dict[str, str]], model_name: str) -> list[int]:
-        """Token ids of a chat rendered with the model's template."""
+    async def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        model_name: str,
+        tools: list[dict] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """Token ids of a chat rendered with the model's template (`tools` as its variable)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
             raise InvalidRequestError(
                 f"model {model_name} has no chat template: use /v1/completions", param="messages"
             )
-        num_chars = sum(len(m["content"]) for m in messages)
+        num_chars = sum(_num_message_chars(m) for m in messages)
+        num_chars += len(json.dumps(tools, ensure_ascii=False)) if tools else 0
         self._check_chars(num_chars, "messages")
-        ids = await self.run(self._render, messages, num_chars=num_chars)
+        ids = await self.run(
+            self._render, messages, tools, template_kwargs or {}, num_chars=num_chars
+        )
         return self._check_tokens(ids, "messages")
+
+
+def _num_message_chars(message: dict[str, Any]) -> int:
+    """A message's content length, plus the JSON of its other fields beyond role and content."""
+    rest = {k: v for k, v in message.items() if k not in ("role", "content")}
+    content = message.get("content") or ""
+    return len(content) + (len(json.dumps(rest, ensure_ascii=False)) if rest else 0)

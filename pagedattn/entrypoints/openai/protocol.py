@@ -9,10 +9,9 @@ OpenAI error bodies with `param` naming the field (server.py).
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -20,6 +19,25 @@ from pydantic import (
     StrictInt,
     field_validator,
     model_validator,
+)
+
+from pagedattn.entrypoints.openai.protocol_base import (  # noqa: F401 (re-exported)
+    APIError,
+    ErrorInfo,
+    ErrorResponse,
+    FiniteFloat,
+    OpenAIBaseModel,
+    Text,
+    TokenId,
+    _valid_utf8,
+    error_body,
+)
+from pagedattn.entrypoints.openai.tool_protocol import (
+    ChatTool,
+    DeltaToolCall,
+    ToolCall,
+    ToolCallOut,
+    ToolChoice,
 )
 
 # OpenAI caps completions `logprobs` at 5 and chat `top_logprobs` at 20; the engine allows 20.
@@ -34,45 +52,6 @@ MAX_PROMPTS_PER_REQUEST = 64
 MAX_LOGIT_BIAS_ENTRIES = 1024
 # Seeds seed a torch.Generator (a signed 64-bit value).
 MAX_SEED = 2**63
-
-
-def _valid_utf8(value: str) -> str:
-    """Reject strings that cannot be encoded as UTF-8 (JSON escapes of lone surrogates)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        bad = value[exc.start : exc.end].encode("unicode_escape").decode()
-        raise ValueError(
-            f"contains '{bad}' at index {exc.start}, which is not valid Unicode text "
-            "(a lone UTF-16 surrogate); send valid UTF-8"
-        ) from None
-    return value
-
-
-Text = Annotated[str, AfterValidator(_valid_utf8)]
-FiniteFloat = Annotated[float, Field(strict=True, allow_inf_nan=False)]
-TokenId = Annotated[StrictInt, Field(ge=0)]
-
-
-class OpenAIBaseModel(BaseModel):
-    """Base of every request model: unknown fields are ignored, as the OpenAI API does."""
-
-    model_config = ConfigDict(extra="ignore")
-
-
-class ErrorInfo(BaseModel):
-    """The `error` object of an OpenAI error body."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """An OpenAI-style error body: ``{"error": {"message", "type", "param", "code"}}``."""
-
-    error: ErrorInfo
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -150,7 +129,13 @@ def _check_prompt(value: Any) -> Any:
 
 
 class _SamplingFields(OpenAIBaseModel):
-    """Fields shared by completion and chat requests."""
+    """Fields shared by completion and chat requests.
+
+    Unknown fields are kept (`model_extra`), so the server can name them in a warning log line
+    and an `x-ignored-fields` response header (vLLM's behaviour) instead of dropping them unsaid.
+    """
+
+    model_config = ConfigDict(extra="allow")
 
     model: Text
     temperature: FiniteFloat | None = Field(default=None, ge=0)
@@ -183,6 +168,8 @@ class _SamplingFields(OpenAIBaseModel):
     guided_regex: Text | None = None
     guided_choice: list[Text] | None = Field(default=None, min_length=1)
     guided_grammar: Text | None = None
+    # vLLM's field: refused with a 400 (an adapter is named in `model`), never ignored.
+    lora_request: Any = None
 
     @field_validator("stop")
     @classmethod
@@ -231,10 +218,22 @@ class TextContentPart(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
-    """One message of a conversation."""
+    """One message of a conversation (an assistant's may carry tool calls, a tool's a result)."""
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Text | list[TextContentPart] | None = None
+    name: Text | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: Text | None = None
+    reasoning_content: Text | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a message with role 'tool' needs tool_call_id (the call it answers)")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only assistant messages carry tool_calls, not {self.role!r} ones")
+        return self
 
     def text(self) -> str:
         """The content as plain text (multi-part text is joined)."""
@@ -254,6 +253,19 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    # vLLM's: extra variables for the chat template (e.g. enable_thinking).
+    chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI fields this server refuses with a 400 naming them (request_checks.py), or honours
+    # (reasoning_effort, with --reasoning-parser).
+    functions: Any = None
+    function_call: Any = None
+    reasoning_effort: Text | None = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
 
 
 class PromptTokensDetails(BaseModel):
@@ -326,6 +338,17 @@ class ChatResponseMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+
+class ChatDeltaMessage(BaseModel):
+    """A streamed delta of the assistant message."""
+
+    role: str | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -353,7 +376,7 @@ class ChatChunkChoice(BaseModel):
     """One choice of a streamed chat chunk."""
 
     index: int
-    delta: ChatResponseMessage
+    delta: ChatDeltaMessage
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -388,29 +411,3 @@ class ModelList(BaseModel):
 
     object: Literal["list"] = "list"
     data: list[ModelCard]
-
-
-class APIError(Exception):
-    """An error with an HTTP status and an OpenAI error type, raised by request handlers."""
-
-    def __init__(
-        self,
-        message: str,
-        status_code: int = 400,
-        err_type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status_code = status_code
-        self.err_type = err_type
-        self.param = param
-        self.code = code
-
-
-def error_body(
-    message: str, err_type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    """An OpenAI-style error body as a plain dict."""
-    info = ErrorInfo(message=message, type=err_type, param=param, code=code)
-    return ErrorResponse(error=info).model_dump()

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from pagedattn.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from pagedattn.entrypoints.openai.protocol import (
@@ -11,6 +12,7 @@ from pagedattn.entrypoints.openai.protocol import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
+    ChatDeltaMessage,
     ChatLogProbs,
     ChatResponseMessage,
     ChatTokenLogprob,
@@ -21,7 +23,11 @@ from pagedattn.entrypoints.openai.protocol import (
     UsageInfo,
     error_body,
 )
+from pagedattn.entrypoints.openai.tool_protocol import FunctionCallOut, ToolCallOut
 from pagedattn.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedattn.entrypoints.openai.chat_output import ChatOutputParser
 
 # OpenAI's stand-in for the logprob of a token that is missing from the returned distribution.
 MISSING_LOGPROB = -9999.0
@@ -217,11 +223,20 @@ class CompletionBuilder(StreamBuilder):
 
 
 class ChatBuilder(StreamBuilder):
-    """Bodies of ``/v1/chat/completions``."""
+    """Bodies of ``/v1/chat/completions``; `make_parser` (reasoning and tool calls) per choice."""
 
-    def __init__(self, request_id: str, model_name: str, tokenizer, params: SamplingParams):
+    def __init__(
+        self,
+        request_id: str,
+        model_name: str,
+        tokenizer,
+        params: SamplingParams,
+        make_parser: Callable[[], ChatOutputParser] | None = None,
+    ):
         super().__init__(request_id, model_name, tokenizer, params)
         self._started: set[int] = set()
+        self.make_parser = make_parser
+        self._parsers: dict[int, ChatOutputParser] = {}
 
     def _top(self, token_id: int, lp: Logprob) -> TopLogprob:
         token = self.decode(token_id)
@@ -256,16 +271,37 @@ class ChatBuilder(StreamBuilder):
         for key, comp, text, first in self.deltas(prompt_index, out):
             if key not in self._started:
                 self._started.add(key)
-                role = ChatResponseMessage(role="assistant", content="")
+                role = ChatDeltaMessage(role="assistant", content="")
                 yield self._chunk(ChatChunkChoice(index=key, delta=role))
-            choice = ChatChunkChoice(
-                index=key,
-                delta=ChatResponseMessage(content=text),
-                logprobs=self._logprobs(comp, first),
-                finish_reason=comp.finish_reason,
-                stop_reason=comp.stop_reason,
-            )
-            yield self._chunk(choice)
+            final = comp.finish_reason is not None
+            finish_reason = comp.finish_reason
+            if self.make_parser is None:
+                deltas = [ChatDeltaMessage(content=text)]
+            else:
+                parser = self._parsers.setdefault(key, self.make_parser())
+                deltas = [
+                    ChatDeltaMessage(
+                        content=d.content,
+                        reasoning_content=d.reasoning,
+                        tool_calls=d.tool_calls or None,
+                    )
+                    for d in parser.feed(text, final)
+                ]
+                if final and parser.num_calls and finish_reason == "stop":
+                    finish_reason = "tool_calls"
+            logprobs = self._logprobs(comp, first)
+            if not deltas and (final or logprobs is not None):
+                deltas = [ChatDeltaMessage(content="")]
+            for i, delta in enumerate(deltas):
+                last = i == len(deltas) - 1
+                choice = ChatChunkChoice(
+                    index=key,
+                    delta=delta,
+                    logprobs=logprobs if i == 0 else None,
+                    finish_reason=finish_reason if last else None,
+                    stop_reason=comp.stop_reason if last else None,
+                )
+                yield self._chunk(choice)
 
     def usage_chunk(self, usage: UsageInfo) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -274,16 +310,31 @@ class ChatBuilder(StreamBuilder):
 
     def full(self, finals: list[RequestOutput], usage: UsageInfo) -> ChatCompletionResponse:
         choices = [
-            ChatChoice(
-                index=comp.index,
-                message=ChatResponseMessage(role="assistant", content=comp.text),
-                logprobs=self._logprobs(comp, 0),
-                finish_reason=comp.finish_reason,
-                stop_reason=comp.stop_reason,
-            )
+            self._full_choice(comp)
             for out in finals
             for comp in sorted(out.outputs, key=lambda c: c.index)
         ]
         return ChatCompletionResponse(
             id=self.request_id, model=self.model_name, choices=choices, usage=usage
+        )
+
+    def _full_choice(self, comp: CompletionOutput) -> ChatChoice:
+        message = ChatResponseMessage(role="assistant", content=comp.text)
+        finish_reason = comp.finish_reason
+        if self.make_parser is not None:
+            parsed = self.make_parser().whole(comp.text)
+            message.content = parsed.content
+            message.reasoning_content = parsed.reasoning
+            message.tool_calls = [
+                ToolCallOut(id=c.id, function=FunctionCallOut(name=c.name, arguments=c.arguments))
+                for c in parsed.calls
+            ]
+            if parsed.calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return ChatChoice(
+            index=comp.index,
+            message=message,
+            logprobs=self._logprobs(comp, 0),
+            finish_reason=finish_reason,
+            stop_reason=comp.stop_reason,
         )

@@ -62,6 +62,7 @@ from pagedattn.entrypoints.openai.http import (
 )
 from pagedattn.entrypoints.openai.lora_routes import install_lora_routes, serving_lora
 from pagedattn.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedattn.entrypoints.openai.request_checks import ignored_fields, ignored_header
 from pagedattn.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -110,16 +111,16 @@ def scope_kv_snapshot(snapshot: dict, own_ids: set[str]) -> dict:
     return scoped
 
 
-async def _respond(handler, raw: Request) -> Response:
+async def _respond(handler, raw: Request, headers: dict[str, str] | None = None) -> Response:
     """Run a handler; abort its requests if the client leaves before the body is ready."""
     answered, result = await until_disconnect(handler, raw)
     if not answered:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     if isinstance(result, dict):
-        return JSONResponse(result)
+        return JSONResponse(result, headers=headers)
     # NOTE: starlette cancels the body iterator when the client disconnects mid-stream; the
     # request streams close and abort their engine requests before the next step.
-    return StreamingResponse(result, media_type="text/event-stream")
+    return StreamingResponse(result, media_type="text/event-stream", headers=headers)
 
 
 def build_app(
@@ -134,12 +135,16 @@ def build_app(
     grammar_timeout_s: float | None = None,
     lora_modules: Sequence[str] = (),
     enable_lora_runtime_updates: bool = False,
+    tool_call_parser: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving one engine; the engine loop stops when the app shuts down.
 
     ``lora_modules``: ``name=path`` adapters loaded before serving (the engine needs
     enable_lora); ``enable_lora_runtime_updates``: serve /v1/load_lora_adapter and
-    /v1/unload_lora_adapter."""
+    /v1/unload_lora_adapter. ``tool_call_parser``, ``enable_auto_tool_choice``,
+    ``reasoning_parser``: `pagedattn serve`'s options of those names (docs/agent-api.md)."""
     engine = engine_or_async_engine
     if not isinstance(engine, AsyncLLMEngine):
         engine = AsyncLLMEngine(engine)
@@ -147,7 +152,14 @@ def build_app(
     model_name = served_model_name or engine.model_name
     loras = serving_lora(engine, model_name, lora_modules)
     serving = OpenAIServing(
-        engine, model_name, max_prompt_chars=max_prompt_chars, loras=loras, **limits
+        engine,
+        model_name,
+        max_prompt_chars=max_prompt_chars,
+        loras=loras,
+        tool_call_parser=tool_call_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
+        reasoning_parser=reasoning_parser,
+        **limits,
     )
     auth = TenantAuth(api_keys)
 
@@ -201,13 +213,16 @@ def build_app(
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         key_salt = tenant(raw)
         salt = auth.cache_salt(key_salt, body.cache_salt)
-        return await _respond(serving.create_completion(body, salt, owner=key_salt), raw)
+        ignored = ignored_header(ignored_fields(body))
+        return await _respond(serving.create_completion(body, salt, owner=key_salt), raw, ignored)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, raw: Request) -> Response:
         key_salt = tenant(raw)
         salt = auth.cache_salt(key_salt, body.cache_salt)
-        return await _respond(serving.create_chat_completion(body, salt, owner=key_salt), raw)
+        ignored = ignored_header(ignored_fields(body))
+        handler = serving.create_chat_completion(body, salt, owner=key_salt)
+        return await _respond(handler, raw, ignored)
 
     @app.get("/debug/kv")
     async def debug_kv(raw: Request) -> dict:
@@ -298,6 +313,9 @@ def run_server(args: argparse.Namespace) -> int:
         health_stall_s=args.health_stall_s,
         lora_modules=args.lora_modules or (),
         enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
     config = uvicorn.Config(
         app,

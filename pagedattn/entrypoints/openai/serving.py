@@ -9,10 +9,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
+from pagedattn.chat_template import template_supports_tools
 from pagedattn.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from pagedattn.engine.errors import InvalidRequestError
 from pagedattn.engine.outputs import RequestOutput
-from pagedattn.entrypoints.openai import responses
+from pagedattn.entrypoints.openai import chat_tools, responses
+from pagedattn.entrypoints.openai.chat_output import ChatOutputParser
 from pagedattn.entrypoints.openai.preprocess import PromptPreprocessor
 from pagedattn.entrypoints.openai.protocol import (
     APIError,
@@ -23,6 +25,9 @@ from pagedattn.entrypoints.openai.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from pagedattn.entrypoints.openai.reasoning_parsers import get_reasoning_parser
+from pagedattn.entrypoints.openai.request_checks import check_chat_fields, check_lora_request
+from pagedattn.entrypoints.openai.tool_parsers import HermesToolParser, get_tool_parser
 from pagedattn.entrypoints.openai.worker_pool import WorkerPool
 from pagedattn.lora.request import LoRARequest
 from pagedattn.sampling_params import SamplingParams
@@ -193,8 +198,18 @@ class OpenAIServing:
         max_prompt_chars: int | None = None,
         grammar_timeout_s: float = DEFAULT_GRAMMAR_TIMEOUT_S,
         loras: ServingLoRA | None = None,
+        tool_call_parser: str | None = None,
+        enable_auto_tool_choice: bool = False,
+        reasoning_parser: str | None = None,
     ) -> None:
+        """tool_call_parser / reasoning_parser: names from tool_parsers.py / reasoning_parsers.py
+        (`--tool-call-parser`, `--reasoning-parser`); ValueError for an unknown one."""
         self.engine = engine
+        self.tool_parser = None if tool_call_parser is None else get_tool_parser(tool_call_parser)
+        self.enable_auto_tool_choice = enable_auto_tool_choice
+        self.reasoning_parser = (
+            None if reasoning_parser is None else get_reasoning_parser(reasoning_parser)
+        )
         self.model_name = served_model_name
         # LoRA adapters by name (the `model` field selects one); None: the base model only.
         self.loras = loras
@@ -313,6 +328,7 @@ class OpenAIServing:
     ) -> AsyncIterator[str] | dict:
         """A completion response body, or an iterator of server-sent events when streaming."""
         lora = self.check_model(req.model)
+        check_lora_request(req)
         if req.suffix is not None:
             raise APIError("suffix is not supported: omit it", param="suffix")
         structured, param = structured_outputs_of(req)
@@ -353,7 +369,23 @@ class OpenAIServing:
     ) -> AsyncIterator[str] | dict:
         """A chat completion body, or an iterator of server-sent events when streaming."""
         lora = self.check_model(req.model)
+        template_kwargs = check_chat_fields(req, self.reasoning_parser is not None)
+        native = template_supports_tools(self.tokenizer.chat_template)
+        # NOTE: a template without tool support gets the generic (Hermes-format) tool prompt,
+        # so its replies are read with the Hermes parser unless the server names another.
+        tool_parser = self.tool_parser or (None if native else HermesToolParser())
+        mode = chat_tools.tool_mode(
+            req, auto_enabled=self.enable_auto_tool_choice, has_parser=tool_parser is not None
+        )
         structured, param = structured_outputs_of(req)
+        tool_schema = None if mode is None else chat_tools.constraint_schema(req, mode)
+        if tool_schema is not None:
+            if structured is not None:
+                raise APIError(
+                    f"tool_choice {mode.kind!r} constrains the output; {param} cannot also be set",
+                    param=param,
+                )
+            structured, param = StructuredOutputsParams(json=tool_schema), "tools"
         # NOTE: None (not max_model_len) when the client sets no limit: the engine admits the
         # request on its prompt and caps it by the context and the pool.
         max_tokens = req.max_completion_tokens or req.max_tokens
@@ -362,14 +394,27 @@ class OpenAIServing:
             req, max_tokens, logprobs, vocab_size=self.engine.vocab_size, structured=structured
         )
         await self._compile(structured, param)
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        prompt = await self.preprocessor.render_chat(messages, self.model_name)
+        tools = None
+        if mode is not None:
+            tools = [t.model_dump(exclude_none=True) for t in req.tools]
+        messages = chat_tools.template_messages(req.messages, tools, native)
+        prompt = await self.preprocessor.render_chat(
+            messages, self.model_name, tools if native else None, template_kwargs
+        )
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         self._log_user(request_id, req)
         streams = await self._start(
             request_id, [prompt], params, req.priority, cache_salt, owner, lora
         )
-        builder = responses.ChatBuilder(request_id, req.model, self.tokenizer, params)
+        make_parser = None
+        if mode is not None or self.reasoning_parser is not None:
+
+            def make_parser() -> ChatOutputParser:
+                return ChatOutputParser(self.reasoning_parser, tool_parser, mode)
+
+        builder = responses.ChatBuilder(
+            request_id, req.model, self.tokenizer, params, make_parser=make_parser
+        )
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._stream(builder, streams, include_usage)
