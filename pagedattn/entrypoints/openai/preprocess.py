@@ -152,13 +152,17 @@ class PromptPreprocessor:
         return self._check_tokens(ids, param)
 
     def _render(
-        self, messages: list[dict[str, Any]], tools: list[dict] | None, kwargs: dict[str, Any]
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict] | None,
+        kwargs: dict[str, Any],
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         tok = self.local_tokenizer()
         if tools is not None:
             kwargs = {**kwargs, "tools": tools}
         text = tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=True, **kwargs
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
         # NOTE: the template already holds any BOS token; do not add special tokens again.
         return self._encode(text, add_special_tokens=False)
@@ -169,6 +173,8 @@ class PromptPreprocessor:
         model_name: str,
         tools: list[dict] | None = None,
         template_kwargs: dict[str, Any] | None = None,
+        *,
+        add_generation_prompt: bool = True,
     ) -> list[int]:
         """Token ids of a chat rendered with the model's template (`tools` as its variable)."""
         if getattr(self.tokenizer, "chat_template", None) is None:
@@ -179,7 +185,12 @@ class PromptPreprocessor:
         num_chars += len(json.dumps(tools, ensure_ascii=False)) if tools else 0
         self._check_chars(num_chars, "messages")
         ids = await self.run(
-            self._render, messages, tools, template_kwargs or {}, num_chars=num_chars
+            self._render,
+            messages,
+            tools,
+            template_kwargs or {},
+            add_generation_prompt,
+            num_chars=num_chars,
         )
         return self._check_tokens(ids, "messages")
 

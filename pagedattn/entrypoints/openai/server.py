@@ -49,6 +49,7 @@ from pagedattn.entrypoints.args import (
     HelpFormatter,
     add_serve_args,
 )
+from pagedattn.entrypoints.openai.agent_routes import install_agent_routes, local_front_door
 from pagedattn.entrypoints.openai.http import (
     CLIENT_CLOSED_REQUEST,
     TenantAuth,
@@ -63,6 +64,7 @@ from pagedattn.entrypoints.openai.http import (
 from pagedattn.entrypoints.openai.lora_routes import install_lora_routes, serving_lora
 from pagedattn.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedattn.entrypoints.openai.request_checks import ignored_fields, ignored_header
+from pagedattn.entrypoints.openai.responses_api import ResponsesAPI
 from pagedattn.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
@@ -223,6 +225,9 @@ def build_app(
         ignored = ignored_header(ignored_fields(body))
         handler = serving.create_chat_completion(body, salt, owner=key_salt)
         return await _respond(handler, raw, ignored)
+
+    run, chat_backend = local_front_door(serving, auth)
+    install_agent_routes(app, run, chat_backend, ResponsesAPI())
 
     @app.get("/debug/kv")
     async def debug_kv(raw: Request) -> dict:
