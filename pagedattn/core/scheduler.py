@@ -3,25 +3,31 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from pagedattn.core.request import Request, RequestStatus
+from pagedattn.core.request_limits import RequestLimits, RequestRejectedError
 from pagedattn.core.request_queue import create_request_queue
 from pagedattn.core.scheduler_output import (
     CoreOutput,
+    DecodingRequest,
     KVLoad,
     RunnerOutput,
     ScheduledRequest,
     SchedulerOutput,
     SchedulerStats,
 )
+from pagedattn.core.spec_tokens import append_verified, decoding_requests, reserve_draft_slots
 from pagedattn.core.step_budget import DEFAULT_MAX_STEP_TOKENS, StepTokenBudget
 from pagedattn.core.stop import check_token_stop, derive_seed
 
 if TYPE_CHECKING:
     from pagedattn.config import CacheConfig, SchedulerConfig
-    from pagedattn.core.kv_cache_manager import KVCacheManager
+    from pagedattn.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+
+__all__ = ["KVConnectorLike", "RequestRejectedError", "Scheduler"]
 
 
 class KVConnectorLike(Protocol):
@@ -32,8 +38,22 @@ class KVConnectorLike(Protocol):
     ) -> int: ...
 
 
-class RequestRejectedError(ValueError):
-    """A request can never be scheduled (too long for the model or for the KV cache)."""
+@dataclass
+class _Step:
+    """What schedule() has decided so far in this step."""
+
+    token_budget: int
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    prefill_ids: set[str] = field(default_factory=set)  # prompt (or recomputed) chunks
+    preempted: list[Request] = field(default_factory=list)
+    loads: list[tuple[Request, int, int]] = field(default_factory=list)  # (request, blocks [a, b))
+    num_recomputed: int = 0
+
+    def add(self, request: Request, num_tokens: int, prefilling: bool) -> None:
+        self.num_scheduled[request.request_id] = num_tokens
+        self.token_budget -= num_tokens
+        if prefilling:
+            self.prefill_ids.add(request.request_id)
 
 
 class Scheduler:
@@ -45,6 +65,10 @@ class Scheduler:
     NOTE: ``request.num_computed_tokens`` advances in ``schedule()`` (as in vLLM v1): at the end of
     a step every scheduled token counts as computed. A scheduled request yields a token this step
     iff ``num_computed_tokens == num_tokens`` after schedule().
+
+    Speculation: a drafter reads ``decoding_requests()`` and hands its drafts to
+    ``update_draft_token_ids`` before ``schedule()``; only the scheduler writes a request's
+    ``spec_token_ids``.
     """
 
     def __init__(
@@ -81,6 +105,9 @@ class Scheduler:
             min_tokens=scheduler_config.max_num_seqs,
             long_prefill_token_threshold=scheduler_config.long_prefill_token_threshold,
         )
+        self.limits = RequestLimits(
+            scheduler_config, self.step_budget, kv_cache_manager, max_model_len
+        )
 
     # Requests in and out.
 
@@ -88,7 +115,7 @@ class Scheduler:
         """Queue a request; raises RequestRejectedError if it can never be scheduled."""
         if request.request_id in self.requests:
             raise RequestRejectedError(f"request id {request.request_id!r} is already in use")
-        self._check_fits(request)
+        self.limits.check(request)
         self.requests[request.request_id] = request
         self.waiting.add(request)
 
@@ -156,36 +183,29 @@ class Scheduler:
         return kv_snapshot(self.kv_cache_manager, self.requests)
 
     def check_fits_together(self, num_seqs: int, num_tokens: int) -> None:
-        """Raise unless num_seqs sequences of num_tokens can all run every step (no preemption).
-
-        Beam search needs this: its beams advance in lockstep.
-        """
-        config = self.scheduler_config
-        min_budget = self.step_budget.min_tokens
-        if num_seqs > config.max_num_seqs or num_seqs > min_budget:
-            raise RequestRejectedError(
-                f"{num_seqs} sequences in lockstep need max_num_seqs and max_num_batched_tokens "
-                f">= {num_seqs} (they are {config.max_num_seqs} and {min_budget})"
-            )
-        # NOTE: one more block per sequence for the copy of a shared partial block.
-        num_needed = num_seqs * (self._num_blocks_needed(num_tokens) + 1)
-        num_usable = self.kv_cache_manager.num_usable_blocks
-        if num_needed > num_usable:
-            raise RequestRejectedError(
-                f"{num_seqs} sequences of {num_tokens} tokens need {num_needed} KV cache blocks, "
-                f"more than the {num_usable} of the pool: give the KV cache more memory"
-            )
+        """Raise unless num_seqs sequences of num_tokens can all run every step (beam search)."""
+        self.limits.check_fits_together(num_seqs, num_tokens)
 
     def max_tokens_that_fit(self, num_prompt_tokens: int) -> int:
         """The most output tokens a request of this prompt can ever hold (context and pool)."""
-        block_size = self.kv_cache_manager.block_size
-        num_tokens = self.max_model_len
-        while num_tokens > num_prompt_tokens and self._num_blocks_needed(num_tokens) > (
-            self.kv_cache_manager.num_usable_blocks
-        ):
-            # NOTE: at most one step per block over the pool's size: a short loop.
-            num_tokens = (num_tokens - 1) // block_size * block_size
-        return max(num_tokens - num_prompt_tokens, 0)
+        return self.limits.max_tokens_that_fit(num_prompt_tokens)
+
+    # Speculation.
+
+    def decoding_requests(self) -> Iterator[DecodingRequest]:
+        """The running requests about to decode one token, in running order, as a drafter reads
+        them (lazily: a drafter that is off this step costs nothing)."""
+        return decoding_requests(self.running)
+
+    def update_draft_token_ids(self, draft_token_ids: Mapping[str, Sequence[int]]) -> None:
+        """This step's drafts (request id -> draft tokens; empty: none), before schedule().
+
+        Ids no longer running are ignored; schedule() trims or drops drafts it has no room for.
+        """
+        for req_id, draft in draft_token_ids.items():
+            request = self.requests.get(req_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.spec_token_ids = list(draft)
 
     # One step.
 
@@ -199,19 +219,28 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's batch: running requests first, then admit waiting ones."""
         start = time.perf_counter()
-        config = self.scheduler_config
         # NOTE: the budget keeps decoding streams from stalling; with none, the step may be big.
         streaming = any(r.num_output_tokens > 0 for r in self.running)
-        token_budget = self.step_budget.tokens_for(streaming)
-        num_scheduled: dict[str, int] = {}
-        prefill_ids: set[str] = set()  # requests computing prompt (or recomputed) chunks
-        preempted: list[Request] = []
-        loads: list[tuple[Request, int, int]] = []  # second-tier hits: (request, blocks [a, b))
-        num_recomputed = 0
+        step = _Step(self.step_budget.tokens_for(streaming))
+        self._schedule_running(step)
+        # NOTE: no admission in a step that preempted: the freed blocks go to the preempted first.
+        if not step.preempted:
+            self._admit_waiting(step)
+        output = self._make_output(step.num_scheduled, step.preempted)
+        output.kv_loads = [self._make_load(*load) for load in step.loads]
+        output.stats.num_recomputed_tokens = step.num_recomputed
+        output.stats.num_prefill_tokens = sum(
+            n for rid, n in step.num_scheduled.items() if rid in step.prefill_ids
+        )
+        output.stats.schedule_time_s = time.perf_counter() - start
+        return output
 
+    def _schedule_running(self, step: _Step) -> None:
+        """Give running requests their next tokens (and drafts), preempting where blocks lack."""
+        max_num_seqs = self.scheduler_config.max_num_seqs
         req_index = 0
-        while req_index < len(self.running) and token_budget > 0:
-            if len(num_scheduled) >= config.max_num_seqs:
+        while req_index < len(self.running) and step.token_budget > 0:
+            if len(step.num_scheduled) >= max_num_seqs:
                 break
             request = self.running[req_index]
             # NOTE: a capped long prompt (long_prefill_token_threshold) leaves the rest of the
@@ -219,76 +248,66 @@ class Scheduler:
             num_left = self.step_budget.cap_request(
                 request.num_tokens - request.num_computed_tokens
             )
-            num_new_tokens = min(num_left, token_budget)
+            num_new_tokens = min(num_left, step.token_budget)
             if num_new_tokens <= 0:
                 req_index += 1
                 continue
-            prefilling = num_left > 1
             new_blocks = None
             if request.spec_token_ids:
-                # NOTE: a decode step reserves slots for its draft tokens too; without room for
-                # them it drops them (a plain step) before it would preempt anyone.
-                num_spec = min(len(request.spec_token_ids), token_budget - 1)
-                if num_new_tokens == 1 and request.num_tokens - request.num_computed_tokens == 1:
-                    new_blocks = self.kv_cache_manager.allocate_slots(request, 1 + num_spec)
-                if new_blocks is None or num_spec == 0:
-                    request.spec_token_ids = []
-                else:
-                    num_new_tokens += num_spec
-                    del request.spec_token_ids[num_spec:]
+                num_new_tokens, new_blocks = reserve_draft_slots(
+                    self.kv_cache_manager, request, num_new_tokens, step.token_budget
+                )
             if new_blocks is None:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
-            while new_blocks is None:
-                victim = self._pick_victim()
-                victim_index = self.running.index(victim)
-                del self.running[victim_index]
-                if victim.request_id in num_scheduled:  # priority policy: already in this batch
-                    token_budget += num_scheduled.pop(victim.request_id)
-                if victim_index < req_index:
-                    req_index -= 1
-                num_recomputed += self._preempt(victim)
-                preempted.append(victim)
-                if victim is request:
-                    break
-                new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+            if new_blocks is None:
+                new_blocks, req_index = self._preempt_for(request, num_new_tokens, req_index, step)
             if new_blocks is None:
                 break
-            num_scheduled[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-            if prefilling:
-                prefill_ids.add(request.request_id)
+            step.add(request, num_new_tokens, prefilling=num_left > 1)
             req_index += 1
 
+    def _preempt_for(
+        self, request: Request, num_new_tokens: int, req_index: int, step: _Step
+    ) -> tuple[KVCacheBlocks | None, int]:
+        """Preempt victims until the request's slots fit; returns its blocks (None: it was the
+        victim) and req_index moved back past the victims that ran before it."""
+        new_blocks = None
+        while new_blocks is None:
+            victim = self._pick_victim()
+            victim_index = self.running.index(victim)
+            del self.running[victim_index]
+            if victim.request_id in step.num_scheduled:  # priority policy: already in the batch
+                step.token_budget += step.num_scheduled.pop(victim.request_id)
+            if victim_index < req_index:
+                req_index -= 1
+            step.num_recomputed += self._preempt(victim)
+            step.preempted.append(victim)
+            if victim is request:
+                break
+            new_blocks = self.kv_cache_manager.allocate_slots(request, num_new_tokens)
+        return new_blocks, req_index
+
+    def _admit_waiting(self, step: _Step) -> None:
+        """Admit waiting requests in queue order while the budget, blocks and LoRA slots last."""
+        config = self.scheduler_config
         running_loras = self._running_loras()
-        # NOTE: no admission in a step that preempted: the freed blocks go to the preempted first.
-        while not preempted and self.waiting and token_budget > 0:
+        while self.waiting and step.token_budget > 0:
             if len(self.running) >= config.max_num_seqs:
                 break
             request = self.waiting.peek()
-            lora = request.lora_id
-            if self.max_loras is not None and lora is not None and lora not in running_loras:
-                if len(running_loras) >= self.max_loras:
-                    break  # NOTE: its adapter has no slot this step: it waits, never fails.
-                running_loras.add(lora)
-            params = request.sampling_params
-            if params is not None and params.prompt_logprobs is not None:
-                # NOTE: a cached prefix has no logits: score the whole prompt (as vLLM does), so
-                # neither the prefix cache nor the KV store is looked up.
-                computed_blocks, num_computed = self.kv_cache_manager.empty_kv_cache_blocks, 0
-                num_external = 0
-            else:
-                computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
-                num_external = self._num_external_tokens(request, num_computed)
+            if not self._take_lora_slot(request, running_loras):
+                break  # NOTE: its adapter has no slot this step: it waits, never fails.
+            computed_blocks, num_computed, num_external = self._lookup_computed(request)
             num_new_tokens = self.step_budget.cap_request(
                 request.num_tokens - num_computed - num_external
             )
-            if num_new_tokens > token_budget:
+            if num_new_tokens > step.token_budget:
                 # NOTE: without chunked prefill a prompt waits for a step with room for all of it;
                 # a resumed request longer than any step (prompt + outputs) is chunked anyway.
                 whole_fits = num_new_tokens <= self.step_budget.max_tokens
                 if not config.enable_chunked_prefill and whole_fits:
                     break
-                num_new_tokens = token_budget
+                num_new_tokens = step.token_budget
             # NOTE: the store's blocks need slots too; they are loaded, not computed.
             new_blocks = self.kv_cache_manager.allocate_slots(
                 request, num_external + num_new_tokens, computed_blocks, num_computed
@@ -296,27 +315,35 @@ class Scheduler:
             if new_blocks is None:
                 break  # NOTE: no skipping ahead: later requests wait behind this one.
             self.waiting.pop()
+            end = num_computed + num_external
             if request.status == RequestStatus.WAITING:
-                request.num_cached_tokens = num_computed + num_external
-            request.num_computed_tokens = num_computed + num_external
+                request.num_cached_tokens = end
+            request.num_computed_tokens = end
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            num_scheduled[request.request_id] = num_new_tokens
-            token_budget -= num_new_tokens
-            prefill_ids.add(request.request_id)
+            step.add(request, num_new_tokens, prefilling=True)
             if num_external:
                 block_size = self.kv_cache_manager.block_size
-                end = num_computed + num_external
-                loads.append((request, num_computed // block_size, end // block_size))
+                step.loads.append((request, num_computed // block_size, end // block_size))
 
-        output = self._make_output(num_scheduled, preempted)
-        output.kv_loads = [self._make_load(*load) for load in loads]
-        output.stats.num_recomputed_tokens = num_recomputed
-        output.stats.num_prefill_tokens = sum(
-            n for rid, n in num_scheduled.items() if rid in prefill_ids
-        )
-        output.stats.schedule_time_s = time.perf_counter() - start
-        return output
+    def _take_lora_slot(self, request: Request, running_loras: set[str]) -> bool:
+        """False when the request's adapter would be one more than the runner has slots for."""
+        lora = request.lora_id
+        if self.max_loras is not None and lora is not None and lora not in running_loras:
+            if len(running_loras) >= self.max_loras:
+                return False
+            running_loras.add(lora)
+        return True
+
+    def _lookup_computed(self, request: Request) -> tuple[KVCacheBlocks, int, int]:
+        """A waiting request's prefix-cache hit (blocks, tokens), and the store's tokens past it."""
+        params = request.sampling_params
+        if params is not None and params.prompt_logprobs is not None:
+            # NOTE: a cached prefix has no logits: score the whole prompt (as vLLM does), so
+            # neither the prefix cache nor the KV store is looked up.
+            return self.kv_cache_manager.empty_kv_cache_blocks, 0, 0
+        computed_blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+        return computed_blocks, num_computed, self._num_external_tokens(request, num_computed)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput
@@ -364,8 +391,8 @@ class Scheduler:
                 new_token_ids = [token]
             else:
                 accepted = runner_output.accepted_draft_ids.get(req_id, [])
-                status, stop_reason, new_token_ids = self._append_speculative(
-                    request, [*accepted, token]
+                status, stop_reason, new_token_ids = append_verified(
+                    self.kv_cache_manager, request, [*accepted, token], self.max_model_len
                 )
             if status is None and req_id in stopped:
                 status = RequestStatus.FINISHED_STOPPED
@@ -379,27 +406,6 @@ class Scheduler:
         return outputs
 
     # Internals.
-
-    def _append_speculative(
-        self, request: Request, token_ids: list[int]
-    ) -> tuple[RequestStatus | None, int | None, list[int]]:
-        """Append a verified step's tokens one by one (stops apply to each), then roll back.
-
-        NOTE: the step computed the last token and every draft; after it only the accepted
-        tokens count as computed, and the blocks past them (rejected drafts) are freed.
-        """
-        status = stop_reason = None
-        appended = []
-        for token in token_ids:
-            request.append_output_token_ids(token)
-            appended.append(token)
-            status, stop_reason = check_token_stop(request, self.max_model_len)
-            if status is not None:
-                break
-        request.spec_token_ids = []
-        request.num_computed_tokens = request.num_tokens - 1
-        self.kv_cache_manager.free_rejected_slots(request)
-        return status, stop_reason, appended
 
     def _running_loras(self) -> set[str]:
         """The distinct adapters of the running set (empty when LoRA is off)."""
@@ -543,41 +549,3 @@ class Scheduler:
         request.status = status
         del self.requests[request.request_id]
         self._finished_req_ids.add(request.request_id)
-
-    def _check_fits(self, request: Request) -> None:
-        num_prompt = request.num_prompt_tokens
-        max_tokens = request.max_tokens
-        if max_tokens is None:
-            max_tokens = max(self.max_model_len - num_prompt, 1)
-        num_total = num_prompt + max_tokens
-        if num_total > self.max_model_len:
-            raise RequestRejectedError(
-                f"request {request.request_id!r} needs {num_prompt} prompt + {max_tokens}"
-                f" max_tokens = {num_total} tokens, more than max_model_len={self.max_model_len}:"
-                " shorten the prompt or lower max_tokens"
-            )
-        config = self.scheduler_config
-        max_step_tokens = self.step_budget.max_tokens
-        num_seqs = request.num_pending_forks + 1
-        if num_seqs > config.max_num_seqs:
-            raise RequestRejectedError(
-                f"request {request.request_id!r} asks for {num_seqs} sequences (n/best_of), more"
-                f" than max_num_seqs={config.max_num_seqs} can run at once: lower n or best_of"
-            )
-        if not config.enable_chunked_prefill and num_prompt > max_step_tokens:
-            raise RequestRejectedError(
-                f"request {request.request_id!r} has {num_prompt} prompt tokens, more than"
-                f" max_num_batched_tokens={max_step_tokens} with chunked prefill"
-                " off: enable chunked prefill or raise max_num_batched_tokens"
-            )
-        num_needed = self._num_blocks_needed(num_total)
-        num_usable = self.kv_cache_manager.num_usable_blocks
-        if num_needed > num_usable:
-            raise RequestRejectedError(
-                f"request {request.request_id!r} needs {num_needed} KV cache blocks for"
-                f" {num_total} tokens, more than the {num_usable} blocks of the pool: lower"
-                " max_tokens or give the KV cache more memory"
-            )
-
-    def _num_blocks_needed(self, num_tokens: int) -> int:
-        return self.kv_cache_manager.num_blocks_needed(num_tokens, self.step_budget.max_tokens)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -34,6 +35,23 @@ class ScheduledRequest(NamedTuple):
     spec_token_ids: Sequence[int] = ()
     # The LoRA adapter the sequence runs under (None: the base model).
     lora_name: str | None = None
+
+
+class DecodingRequest(NamedTuple):
+    """A running sequence about to decode one token, as a drafter sees it (values and live views,
+    read, never written): the speculator proposes drafts from these and returns them."""
+
+    req_id: str
+    token_ids: Sequence[int]  # prompt + output tokens (a live view)
+    num_output_tokens: int
+    max_tokens: int | None
+    sampling_params: SamplingParams | None
+    seed: int | None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.token_ids)
 
 
 class KVLoad(NamedTuple):
@@ -76,10 +94,68 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
     def subset(self, req_ids: set[str]) -> SchedulerOutput:
-        """The same step restricted to some sequences (to retry them apart after a failure)."""
+        """The same step restricted to some sequences (to retry them apart after a failure).
+
+        NOTE: their store loads come along: a retry loads the blocks again (the same bytes)."""
         scheduled = [s for s in self.scheduled if s.req_id in req_ids]
         counts = {s.req_id: len(s.token_ids) for s in scheduled}
-        return SchedulerOutput(scheduled, counts, sum(counts.values()))
+        loads = [load for load in self.kv_loads if load.req_id in req_ids]
+        return SchedulerOutput(scheduled, counts, sum(counts.values()), kv_loads=loads)
+
+    def with_kv_load_shortfalls(self, shortfalls: Mapping[str, int]) -> SchedulerOutput:
+        """The step as the runner computes it once its store loads are done: a sequence whose
+        load fell short (id -> the position of its first missing block) computes from there.
+
+        A new output (this one is left as it is), without loads."""
+        if not shortfalls:
+            return dataclasses.replace(self, kv_loads=[])
+        scheduled = []
+        counts = dict(self.num_scheduled_tokens)
+        total = self.total_num_scheduled_tokens
+        for s in self.scheduled:
+            start = shortfalls.get(s.req_id)
+            if start is None or start >= s.start_pos:
+                scheduled.append(s)
+                continue
+            tokens = [*s.prompt_token_ids, *s.output_token_ids]
+            end = s.start_pos + len(s.token_ids)
+            scheduled.append(s._replace(token_ids=tokens[start:end], start_pos=start))
+            counts[s.req_id] = end - start
+            total += s.start_pos - start
+        return dataclasses.replace(
+            self,
+            scheduled=scheduled,
+            num_scheduled_tokens=counts,
+            total_num_scheduled_tokens=total,
+            kv_loads=[],
+        )
+
+    def num_prompt_tokens_computed(self) -> int:
+        """Prompt tokens the step computes (cached and loaded ones excluded)."""
+        return sum(
+            max(0, min(len(s.prompt_token_ids) - s.start_pos, len(s.token_ids)))
+            for s in self.scheduled
+        )
+
+
+@dataclass
+class StepTimings:
+    """Wall time of the parts of one runner step, in seconds."""
+
+    prepare: float = 0.0  # store loads and the batch's tensors
+    forward: float = 0.0  # the model and the LM head
+    sample: float = 0.0  # sampling, draft verification, store saves
+
+    @property
+    def total(self) -> float:
+        """The whole step."""
+        return self.prepare + self.forward + self.sample
+
+    def add(self, other: StepTimings) -> None:
+        """Add another (partial) step's times."""
+        self.prepare += other.prepare
+        self.forward += other.forward
+        self.sample += other.sample
 
 
 @dataclass
@@ -99,6 +175,8 @@ class RunnerOutput:
     kv_load_shortfalls: dict[str, int] = field(default_factory=dict)
     # Speculative rows: id -> the accepted draft tokens, which come before the row's sampled one.
     accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Where the runner's time went (the scheduler's step budget learns from the total).
+    timings: StepTimings = field(default_factory=StepTimings)
 
     def merge(self, other: RunnerOutput) -> None:
         """Append another (partial) output of the same step."""
@@ -113,6 +191,7 @@ class RunnerOutput:
         self.prompt_logprobs.update(other.prompt_logprobs)
         self.kv_load_shortfalls.update(other.kv_load_shortfalls)
         self.accepted_draft_ids.update(other.accepted_draft_ids)
+        self.timings.add(other.timings)
 
 
 class CoreOutput(NamedTuple):

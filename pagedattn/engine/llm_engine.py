@@ -79,7 +79,7 @@ class LLMEngine:
         if config.speculative.speculative_method is not None:
             from pagedattn.spec_decode.factory import make_speculator
 
-            self.speculator = make_speculator(config, self)
+            self.speculator = make_speculator(config, self.max_model_len, self.tokenizer)
         self.loras = LoRARegistry(runner, self.scheduler, self.kv_cache_manager, self.model_name)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, self.model_name)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -236,9 +236,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         try:
             if self.speculator is not None:
-                self.speculator.propose(
-                    self.scheduler.running, self.scheduler.get_num_unfinished_requests()
+                drafts = self.speculator.propose(
+                    self.scheduler.decoding_requests(),
+                    self.scheduler.get_num_unfinished_requests(),
                 )
+                self.scheduler.update_draft_token_ids(drafts)
             sched = self.scheduler.schedule()
         except Exception as exc:
             raise EngineFaultError(f"the scheduler failed: {exc!r}") from exc
@@ -247,14 +249,14 @@ class LLMEngine:
         self.num_recomputed_tokens += sched.stats.num_recomputed_tokens
         if sched.is_empty:
             return []
-        for s in sched.scheduled:
-            num_prompt = len(s.prompt_token_ids)
-            self.num_prompt_tokens += max(0, min(num_prompt - s.start_pos, len(s.token_ids)))
         runner_output = self._execute(sched)
-        timings = self.runner.last_timings
-        step_time = timings.prepare + timings.forward + timings.sample
+        # NOTE: a sequence whose store load fell short computed from its first missing block:
+        # the step as computed counts those tokens too.
+        sched = sched.with_kv_load_shortfalls(runner_output.kv_load_shortfalls)
+        self.num_prompt_tokens += sched.num_prompt_tokens_computed()
+        timings = runner_output.timings
         self.scheduler.observe_step_time(
-            sched.total_num_scheduled_tokens, step_time, sched.stats.num_prefill_tokens
+            sched.total_num_scheduled_tokens, timings.total, sched.stats.num_prefill_tokens
         )
         times.prepare += timings.prepare
         times.forward += timings.forward
@@ -275,7 +277,7 @@ class LLMEngine:
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(to_abort, RequestStatus.FINISHED_ABORTED)
         if self.speculator is not None:
-            self.speculator.release_finished(self.scheduler.requests)
+            self.speculator.release_finished(self.scheduler.requests.keys())
         if self.kv_event_publisher is not None:
             self.publish_kv_events()
         times.process += time.perf_counter() - t2

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from pagedattn.config import ConfigError, SpeculativeConfig
 from pagedattn.core.kv_cache_manager import KVCacheManager
 from pagedattn.core.request import Request
-from pagedattn.core.scheduler_output import ScheduledRequest, SchedulerOutput
+from pagedattn.core.scheduler_output import DecodingRequest, ScheduledRequest, SchedulerOutput
 from pagedattn.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -27,7 +27,10 @@ class DraftProposer:
     shares with the target's tokens (free_rejected_slots, as the target's cache does).
     """
 
-    def __init__(self, config: EngineConfig, engine) -> None:
+    def __init__(
+        self, config: EngineConfig, max_model_len: int, target_vocab: dict[str, int]
+    ) -> None:
+        """``max_model_len`` and ``target_vocab``: the target model's (token -> id)."""
         from pagedattn.worker.model_runner import ModelRunner
 
         spec = config.speculative
@@ -38,7 +41,6 @@ class DraftProposer:
             speculative=SpeculativeConfig(),
         )
         self.runner = ModelRunner(draft_config)
-        target_vocab = engine.tokenizer.get_vocab()
         if self.runner.tokenizer.get_vocab() != target_vocab:
             raise ConfigError(
                 f"draft model {spec.draft_model!r} does not share the target's tokenizer: a "
@@ -51,14 +53,14 @@ class DraftProposer:
             enable_caching=config.cache.enable_prefix_caching,
             hash_seed=config.cache.hash_seed,
         )
-        self.max_model_len = min(self.runner.max_model_len, engine.max_model_len)
+        self.max_model_len = min(self.runner.max_model_len, max_model_len)
         self.seqs: dict[str, Request] = {}
         # Tokens whose K/V the draft cache holds, per sequence (accepted ones, then drafts).
         self.computed: dict[str, list[int]] = {}
 
-    def propose(self, requests: Sequence[Request], slots: Sequence[int]) -> list[list[int]]:
+    def propose(self, requests: Sequence[DecodingRequest], slots: Sequence[int]) -> list[list[int]]:
         """Up to slots[i] draft tokens for each request (fewer where the draft cache is full)."""
-        drafts: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        drafts: dict[str, list[int]] = {r.req_id: [] for r in requests}
         active = []
         for request, num_slots in zip(requests, slots, strict=True):
             seq = self._sync(request)
@@ -67,9 +69,9 @@ class DraftProposer:
         for step in range(max((k for _, _, k in active), default=0)):
             scheduled = []
             for request, seq, num_slots in active:
-                if step >= num_slots or (step and not drafts[request.request_id]):
+                if step >= num_slots or (step and not drafts[request.req_id]):
                     continue
-                tokens = seq.all_token_ids + drafts[request.request_id]
+                tokens = seq.all_token_ids + drafts[request.req_id]
                 start = seq.num_computed_tokens
                 if self.manager.allocate_slots(seq, len(tokens) - start) is None:
                     continue  # NOTE: the draft pool is full: fewer drafts, never a preemption
@@ -101,7 +103,7 @@ class DraftProposer:
             )
             for req_id, token in zip(output.req_ids, output.sampled_token_ids, strict=True):
                 drafts[req_id].append(token)
-        return [drafts[r.request_id] for r in requests]
+        return [drafts[r.req_id] for r in requests]
 
     def finish(self, request_ids) -> None:
         """Free the draft cache of finished sequences."""
@@ -111,22 +113,22 @@ class DraftProposer:
             if seq is not None:
                 self.manager.free(seq)
 
-    def _sync(self, request: Request) -> Request | None:
+    def _sync(self, request: DecodingRequest) -> Request | None:
         """The draft-side sequence, its tokens caught up with the target's and its cache rolled
         back to their common prefix."""
-        seq = self.seqs.get(request.request_id)
+        seq = self.seqs.get(request.req_id)
         if seq is None:
             seq = Request(
-                request.request_id,
-                request.all_token_ids,
+                request.req_id,
+                request.token_ids,
                 block_size=self.block_size,
                 hash_seed=self.manager.hash_seed,
             )
-            self.seqs[request.request_id] = seq
-            self.computed[request.request_id] = []
+            self.seqs[request.req_id] = seq
+            self.computed[request.req_id] = []
         else:
-            seq.append_output_token_ids(request.all_token_ids[seq.num_tokens :])
-        computed = self.computed[request.request_id]
+            seq.append_output_token_ids(request.token_ids[seq.num_tokens :])
+        computed = self.computed[request.req_id]
         common = 0
         limit = min(len(computed), seq.num_tokens - 1)
         target = seq.all_token_ids

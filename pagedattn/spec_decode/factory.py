@@ -10,12 +10,13 @@ if TYPE_CHECKING:
     from pagedattn.config import EngineConfig
 
 
-def make_speculator(config: EngineConfig, engine) -> Speculator:
-    """The Speculator of --speculative-method (engine: the LLMEngine being built)."""
+def make_speculator(config: EngineConfig, max_model_len: int, tokenizer) -> Speculator:
+    """The Speculator of --speculative-method for a target of max_model_len whose tokenizer a
+    draft model must share."""
     spec = config.speculative
     proposer = None
     if spec.speculative_method == "draft":
         from pagedattn.spec_decode.draft_proposer import DraftProposer
 
-        proposer = DraftProposer(config, engine)
-    return Speculator(spec, engine.max_model_len, proposer)
+        proposer = DraftProposer(config, max_model_len, tokenizer.get_vocab())
+    return Speculator(spec, max_model_len, proposer)

@@ -9,10 +9,10 @@ from pagedattn.sampling_params import SAMPLING_EPS
 
 if TYPE_CHECKING:
     from pagedattn.config import SpeculativeConfig
-    from pagedattn.core.request import Request
+    from pagedattn.core.scheduler_output import DecodingRequest
 
 
-def can_speculate(request: Request) -> bool:
+def can_speculate(request: DecodingRequest) -> bool:
     """True when verifying drafts gives exactly the distribution of plain sampling.
 
     NOTE: penalties, logit_bias, min_tokens and grammars change the logits with every token, and
@@ -35,7 +35,9 @@ def can_speculate(request: Request) -> bool:
     )
 
 
-def num_draft_slots(request: Request, num_speculative_tokens: int, max_model_len: int) -> int:
+def num_draft_slots(
+    request: DecodingRequest, num_speculative_tokens: int, max_model_len: int
+) -> int:
     """How many drafts the request can take: K, but never past max_tokens or max_model_len.
 
     NOTE: a step that accepts every draft also emits one more token, so max_tokens caps at

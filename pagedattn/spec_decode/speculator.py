@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -11,8 +11,7 @@ from pagedattn.spec_decode.policy import BatchSizePolicy, can_speculate, num_dra
 
 if TYPE_CHECKING:
     from pagedattn.config import SpeculativeConfig
-    from pagedattn.core.request import Request
-    from pagedattn.core.scheduler_output import RunnerOutput, SchedulerOutput
+    from pagedattn.core.scheduler_output import DecodingRequest, RunnerOutput, SchedulerOutput
 
 
 @dataclass
@@ -37,8 +36,9 @@ class SpecDecodeStats:
 
 
 class Speculator:
-    """Sets each decoding request's ``spec_token_ids`` before the scheduler runs, and counts the
-    verified outcome after the step."""
+    """Proposes drafts for the requests about to decode before the scheduler runs (the engine
+    hands them to ``Scheduler.update_draft_token_ids``), and counts the verified outcome after
+    the step. It reads requests, never writes them."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, proposer=None) -> None:
         self.num_speculative_tokens = config.num_speculative_tokens
@@ -48,23 +48,28 @@ class Speculator:
         self.proposer = proposer or _NgramBatch(NgramProposer(config.ngram_min, config.ngram_max))
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * self.num_speculative_tokens)
 
-    def propose(self, running: Sequence[Request], num_unfinished: int) -> None:
-        """Give every request about to decode its drafts for this step (or none)."""
+    def propose(
+        self, decoding: Iterable[DecodingRequest], num_unfinished: int
+    ) -> dict[str, list[int]]:
+        """This step's drafts: request id -> draft tokens (empty: none this step) for each
+        request about to decode that may speculate; {} while the batch-size policy is off
+        (``decoding`` is then not read)."""
         if not self.policy.enabled(num_unfinished):
             self.stats.num_steps_off += 1
-            return
+            return {}
         ready = []
         slots = []
-        for request in running:
-            if request.num_tokens - request.num_computed_tokens != 1 or not can_speculate(request):
+        for request in decoding:
+            if not can_speculate(request):
                 continue
             num_slots = num_draft_slots(request, self.num_speculative_tokens, self.max_model_len)
             if num_slots > 0:
                 ready.append(request)
                 slots.append(num_slots)
-        if ready:
-            for request, draft in zip(ready, self.proposer.propose(ready, slots), strict=True):
-                request.spec_token_ids = list(draft)
+        if not ready:
+            return {}
+        drafts = self.proposer.propose(ready, slots)
+        return {r.req_id: list(draft) for r, draft in zip(ready, drafts, strict=True)}
 
     def observe(self, scheduler_output: SchedulerOutput, runner_output: RunnerOutput) -> None:
         """Count the drafts of a step and how many of each were accepted."""
@@ -81,7 +86,7 @@ class Speculator:
             for pos in range(num_accepted):
                 per_pos[pos] += 1
 
-    def release_finished(self, live_request_ids) -> None:
+    def release_finished(self, live_request_ids: Container[str]) -> None:
         """Forget sequences no longer live (a draft model frees their blocks)."""
         finish = getattr(self.proposer, "finish", None)
         seqs = getattr(self.proposer, "seqs", None)
@@ -95,7 +100,5 @@ class _NgramBatch:
     def __init__(self, ngram: NgramProposer) -> None:
         self.ngram = ngram
 
-    def propose(self, requests: Sequence[Request], slots: Sequence[int]) -> list[list[int]]:
-        return [
-            self.ngram.propose(r.all_token_ids, k) for r, k in zip(requests, slots, strict=True)
-        ]
+    def propose(self, requests: Sequence[DecodingRequest], slots: Sequence[int]) -> list[list[int]]:
+        return [self.ngram.propose(r.token_ids, k) for r, k in zip(requests, slots, strict=True)]

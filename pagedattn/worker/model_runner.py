@@ -6,7 +6,6 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,7 +13,13 @@ import torch
 from pagedattn.attention.backends.base import get_attn_backend
 from pagedattn.attention.ops import copy_blocks
 from pagedattn.config import EngineConfig
-from pagedattn.core.scheduler_output import RunnerOutput, ScheduledRequest, SchedulerOutput
+from pagedattn.core.scheduler_output import (
+    KVLoad,
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    StepTimings,
+)
 from pagedattn.cpu.extension import flush_denormals_all_threads, keep_freed_heap_memory
 from pagedattn.cpu.features import has_bf16_hardware, resolve_dtype, vector_isa
 from pagedattn.cpu.linear import kernel_available
@@ -48,15 +53,6 @@ _GREEDY = SamplingParams(temperature=0.0)
 
 class BlockCopyError(RuntimeError):
     """Copy-on-write of KV blocks failed: the cache itself is suspect, not one request."""
-
-
-@dataclass
-class StepTimings:
-    """Wall time of the parts of one runner step, in seconds."""
-
-    prepare: float = 0.0
-    forward: float = 0.0
-    sample: float = 0.0
 
 
 class _SampleRow:
@@ -219,7 +215,6 @@ class ModelRunner:
         # Per sequence: its blocks [0, n) went to the KV store (or were there before it ran).
         self._num_saved_blocks: dict[str, int] = {}
         self._matchers: dict[str, object] = {}
-        self.last_timings = StepTimings()
 
     def close(self) -> None:
         """Release what the runner holds besides memory (a tensor-parallel runner's workers)."""
@@ -235,7 +230,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> RunnerOutput:
-        """Run one scheduled step: block copies, the forward, then one sample per sampling row."""
+        """Run one scheduled step: block copies, store loads, the forward, then one sample per
+        sampling row. ``scheduler_output`` is read, never written: loads that fall short are
+        reported in ``RunnerOutput.kv_load_shortfalls`` (the engine applies them)."""
         for req_id in scheduler_output.finished_req_ids:
             self._generators.pop(req_id, None)
             self._num_saved_blocks.pop(req_id, None)
@@ -245,7 +242,11 @@ class ModelRunner:
         except Exception as exc:
             raise BlockCopyError(f"copying blocks {scheduler_output.block_copies} failed") from exc
         t0 = time.perf_counter()
-        shortfalls = self._load_from_store(scheduler_output) if scheduler_output.kv_loads else {}
+        shortfalls = {}
+        if scheduler_output.kv_loads:
+            shortfalls = self._load_from_store(scheduler_output.kv_loads)
+            # NOTE: a sequence whose load fell short computes from its first missing block.
+            scheduler_output = scheduler_output.with_kv_load_shortfalls(shortfalls)
         scheduled = scheduler_output.scheduled
         batch: InputBatch = build_input_batch(
             scheduled, self.block_size, self.num_groups, self.device
@@ -282,7 +283,7 @@ class ModelRunner:
         output.kv_load_shortfalls = shortfalls
         if self.kv_connector is not None:
             self._save_to_store(scheduled, output.failed)
-        self.last_timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
+        output.timings = StepTimings(t1 - t0, t2 - t1, time.perf_counter() - t2)
         return output
 
     def _lora_step(self, scheduled: Sequence[ScheduledRequest]):
@@ -293,15 +294,12 @@ class ModelRunner:
             [s.lora_name for s in scheduled], [len(s.token_ids) for s in scheduled]
         )
 
-    def _load_from_store(self, scheduler_output: SchedulerOutput) -> dict[str, int]:
-        """Copy the store's blocks in before the forward; returns id -> new start of short loads.
-
-        NOTE: a sequence whose load falls short computes from its first missing block: its entry
-        in ``scheduler_output`` is widened in place (so a retry of the step sees it too).
-        """
+    def _load_from_store(self, kv_loads: Sequence[KVLoad]) -> dict[str, int]:
+        """Copy the store's blocks in before the forward; returns, for each load that fell short,
+        id -> the position of its first missing block (the sequence computes from there)."""
         block_size = self.block_size
         shortfalls = {}
-        for load in scheduler_output.kv_loads:
+        for load in kv_loads:
             try:
                 num_loaded = self.kv_connector.load_blocks(
                     self.kv_caches, load.block_ids, load.block_hashes
@@ -311,19 +309,8 @@ class ModelRunner:
                 num_loaded = 0
             if self.parallel is not None:  # NOTE: the ranks must compute the same tokens
                 num_loaded = self.parallel.min_int(num_loaded)
-            if num_loaded == len(load.block_ids):
-                continue
-            start = (load.first_block + num_loaded) * block_size
-            scheduled = scheduler_output.scheduled
-            index = next(i for i, s in enumerate(scheduled) if s.req_id == load.req_id)
-            s = scheduled[index]
-            tokens = [*s.prompt_token_ids, *s.output_token_ids]
-            end = s.start_pos + len(s.token_ids)
-            scheduled[index] = s._replace(token_ids=tokens[start:end], start_pos=start)
-            scheduler_output.num_scheduled_tokens[s.req_id] = end - start
-            scheduler_output.total_num_scheduled_tokens += s.start_pos - start
-            shortfalls[s.req_id] = start
-        scheduler_output.kv_loads = []
+            if num_loaded < len(load.block_ids):
+                shortfalls[load.req_id] = (load.first_block + num_loaded) * block_size
         return shortfalls
 
     def _save_to_store(self, scheduled: Sequence[ScheduledRequest], failed: dict) -> None:

@@ -69,17 +69,17 @@ class SpecFakeEngine:
         self.num_accepted = self.num_rejected = 0
 
     def propose(self) -> None:
-        for request in self.scheduler.running:
-            if request.num_tokens - request.num_computed_tokens != 1:
-                continue
-            tokens = list(request.all_token_ids)
+        drafts = {}
+        for request in self.scheduler.decoding_requests():
+            tokens = list(request.token_ids)
             num_right = self.rng.randint(0, K)
             draft = []
             for i in range(K):
                 token = fake_token(tokens)
                 draft.append(token if i < num_right else (token + 1) % 997)
                 tokens.append(draft[-1])
-            request.spec_token_ids = draft
+            drafts[request.req_id] = draft
+        self.scheduler.update_draft_token_ids(drafts)
 
     def step(self) -> SchedulerOutput:
         self.propose()
@@ -227,7 +227,7 @@ def test_block_of_rejected_drafts_goes_straight_back():
     scheduler.update_from_output(out, RunnerOutput(["a"], [fake_token(known)]))
     assert request.num_computed_tokens == 6 and len(manager.get_block_ids("a")[0]) == 2
     free_before = manager.num_free_blocks
-    request.spec_token_ids = [900, 901, 902, 903]  # positions 7..10: into a third block
+    scheduler.update_draft_token_ids({"a": [900, 901, 902, 903]})  # positions 7..10: 3rd block
     out = scheduler.schedule()
     table = manager.get_block_ids("a")[0]
     assert len(table) == 3 and out.scheduled[0].token_ids == [
