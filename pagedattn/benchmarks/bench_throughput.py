@@ -3,8 +3,11 @@ OpenVINO GenAI and vLLM's CPU build.
 
     pagedattn bench throughput --seed 0 [--quick] [--engines pagedattn,hf_static,openvino]
         [--workloads uniform,sharegpt,shared_prefix] [--model M] [--dtype bfloat16] [--threads 2]
+    pagedattn bench throughput --synthetic llama-1b [--synthetic-file q4_k_m] --dtype bfloat16
 
 OpenVINO and vLLM CPU run from their own venvs (``make bench-peers``; peers_cpu_engines.py).
+``--synthetic`` runs a model of Llama 3.2 1B's or 3B's shape with random weights (synthetic.py):
+built once, as a bf16 HF folder and as F16, Q8_0 and Q4_K_M GGUF files.
 
 Each engine runs each workload in a fresh subprocess (this script with ``--_child``), so its
 peak RSS is its own. Prints one line per result, then a markdown table (``--out``) and a JSON of
@@ -25,6 +28,7 @@ from pathlib import Path
 
 from pagedattn import envs
 from pagedattn.benchmarks import tp_compare
+from pagedattn.benchmarks.llama_cpp_peer import EXTRA_BUFTS_CHOICES
 from pagedattn.benchmarks.pagedattn_runner import (
     PeerUnavailableError,
     RunOptions,
@@ -38,6 +42,7 @@ from pagedattn.benchmarks.peers_cpu_engines import (
     OPENVINO_KV_CHOICES,
     CpuPeerOptions,
 )
+from pagedattn.benchmarks.synthetic import FILE_KINDS, SHAPES, benchmark_files
 from pagedattn.benchmarks.throughput_report import ceiling_rows, render_markdown, summarise
 from pagedattn.benchmarks.workloads import (
     DEFAULT_WORKLOADS,
@@ -64,6 +69,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct (GGUF)")
+    p.add_argument(
+        "--synthetic",
+        choices=sorted(SHAPES),
+        help="a random-weight model of this shape instead of --model (built once, cached)",
+    )
+    p.add_argument(
+        "--synthetic-file",
+        choices=FILE_KINDS,
+        default="hf",
+        help="which of its files pagedattn and llama.cpp run: hf = the bf16 safetensors folder\n"
+        "(llama.cpp: the F16 GGUF, the same numbers), else that GGUF file, as stored; the peers\n"
+        "that load HF folders always get the bf16 folder",
+    )
+    p.add_argument("--hf-model", help="checkpoint of hf_static, hf_batch, openvino, vllm_cpu")
+    p.add_argument("--llama-cpp-model", help="a GGUF file llama.cpp runs as stored")
+    p.add_argument(
+        "--llama-cpp-extra-bufts",
+        choices=EXTRA_BUFTS_CHOICES,
+        default="auto",
+        help="llama.cpp's repacked/AMX weight buffers: auto = on, and off where on crashes",
+    )
     p.add_argument("--dtype", default="float32", choices=["bfloat16", "float32", "float16"])
     p.add_argument("--threads", type=int, default=2, help="torch threads of every engine")
     p.add_argument(
@@ -167,6 +193,9 @@ def run_options(args: argparse.Namespace) -> RunOptions:
         hf_batch_size=args.hf_batch_size,
         llama_batched_bench=args.llama_batched_bench,
         llama_cpp_weights=args.llama_cpp_weights,
+        llama_cpp_model=args.llama_cpp_model,
+        llama_cpp_extra_bufts=args.llama_cpp_extra_bufts,
+        hf_model=args.hf_model,
     )
 
 
@@ -202,7 +231,8 @@ def run_one(args: argparse.Namespace, engine: str, workload: str, batches: str) 
             data = result.to_dict()
             # NOTE: pagedattn and transformers keep their KV cache in the model's dtype here.
             data["extra"].setdefault("kv_cache_dtype", args.dtype)
-        data["peak_rss_mib"] = peak_rss_mib()
+        # NOTE: a runner that ran its engine in a process of its own reports that one's peak.
+        data["peak_rss_mib"] = data.get("peak_rss_mib") or peak_rss_mib()
     except PeerUnavailableError as exc:
         data = {"skipped": str(exc)}
     except Exception as exc:  # NOTE: a failing engine reports why; the benchmark goes on
@@ -256,6 +286,9 @@ def spawn_child(
         batches,
     ]
     cmd += ["--model", args.model] if args.model else []
+    cmd += ["--hf-model", args.hf_model] if args.hf_model else []
+    cmd += ["--llama-cpp-model", args.llama_cpp_model] if args.llama_cpp_model else []
+    cmd += ["--llama-cpp-extra-bufts", args.llama_cpp_extra_bufts]
     cmd += ["--num-blocks", str(args.num_blocks)] if args.num_blocks else []
     cmd += ["--kv-cache-dtype", args.kv_cache_dtype]
     cmd += ["--llama-batched-bench", args.llama_batched_bench] if args.llama_batched_bench else []
@@ -328,6 +361,10 @@ def parent_main(args: argparse.Namespace) -> int:
     sizes = SIZE_PRESETS[size]
     engines = _split(args.engines, ENGINES + EXTRA_ENGINES, "engines")
     names = _split(args.workloads, WORKLOAD_NAMES, "workloads")
+    if args.synthetic:
+        args.model, args.hf_model, args.llama_cpp_model = benchmark_files(
+            args.synthetic, args.synthetic_file, threads=args.threads
+        )
     vocab_size, special, tokenizer = _vocab(args.model)
     workloads = make_workloads(sizes, vocab_size, special, args.seed, tokenizer)
     if args.trace_in:
@@ -382,7 +419,11 @@ def parent_main(args: argparse.Namespace) -> int:
         "omp_wait_policy": "inherit (in-process)" if args.in_process else args.omp_wait_policy,
         "dtype": args.dtype,
         "machine": machine,
-        "model": args.model or "smollm2-135m (default)",
+        "model": (
+            f"synthetic {args.synthetic} ({args.synthetic_file}: {args.model})"
+            if args.synthetic
+            else args.model or "smollm2-135m (default)"
+        ),
         "hf_batch_size": args.hf_batch_size,
         "load_average_start": load_before[0],
         "load_average_end": os.getloadavg()[0],

@@ -7,6 +7,8 @@ reports belongs to that engine alone. ``measure_ceiling`` times the decode step'
 
 from __future__ import annotations
 
+import math
+import re
 import resource
 import time
 from dataclasses import asdict, dataclass, field
@@ -41,6 +43,13 @@ class RunOptions:
     # llama.cpp's weights: "dtype" = the GGUF's numbers retyped to `dtype` (F32 / BF16), "f16" /
     # "bf16" / "f32" = retyped to that type, "gguf" = the file as shipped (Q4_1 for SmolLM2).
     llama_cpp_weights: str = "dtype"
+    # A GGUF file llama.cpp runs as stored, instead of ``model`` per llama_cpp_weights.
+    llama_cpp_model: str | None = None
+    # llama.cpp's extra (repacked, AMX) buffer types: auto = on, and off where on crashes.
+    llama_cpp_extra_bufts: str = "auto"
+    # The checkpoint of the peers that load an HF folder (transformers, OpenVINO, vLLM CPU);
+    # None: ``model``.
+    hf_model: str | None = None
 
 
 @dataclass
@@ -70,6 +79,33 @@ def peak_rss_mib() -> float:
             own = int(line.split()[1]) / 1024
     children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     return max(own, children)
+
+
+def checkpoint_weight_bytes(model: str | None, dtype: str | None = None) -> int:
+    """Bytes of a checkpoint's weights: a GGUF file's tensors as stored, an HF folder's in
+    ``dtype`` (None: as stored)."""
+    from safetensors import safe_open
+
+    from pagedattn.model.gguf_loader import GGUFCheckpoint
+    from pagedattn.model.loader import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(model)
+    if isinstance(ckpt, GGUFCheckpoint):
+        return sum(t.num_bytes for t in ckpt.file.tensors)
+    total = 0
+    for file in ckpt.safetensors_files():
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                part = f.get_slice(name)
+                itemsize = getattr(torch, dtype).itemsize if dtype else _itemsize(part.get_dtype())
+                total += math.prod(part.get_shape()) * itemsize
+    return total
+
+
+def _itemsize(safetensors_dtype: str) -> int:
+    """Bytes per element of a safetensors dtype name ("BF16", "F32", "I8", ...)."""
+    bits = re.search(r"\d+", safetensors_dtype)
+    return max(1, int(bits.group()) // 8) if bits else 1
 
 
 def warmup_ids(workload: Workload) -> list[int]:
@@ -164,6 +200,7 @@ def run_pagedattn(
         "prefix_cache_queries": stats.prefix_cache_queries - stats0.prefix_cache_queries,
         "num_preemptions": stats.num_preemptions - stats0.num_preemptions,
         "num_blocks": stats.num_blocks,
+        "weight_bytes": checkpoint_weight_bytes(opts.model, opts.dtype),
         "kv_cache_dtype": "u8"
         if engine.kv_cache_dtype == torch.uint8
         else str(engine.kv_cache_dtype).removeprefix("torch."),

@@ -27,6 +27,7 @@ from pagedattn.benchmarks.pagedattn_runner import (
     PeerUnavailableError,
     RunOptions,
     RunResult,
+    checkpoint_weight_bytes,
     warmup_ids,
 )
 from pagedattn.benchmarks.workloads import Workload
@@ -118,11 +119,12 @@ def _locked(path: Path):
 
 
 def hf_folder(opts: RunOptions, popts: CpuPeerOptions) -> Path:
-    """An HF folder with the checkpoint's weights in float32 (a GGUF is dequantised once)."""
+    """The peers' HF folder (RunOptions.hf_model, else the model's; a GGUF is dequantised once
+    into float32)."""
     from pagedattn.model.gguf_loader import GGUFCheckpoint
     from pagedattn.model.loader import resolve_checkpoint
 
-    ckpt = resolve_checkpoint(opts.model)
+    ckpt = resolve_checkpoint(opts.hf_model or opts.model)
     if not isinstance(ckpt, GGUFCheckpoint):
         return ckpt.path
     out = popts.cache_dir / f"{ckpt.path.stem}-hf"
@@ -225,7 +227,7 @@ def _job(engine: str, model_dir: Path, opts: RunOptions, workload: Workload, opt
     )
 
 
-def _to_result(engine: str, workload: Workload, data: dict) -> RunResult:
+def _to_result(engine: str, workload: Workload, data: dict, weight_bytes: int) -> RunResult:
     if "error" in data:
         raise RuntimeError(data["error"])
     return RunResult(
@@ -237,7 +239,7 @@ def _to_result(engine: str, workload: Workload, data: dict) -> RunResult:
         data["num_output_tokens"],
         data["ttft_s"],
         data["tpot_s"],
-        extra=data.get("extra", {}),
+        extra=data.get("extra", {}) | {"weight_bytes": weight_bytes},
     )
 
 
@@ -260,7 +262,7 @@ def run_openvino(
     job = _job("openvino", ir_dir, opts, workload, options)
     env = _peer_env(OMP_NUM_THREADS=str(opts.threads))
     data = run_peer(python, "openvino_runner.py", job, env, popts.timeout_s)
-    return _to_result("openvino", workload, data)
+    return _to_result("openvino", workload, data, checkpoint_weight_bytes(str(hf_dir), opts.dtype))
 
 
 def run_vllm_cpu(
@@ -280,7 +282,7 @@ def run_vllm_cpu(
         VLLM_NO_USAGE_STATS="1",
     )
     data = run_peer(python, "vllm_cpu_runner.py", job, env, popts.timeout_s)
-    return _to_result("vllm_cpu", workload, data)
+    return _to_result("vllm_cpu", workload, data, checkpoint_weight_bytes(str(hf_dir), opts.dtype))
 
 
 CPU_ENGINE_RUNNERS = {"openvino": run_openvino, "vllm_cpu": run_vllm_cpu}

@@ -65,6 +65,10 @@ def _ms(x: float | None) -> str:
     return "-" if x is None else f"{1000 * x:.1f}"
 
 
+def _mib(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
+
+
 def summarise(data: dict) -> dict:
     """One result row (raw per-request lists reduced to percentiles) plus its printed line."""
     head = f"{data['workload']:14s} {data['engine']:18s}"
@@ -94,6 +98,7 @@ def summarise(data: dict) -> dict:
         "tpot_p50_s": percentile(data["tpot_s"], 50),
         "tpot_p99_s": percentile(data["tpot_s"], 99),
         "peak_rss_mib": data.get("peak_rss_mib", 0.0),
+        "weight_mib": data.get("extra", {}).get("weight_bytes", 0) / 2**20 or None,
         "kv_cache_dtype": data.get("extra", {}).get("kv_cache_dtype", "-"),
         "extra": {k: v for k, v in data.get("extra", {}).items() if k != "steps"},
     }
@@ -103,7 +108,8 @@ def summarise(data: dict) -> dict:
         f"{head} gen {row['gen_tps']:8.1f} tok/s  prompt {row['prompt_tps']:8.1f} tok/s  "
         f"TTFT p50/p99 {_ms(row['ttft_p50_s'])}/{_ms(row['ttft_p99_s'])} ms  "
         f"TPOT p50/p99 {_ms(row['tpot_p50_s'])}/{_ms(row['tpot_p99_s'])} ms  "
-        f"RSS {row['peak_rss_mib']:.0f} MiB  KV {row['kv_cache_dtype']}  ({elapsed:.1f} s)"
+        f"RSS {row['peak_rss_mib']:.0f} MiB (weights {_mib(row['weight_mib'])} MiB)  "
+        f"KV {row['kv_cache_dtype']}  ({elapsed:.1f} s)"
     )
     if "num_preemptions" in row["extra"]:
         row["line"] += (
@@ -235,13 +241,13 @@ def render_markdown(
         f"at start, {meta['load_average_end']:.2f} at end.",
         "",
         "| workload | engine | gen tok/s | prompt tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-        "| peak RSS MiB | KV cache | pagedattn / peer |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| peak RSS MiB | weights MiB | KV cache | pagedattn / peer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r["status"] != "ok":
             md.append(
-                f"| {r['workload']} | {r['engine']} | {r['status']}: {r['reason']} | | | | | | |"
+                f"| {r['workload']} | {r['engine']} | {r['status']}: {r['reason']} | | | | | | | |"
             )
             continue
         ratio = r.get("paged_over_peer_gen_tps")
@@ -249,7 +255,8 @@ def render_markdown(
             f"| {r['workload']} | {r['engine']} | {r['gen_tps']:.1f} | {r['prompt_tps']:.1f} "
             f"| {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} "
             f"| {_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p99_s'])} | {r['peak_rss_mib']:.0f} "
-            f"| {r['kv_cache_dtype']} | {'-' if ratio is None else f'{ratio:.2f}x'} |"
+            f"| {_mib(r.get('weight_mib'))} | {r['kv_cache_dtype']} "
+            f"| {'-' if ratio is None else f'{ratio:.2f}x'} |"
         )
     if prefix:
         md += [
@@ -288,7 +295,9 @@ def render_markdown(
         "by optimum-intel, fp32 IR, the dtype as its inference precision). KV cache: the element "
         "type each engine keeps its cache in (OpenVINO's CPU default is u8); pagedattn writes "
         "its cache's pages at startup (--kv-cache-prefault), as vLLM allocates its cache up "
-        "front, so no timed step waits for the OS to map them.",
+        "front, so no timed step waits for the OS to map them. Weights: the bytes of the "
+        "checkpoint each engine was given (a GGUF file's tensors as stored; an HF folder's in "
+        "the run's dtype; transformers: its parameters as loaded), next to the peak RSS.",
         "",
     ]
     report = {

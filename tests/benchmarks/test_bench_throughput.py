@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pagedattn.benchmarks import bench_throughput
-from pagedattn.benchmarks.peers import parse_batched_bench
+from pagedattn.benchmarks.llama_cpp_peer import parse_batched_bench
 from pagedattn.benchmarks.throughput_report import percentile, step_analysis
 from pagedattn.benchmarks.workloads import SIZE_PRESETS, load_trace, make_workloads, save_trace
 from tests.model.tiny import TINY_VOCAB_SIZE, make_tiny_llama
@@ -20,6 +20,16 @@ PEERS = ("hf_static", "hf_batch", "llama_cpp")
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("model"))
+
+
+def _param_bytes(model: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for file in model.glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            total += sum(f.get_tensor(n).numel() * 4 for n in f.keys())
+    return total
 
 
 def _run(tmp_path: Path, model: Path, *extra: str) -> dict:
@@ -70,6 +80,8 @@ def test_end_to_end_rows_ratios_ceiling_and_breakdown(tmp_path, tiny_model, caps
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"]
         assert 0 < row["tpot_p50_s"] <= row["tpot_p99_s"]
         assert row["peak_rss_mib"] > 0
+        if engine != "llama_cpp":  # the same float32 checkpoint, as stored and as loaded
+            assert row["weight_mib"] == pytest.approx(_param_bytes(tiny_model) / 2**20)
         if engine != "pagedattn":
             paged = rows[(workload, "pagedattn")]
             assert row["paged_over_peer_gen_tps"] == pytest.approx(
@@ -102,6 +114,7 @@ def test_end_to_end_rows_ratios_ceiling_and_breakdown(tmp_path, tiny_model, caps
     md = report["markdown"]
     for engine in ("pagedattn", "pagedattn_nocache", *PEERS):
         assert f"| {engine} |" in md
+    assert "| peak RSS MiB | weights MiB |" in md
     assert "## Prefix caching" in md and "## pagedattn step breakdown" in md
     assert "thread probe:" in md
     assert f"Machine: {bench_throughput.machine_label(2)}." in md and "fastest kernel" in md
