@@ -169,7 +169,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         "--health-stall-s",
         type=float,
         default=DEFAULT_HEALTH_STALL_S,
-        help="/health answers 503 degraded when an engine step or a tokenise/grammar job has "
+        help="/health answers 503 degraded when an engine step or a tokenise job has "
         "run longer than this",
     )
     add_limit_args(g)

@@ -9,6 +9,15 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from pagedattn.structured_output.limits import (  # noqa: F401 (the limits, importable here)
+    MAX_CHOICE_CHARS,
+    MAX_CHOICES,
+    MAX_GRAMMAR_CHARS,
+    MAX_REGEX_CHARS,
+    MAX_REPEAT,
+    MAX_SCHEMA_CHARS,
+    check_constraint_size,
+)
 from pagedattn.structured_output.params import (
     InvalidStructuredOutputsError,
     StructuredOutputsParams,
@@ -18,40 +27,11 @@ logger = logging.getLogger(__name__)
 
 # Compiled grammars kept per tokenizer (least recently used dropped first).
 MAX_CACHED_GRAMMARS = 256
-# Size limits a server puts on one constraint before compiling it: compile time grows with the
-# size (a 40,000-string enum took 90 s of one core), and a compile cannot be interrupted.
-MAX_CHOICES = 256
-MAX_CHOICE_CHARS = 16_384
-MAX_SCHEMA_CHARS = 16_384
-MAX_REGEX_CHARS = 2_048
-MAX_GRAMMAR_CHARS = 16_384
-
-
-def check_constraint_size(params: StructuredOutputsParams) -> None:
-    """Raise InvalidStructuredOutputsError if the constraint is larger than a server compiles."""
-    kind, spec = params.key
-    if kind == "choice":
-        choices = params.choice or ()
-        if len(choices) > MAX_CHOICES:
-            _too_large(f"{len(choices)} choices", f"{MAX_CHOICES} choices")
-        num_chars = sum(len(c) for c in choices)
-        if num_chars > MAX_CHOICE_CHARS:
-            _too_large(f"choices of {num_chars} characters", f"{MAX_CHOICE_CHARS} in all")
-        return
-    limits = {"json": MAX_SCHEMA_CHARS, "regex": MAX_REGEX_CHARS, "grammar": MAX_GRAMMAR_CHARS}
-    limit = limits.get(kind)
-    if limit is not None and len(spec) > limit:
-        _too_large(f"a {kind} of {len(spec)} characters", f"{limit} characters")
-
-
-def _too_large(what: str, limit: str) -> None:
-    raise InvalidStructuredOutputsError(
-        f"the output constraint is too large to compile: {what}, more than this server accepts "
-        f"({limit}); send a smaller constraint (fewer choices, a shorter schema, regex or grammar)"
-    )
 
 
 _REGEX_SPECIAL = re.compile(r"([.^$*+?()\[\]{}|\\/-])")
+# xgrammar's messages start "[12:00:00] /project/cpp/regex_converter.cc:94: ": its build path.
+_XGRAMMAR_PREFIX = re.compile(r"^\[[\d:]+\]\s+\S+\.(?:cc|h|cpp):\d+:\s*")
 
 
 def _choice_regex(choices: tuple[str, ...]) -> str:
@@ -94,8 +74,31 @@ def tokenizer_info(tokenizer, vocab_size: int):
     )
 
 
+def compile_source(params: StructuredOutputsParams) -> tuple[str, str]:
+    """(xgrammar compile method, its text): `compile_<method>(text)` compiles `params`."""
+    kind, spec = params.key
+    if kind == "json":
+        return "json_schema", json.dumps(params.json)
+    if kind == "json_object":
+        return "json_schema", '{"type": "object"}'
+    if kind == "choice":
+        return "regex", _choice_regex(params.choice or ())
+    return ("regex" if kind == "regex" else "grammar"), spec
+
+
+def _invalid(kind: str, message: str) -> InvalidStructuredOutputsError:
+    message = _XGRAMMAR_PREFIX.sub("", message)
+    return InvalidStructuredOutputsError(
+        f"structured_outputs=... is invalid: the {kind} constraint cannot be compiled: {message}"
+    )
+
+
 class GrammarCache:
-    """One tokenizer's xgrammar compiler, and its compiled grammars keyed by spec."""
+    """One tokenizer's xgrammar compiler, and its compiled grammars keyed by spec.
+
+    `compile` compiles in this process (no deadline: the offline LLM); `compile_with_deadline`
+    compiles in a GrammarCompileWorker process, killed past its deadline (a server).
+    """
 
     def __init__(self, tokenizer, vocab_size: int) -> None:
         import xgrammar as xgr
@@ -105,48 +108,74 @@ class GrammarCache:
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1)
         self._grammars: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._worker = None  # a GrammarCompileWorker, started on the first compile with deadline
         self.num_compiles = 0
+
+    def get(self, params: StructuredOutputsParams):
+        """The cached CompiledGrammar of `params`, or None (never compiles)."""
+        with self._lock:
+            grammar = self._grammars.get(params.key)
+            if grammar is not None:
+                self._grammars.move_to_end(params.key)
+            return grammar
+
+    def _put(self, params: StructuredOutputsParams, grammar) -> None:
+        with self._lock:
+            self.num_compiles += 1
+            self._grammars[params.key] = grammar
+            while len(self._grammars) > MAX_CACHED_GRAMMARS:
+                self._grammars.popitem(last=False)
 
     def compile(self, params: StructuredOutputsParams):
         """The xgrammar CompiledGrammar of `params`; raises InvalidStructuredOutputsError."""
-        key = params.key
-        with self._lock:
-            grammar = self._grammars.get(key)
-            if grammar is not None:
-                self._grammars.move_to_end(key)
-                return grammar
-        grammar = self._compile(params)
-        with self._lock:
-            self.num_compiles += 1
-            self._grammars[key] = grammar
-            while len(self._grammars) > MAX_CACHED_GRAMMARS:
-                self._grammars.popitem(last=False)
+        grammar = self.get(params)
+        if grammar is None:
+            method, text = compile_source(params)
+            kwargs = {"any_whitespace": False} if method == "json_schema" else {}
+            try:
+                # NOTE: compact JSON (no free whitespace): a small model given "any whitespace"
+                # can emit blank lines until max_tokens and never close the object.
+                grammar = getattr(self._compiler, f"compile_{method}")(text, **kwargs)
+            except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                raise _invalid(params.key[0], first or type(exc).__name__) from None
+            self._put(params, grammar)
         return grammar
 
-    def _compile(self, params: StructuredOutputsParams):
-        kind, spec = params.key
+    def worker(self):
+        """The compile process of this tokenizer (created, not started, on first use)."""
+        from pagedattn.structured_output.compile_worker import GrammarCompileWorker
+
+        with self._lock:
+            if self._worker is None:
+                self._worker = GrammarCompileWorker(self.tokenizer_info.serialize_json())
+            return self._worker
+
+    def compile_with_deadline(self, params: StructuredOutputsParams, timeout_s: float):
+        """Like `compile`, in the compile process, killed after `timeout_s` of compiling.
+
+        Raises InvalidStructuredOutputsError, GrammarCompileTimeout or GrammarWorkerError."""
+        import xgrammar as xgr
+
+        from pagedattn.structured_output.compile_worker import GrammarCompileFailed
+
+        grammar = self.get(params)
+        if grammar is not None:
+            return grammar
         try:
-            # NOTE: compact JSON (no free whitespace): a small model given "any whitespace" can
-            # emit blank lines until max_tokens and never close the object.
-            if kind == "json":
-                return self._compiler.compile_json_schema(
-                    json.dumps(params.json), any_whitespace=False
-                )
-            if kind == "json_object":
-                return self._compiler.compile_json_schema(
-                    '{"type": "object"}', any_whitespace=False
-                )
-            if kind == "regex":
-                return self._compiler.compile_regex(spec)
-            if kind == "choice":
-                return self._compiler.compile_regex(_choice_regex(params.choice or ()))
-            return self._compiler.compile_grammar(spec)
-        except Exception as exc:  # xgrammar raises RuntimeError/ValueError subclasses
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise InvalidStructuredOutputsError(
-                f"structured_outputs=... is invalid: the {kind} constraint cannot be compiled: "
-                f"{message}"
-            ) from None
+            serialized = self.worker().compile(*compile_source(params), timeout_s)
+        except GrammarCompileFailed as exc:
+            raise _invalid(params.key[0], str(exc)) from None
+        grammar = xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
+        self._put(params, grammar)
+        return grammar
+
+    def close(self) -> None:
+        """Stop the compile process (compiled grammars stay cached)."""
+        with self._lock:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.close()
 
 
 _caches: dict[tuple, GrammarCache] = {}
@@ -175,3 +204,16 @@ def grammar_cache(tokenizer, vocab_size: int) -> GrammarCache:
 def compile_structured_outputs(params: StructuredOutputsParams, tokenizer, vocab_size: int):
     """Compile (or fetch from the cache) the grammar of `params` for this tokenizer."""
     return grammar_cache(tokenizer, vocab_size).compile(params)
+
+
+def cached_grammar(params: StructuredOutputsParams, tokenizer, vocab_size: int):
+    """The compiled grammar of `params` if this tokenizer's cache holds it, else None: never
+    compiles, never builds a cache (cheap enough for an event loop)."""
+    cache = grammar_cache_if_built(tokenizer, vocab_size)
+    return None if cache is None else cache.get(params)
+
+
+def grammar_cache_if_built(tokenizer, vocab_size: int) -> GrammarCache | None:
+    """The GrammarCache of a tokenizer if one was built, else None."""
+    with _caches_lock:
+        return _caches.get(_tokenizer_key(tokenizer, vocab_size))

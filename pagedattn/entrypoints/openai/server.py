@@ -18,8 +18,8 @@ Trust model for tenants and the prefix cache:
   `--metrics-public`. `/debug/kv` needs a key when keys are set and shows the caller's own
   requests (ids, token counts, block tables) and only the caller's blocks in the per-block
   arrays; other tenants appear only as aggregate counts.
-- `/health` answers 503 "degraded" when an engine step, or a job on a front-end pool
-  (tokenising, grammar compiles), has run longer than `--health-stall-s`.
+- `/health` answers 503 "degraded" when an engine step, or a tokenising job, has run longer
+  than `--health-stall-s` (a grammar compile is killed at its deadline, so it is not counted).
 - The dashboard page takes the key from its URL fragment (`/dashboard#api_key=KEY`, never
   sent to the server); query-string secrets are redacted from the access log anyway.
 """

@@ -15,6 +15,7 @@ from pagedattn.engine.errors import InvalidRequestError
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.entrypoints.openai import chat_tools, responses
 from pagedattn.entrypoints.openai.chat_output import ChatOutputParser
+from pagedattn.entrypoints.openai.grammars import ServingGrammars
 from pagedattn.entrypoints.openai.preprocess import PromptPreprocessor
 from pagedattn.entrypoints.openai.protocol import (
     APIError,
@@ -39,7 +40,8 @@ from pagedattn.structured_output.params import (
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-# A grammar compile past this many seconds is a 400 (it runs on; its result is still cached).
+# A grammar compile waits at most this long for the compiler, then runs at most this long
+# (killed past it): a 400 constraint_timeout either way (grammars.py).
 DEFAULT_GRAMMAR_TIMEOUT_S = 20.0
 # Grammar compiles waiting for the compile worker before new ones are refused with 503.
 MAX_QUEUED_COMPILES = 4
@@ -216,13 +218,16 @@ class OpenAIServing:
         self.preprocessor = PromptPreprocessor(
             engine.tokenizer, engine.max_model_len, max_prompt_chars=max_prompt_chars
         )
-        # NOTE: grammars compile on their own worker, never on the tokenisers' (a slow compile
-        # must not hold up text prompts), with a deadline and a bounded queue.
-        self.grammar_pool = WorkerPool("pagedattn-grammar", 1, max_queued=MAX_QUEUED_COMPILES)
-        self.grammar_timeout_s = grammar_timeout_s
         # NOTE: responses decode on the event loop with the preprocessor's own copy (the engine
         # thread uses the engine's tokenizer concurrently).
         self.tokenizer = self.preprocessor.local_tokenizer()
+        # NOTE: grammars compile on their own worker, never on the tokenisers' (a slow compile
+        # must not hold up text prompts), in a process killed at the deadline; cached ones at once.
+        self.grammars = ServingGrammars(
+            self.tokenizer, engine.vocab_size, grammar_timeout_s, MAX_QUEUED_COMPILES
+        )
+        self.grammar_pool = self.grammars.pool
+        self.grammar_timeout_s = grammar_timeout_s
         from pagedattn import envs
 
         # PAGEDATTN_TRACE_HOPS: each streamed event says when the engine made its token and
@@ -231,12 +236,14 @@ class OpenAIServing:
 
     @property
     def pools(self) -> tuple[WorkerPool, ...]:
-        """The worker pools of this front end (for /health)."""
-        return (*self.preprocessor.pools, self.grammar_pool)
+        """The worker pools of this front end (for /health; a grammar compile is bounded by its
+        deadline, so the compile worker is not one of them)."""
+        return self.preprocessor.pools
 
     def close(self) -> None:
         for pool in self.pools:
             pool.close()
+        self.grammars.close()
 
     def models(self) -> ModelList:
         card = ModelCard(id=self.model_name, max_model_len=self.engine.max_model_len)
@@ -256,33 +263,8 @@ class OpenAIServing:
             )
 
     async def _compile(self, structured: StructuredOutputsParams | None, param: str | None):
-        """Compile the grammar now (cached), so that one that cannot compile is a 400.
-
-        Too large a constraint is refused before compiling; a compile past the deadline is a 400;
-        a client that leaves cancels a compile still queued.
-        """
-        if structured is None:
-            return
-        from pagedattn.structured_output.compiler import (
-            check_constraint_size,
-            compile_structured_outputs,
-        )
-
-        try:
-            check_constraint_size(structured)
-            job = self.grammar_pool.run(
-                compile_structured_outputs, structured, self.tokenizer, self.engine.vocab_size
-            )
-            await asyncio.wait_for(job, self.grammar_timeout_s)
-        except InvalidStructuredOutputsError as exc:
-            raise APIError(str(exc), param=param) from None
-        except TimeoutError:
-            raise APIError(
-                f"the output constraint did not compile within {self.grammar_timeout_s:g} s "
-                "(too complex, or the compiler is busy): simplify it, or retry",
-                param=param,
-                code="constraint_timeout",
-            ) from None
+        """Compile the grammar now (cached), so that one that cannot compile is a 400."""
+        await self.grammars.compile(structured, param)
 
     async def _start(
         self,

@@ -49,8 +49,13 @@ class WorkerPool:
             with self._lock:
                 del self._running[job_id]
 
-    async def run(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` on a worker thread; cancelling the caller drops a job not yet started."""
+    async def run(
+        self, fn: Callable[..., Any], *args: Any, queue_timeout_s: float | None = None
+    ) -> Any:
+        """`fn(*args)` on a worker thread; cancelling the caller drops a job not yet started.
+
+        queue_timeout_s: a job no worker has picked up by then is dropped (TimeoutError); one
+        that started runs to its end (the job bounds its own run time)."""
         with self._lock:
             num_waiting = self.num_pending - len(self._running)
             if self.max_queued is not None and num_waiting >= self.max_queued:
@@ -63,8 +68,20 @@ class WorkerPool:
                 )
             self.num_pending += 1
         try:
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, self._job, fn, args)
+            future = self._executor.submit(self._job, fn, args)
+            waiter = asyncio.wrap_future(future)
+            if queue_timeout_s is None:
+                return await waiter
+            try:
+                return await asyncio.wait_for(asyncio.shield(waiter), queue_timeout_s)
+            except asyncio.CancelledError:
+                future.cancel()  # NOTE: the shield kept it from the caller's cancellation
+                raise
+            except TimeoutError:
+                # NOTE: cancel() fails once a worker runs the job: then wait for its end.
+                if future.cancel():
+                    raise
+                return await waiter
         finally:
             with self._lock:
                 self.num_pending -= 1
