@@ -87,6 +87,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # The output must match this (JSON schema, regex, choice, grammar); None: free text.
     structured_outputs: StructuredOutputsParams | None = None
+    # "last" or "mean": also hand back the prompt's final hidden states pooled (an embedding,
+    # RequestOutput.extra["pooled"]); None: not a pooling request.
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self._normalise()
@@ -198,6 +201,10 @@ class SamplingParams:
         _require(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids={self.stop_token_ids!r} is invalid: use non-negative token ids",
+        )
+        _require(
+            self.pooling in (None, "last", "mean"),
+            f"pooling={self.pooling!r} is invalid: use None, 'last' or 'mean'",
         )
         _require(
             self.prompt_logprobs is None

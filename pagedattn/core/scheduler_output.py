@@ -177,6 +177,8 @@ class RunnerOutput:
     accepted_draft_ids: dict[str, list[int]] = field(default_factory=dict)
     # Where the runner's time went (the scheduler's step budget learns from the total).
     timings: StepTimings = field(default_factory=StepTimings)
+    # Pooling sequences whose prompt ended this step: id -> pooled final hidden state.
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
     def merge(self, other: RunnerOutput) -> None:
         """Append another (partial) output of the same step."""
@@ -189,6 +191,7 @@ class RunnerOutput:
         self.stopped_req_ids |= other.stopped_req_ids
         self.failed.update(other.failed)
         self.prompt_logprobs.update(other.prompt_logprobs)
+        self.pooled.update(other.pooled)
         self.kv_load_shortfalls.update(other.kv_load_shortfalls)
         self.accepted_draft_ids.update(other.accepted_draft_ids)
         self.timings.add(other.timings)

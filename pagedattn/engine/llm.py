@@ -8,6 +8,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from pagedattn.config import EngineConfig, describe_options
+from pagedattn.engine.embedding import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    embedding_params,
+    embedding_salt,
+    finish_embedding,
+    pooled_of,
+)
 from pagedattn.engine.llm_engine import EngineStats, LLMEngine
 from pagedattn.engine.outputs import RequestOutput
 from pagedattn.lora.request import LoRARequest
@@ -135,6 +143,41 @@ class LLM:
         for out, text in zip(outputs, texts, strict=True):
             out.prompt = text
         return outputs
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        *,
+        pooling: str = "last",
+        normalize: bool = True,
+        dimensions: int | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (text or token ids): the served model's final hidden states
+        pooled ("last" token or "mean"), L2-normalised unless ``normalize=False``, cut to
+        ``dimensions`` first if given. Batched by the scheduler like generation, on the same
+        model (pagedattn.engine.embedding)."""
+        params = embedding_params(pooling)
+        ids = []
+        try:
+            for prompt in _as_prompt_list(prompts):
+                req_id = str(next(self._counter))
+                salt = embedding_salt(pooling, None)
+                self.engine.add_request(req_id, prompt, params, cache_salt=salt)
+                ids.append(req_id)
+        except Exception:
+            self.engine.abort_request(ids)
+            raise
+        return [
+            EmbeddingRequestOutput(
+                out.request_id,
+                out.prompt_token_ids,
+                EmbeddingOutput(
+                    finish_embedding(pooled_of(out), normalize=normalize, dimensions=dimensions)
+                ),
+            )
+            for out in self._run(ids, use_tqdm)
+        ]
 
     def _render_with_tools(
         self,

@@ -273,7 +273,11 @@ class LLMEngine:
         self.num_failed_requests += len(runner_output.failed)
         if runner_output.prompt_logprobs:
             self.output_processor.add_prompt_logprobs(runner_output.prompt_logprobs)
+        pooled = self._pooled_by_request(runner_output.pooled)
         outputs, stopped, to_abort = self.output_processor.process(core_outputs)
+        for out in outputs:
+            if out.request_id in pooled:
+                out.extra["pooled"] = pooled[out.request_id]
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.scheduler.finish_requests(to_abort, RequestStatus.FINISHED_ABORTED)
         if self.speculator is not None:
@@ -283,6 +287,15 @@ class LLMEngine:
         times.process += time.perf_counter() - t2
         times.num_steps += 1
         return outputs
+
+    def _pooled_by_request(self, pooled: dict[str, list[float]]) -> dict[str, list[float]]:
+        """Pooled vectors (SamplingParams.pooling) by request id, from core sequence ids."""
+        by_request = {}
+        for core_id, vector in pooled.items():
+            state = self.output_processor.seq_of.get(core_id)
+            if state is not None:
+                by_request[state.owner.request_id] = vector
+        return by_request
 
     def _execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run the step; if the batch fails, run each sequence alone and fail only the faulty."""

@@ -38,6 +38,7 @@ from pagedattn.spec_decode.policy import verify_row_bound
 from pagedattn.worker.input_batch import InputBatch, build_input_batch
 from pagedattn.worker.kv_cache_sizing import plan_kv_cache
 from pagedattn.worker.logprobs import compute_logprobs, gather_logprobs
+from pagedattn.worker.pooler import Pooler
 from pagedattn.worker.sampler import Sampler
 from pagedattn.worker.sampling_metadata import build_sampling_metadata, make_generator
 from pagedattn.worker.verify_rows import verify_rows
@@ -115,6 +116,7 @@ class ModelRunner:
             linear_kernel=model_config.linear_kernel,
             attention_kernel=model_config.attention_kernel,
             quantization=model_config.quantization,
+            weights=model_config.weights,
             # NOTE: the decode stack runs whole layers in one call: no room for an all-reduce.
             decode_stack=model_config.decode_stack and parallel is None,
             step_ops=model_config.step_ops,
@@ -215,6 +217,7 @@ class ModelRunner:
         # Per sequence: its blocks [0, n) went to the KV store (or were there before it ran).
         self._num_saved_blocks: dict[str, int] = {}
         self._matchers: dict[str, object] = {}
+        self.pooler = Pooler()
 
     def close(self) -> None:
         """Release what the runner holds besides memory (a tensor-parallel runner's workers)."""
@@ -237,6 +240,7 @@ class ModelRunner:
             self._generators.pop(req_id, None)
             self._num_saved_blocks.pop(req_id, None)
             self._matchers.pop(req_id, None)
+            self.pooler.release(req_id)
         try:
             self.copy_blocks(scheduler_output.block_copies)
         except Exception as exc:
@@ -264,6 +268,7 @@ class ModelRunner:
             float32=False,
         )
         prompt_logprobs = self._prompt_logprobs(scheduled, hidden)
+        pooled = self.pooler(scheduled, hidden)
         t2 = time.perf_counter()
         rows = []
         speculative = []  # (sequence, logits row of its last position): verified apart
@@ -280,6 +285,7 @@ class ModelRunner:
         if speculative:
             verify_rows(output, logits.float(), speculative, self.sampler.generator)
         output.prompt_logprobs = prompt_logprobs
+        output.pooled = pooled
         output.kv_load_shortfalls = shortfalls
         if self.kv_connector is not None:
             self._save_to_store(scheduled, output.failed)

@@ -18,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from pagedattn.entrypoints.openai.embeddings import EmbeddingRequest, create_embedding
 from pagedattn.entrypoints.openai.http import CLIENT_CLOSED_REQUEST, tenant_of, until_disconnect
 from pagedattn.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedattn.entrypoints.openai.protocol_base import APIError
@@ -31,10 +32,11 @@ from pagedattn.entrypoints.openai.tokenize_routes import (
     tokenize,
 )
 
-TOKENIZE, DETOKENIZE = "tokenize", "detokenize"
+TOKENIZE, DETOKENIZE, EMBEDDINGS = "tokenize", "detokenize", "embeddings"
 REQUEST_MODELS: dict[str, type[BaseModel]] = {
     TOKENIZE: TokenizeRequest,
     DETOKENIZE: DetokenizeRequest,
+    EMBEDDINGS: EmbeddingRequest,
 }
 
 Run = Callable[[str, BaseModel, Request], Awaitable[Response]]
@@ -51,15 +53,33 @@ def validated(model: type[BaseModel], payload: dict[str, Any]) -> BaseModel:
         raise APIError(f"{param}: {first.get('msg')}", param=param) from None
 
 
-async def handle(serving, kind: str, body: BaseModel | dict, cache_salt: str | None = None):
+async def handle(
+    serving, kind: str, body: BaseModel | dict, cache_salt: str | None = None, owner=None
+):
     """Run one agent-API request on an OpenAIServing (the single server's, or a replica's)."""
     if kind not in REQUEST_MODELS:
         raise ValueError(f"kind={kind!r} is invalid: use one of {sorted(REQUEST_MODELS)}")
     if isinstance(body, dict):
         body = validated(REQUEST_MODELS[kind], body)
+    if kind == EMBEDDINGS:
+        return await create_embedding(serving, body, cache_salt, owner)
     if kind == TOKENIZE:
         return await tokenize(serving, body)
     return await detokenize(serving, body)
+
+
+def body_or_raise(result: dict[str, Any]) -> dict[str, Any]:
+    """A replica's `{"status", "body"}` answer: the body if 200, else raised as an APIError."""
+    if result.get("status") == 200:
+        return result["body"]
+    error = result["body"]["error"]
+    raise APIError(
+        error["message"],
+        status_code=result["status"],
+        err_type=error["type"],
+        param=error.get("param"),
+        code=error.get("code"),
+    )
 
 
 async def respond(work: Awaitable[Any], raw: Request, headers: dict[str, str]) -> Response:
@@ -86,6 +106,13 @@ def install_agent_routes(app: FastAPI, run: Run, chat: Chat, responses: Response
     async def detokenize_route(body: DetokenizeRequest, raw: Request) -> Response:
         return await run(DETOKENIZE, body, raw)
 
+    @app.post("/v1/embeddings")
+    async def embeddings_route(body: EmbeddingRequest, raw: Request) -> Response:
+        headers = ignored_header(ignored_fields(body))
+        response = await run(EMBEDDINGS, body, raw)
+        response.headers.update(headers)
+        return response
+
     @app.post("/v1/responses")
     async def responses_route(body: ResponsesRequest, raw: Request) -> Response:
         headers = ignored_header(ignored_fields(body))
@@ -100,8 +127,9 @@ def local_front_door(serving, auth) -> tuple[Run, Chat]:
     """`run` and `chat` for a front door whose engine is in this process (`pagedattn serve`)."""
 
     async def run(kind: str, body: BaseModel, raw: Request) -> Response:
-        salt = auth.cache_salt(tenant_of(raw), getattr(body, "cache_salt", None))
-        return await respond(handle(serving, kind, body, salt), raw, {})
+        key_salt = tenant_of(raw)
+        salt = auth.cache_salt(key_salt, getattr(body, "cache_salt", None))
+        return await respond(handle(serving, kind, body, salt, key_salt), raw, {})
 
     async def chat(payload: dict[str, Any], raw: Request):
         req = validated(ChatCompletionRequest, payload)

@@ -245,15 +245,18 @@ class OpenAIServing:
             pool.close()
         self.grammars.close()
 
-    def models(self) -> ModelList:
+    def models(self, tenant: str | None = None) -> ModelList:
+        """The base model and the adapters `tenant` (a key salt) may use."""
         card = ModelCard(id=self.model_name, max_model_len=self.engine.max_model_len)
-        adapters = [] if self.loras is None else self.loras.cards(self.engine.max_model_len)
+        max_len = self.engine.max_model_len
+        adapters = [] if self.loras is None else self.loras.cards(max_len, tenant)
         return ModelList(data=[card, *adapters])
 
-    def check_model(self, model: str) -> LoRARequest | None:
-        """The adapter the `model` field names (None: the base model); else a 404."""
+    def check_model(self, model: str, tenant: str | None = None) -> LoRARequest | None:
+        """The adapter the `model` field names and `tenant` may use (None: the base model);
+        else a 404."""
         if self.loras is not None:
-            return self.loras.resolve(model)
+            return self.loras.resolve(model, tenant)
         if model != self.model_name:
             raise APIError(
                 f"the model {model!r} does not exist: this server serves {self.model_name!r}",
@@ -309,7 +312,7 @@ class OpenAIServing:
         self, req: CompletionRequest, cache_salt: str | None, owner: str | None = None
     ) -> AsyncIterator[str] | dict:
         """A completion response body, or an iterator of server-sent events when streaming."""
-        lora = self.check_model(req.model)
+        lora = self.check_model(req.model, owner)
         check_lora_request(req)
         if req.suffix is not None:
             raise APIError("suffix is not supported: omit it", param="suffix")
@@ -341,7 +344,7 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._stream(builder, streams, include_usage)
-        finals = await _collect(streams)
+        finals = await collect_finals(streams)
         return builder.full(finals, usage_of(finals)).model_dump()
 
     # ---- chat -------------------------------------------------------------------------------
@@ -350,7 +353,7 @@ class OpenAIServing:
         self, req: ChatCompletionRequest, cache_salt: str | None, owner: str | None = None
     ) -> AsyncIterator[str] | dict:
         """A chat completion body, or an iterator of server-sent events when streaming."""
-        lora = self.check_model(req.model)
+        lora = self.check_model(req.model, owner)
         template_kwargs = check_chat_fields(req, self.reasoning_parser is not None)
         native = template_supports_tools(self.tokenizer.chat_template)
         # NOTE: a template without tool support gets the generic (Hermes-format) tool prompt,
@@ -400,7 +403,7 @@ class OpenAIServing:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return self._stream(builder, streams, include_usage)
-        finals = await _collect(streams)
+        finals = await collect_finals(streams)
         return builder.full(finals, usage_of(finals)).model_dump()
 
     # ---- streaming --------------------------------------------------------------------------
@@ -436,7 +439,7 @@ def _hop_line(out: RequestOutput) -> str:
     return f": hop e={made or 0.0:.6f} r={time.monotonic():.6f}\n"
 
 
-async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+async def collect_finals(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
     """Run every stream to its end; the final output of each, in prompt order."""
     finals: dict[int, RequestOutput] = {}
     async for i, out in merge_streams(streams):
