@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import gc
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from pagedattn.entrypoints.args import (
     build_llm,
     sampling_params,
 )
+from pagedattn.entrypoints.cli_checks import CliError, check_before_load
 
 DEFAULT_PROMPTS = [
     "What is paged attention, in one sentence?",
@@ -27,62 +27,11 @@ DEFAULT_PROMPTS = [
 ]
 
 
-class CliError(ValueError):
-    """The command line asks for something that cannot be done; the message says what to pass."""
-
-
 class Parser(argparse.ArgumentParser):
     """argparse, with a usage error on one line (argparse prints the whole usage block)."""
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists the options)\n")
-
-
-def check_before_load(args: argparse.Namespace) -> None:
-    """Raise CliError for what can be checked before the model loads (a load takes seconds)."""
-    device = getattr(args, "device", "cpu") or "cpu"
-    if device.startswith("cuda"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise CliError(f"--device {device}: no CUDA GPU is available here; use --device cpu")
-    kv_store = getattr(args, "kv_store", None)
-    if kv_store:
-        from pagedattn.kv_transfer.store import StoreURLError, make_store
-
-        try:
-            make_store(kv_store)
-        except StoreURLError as exc:
-            raise CliError(f"--kv-store: {exc}") from None
-    if args.command == "serve":
-        check_serve_args(args)
-
-
-def check_serve_args(args: argparse.Namespace) -> None:
-    """Replica options, the `ray` extra and a free port, before the model loads."""
-    from pagedattn.serve.args import uses_replicas, validate_distributed_args
-
-    try:
-        validate_distributed_args(args)
-    except ValueError as exc:
-        raise CliError(str(exc)) from None
-    if uses_replicas(args):
-        try:
-            import ray  # noqa: F401
-            from ray import serve  # noqa: F401
-        except ImportError:
-            raise CliError(
-                "--data-parallel-size and --ray-address need Ray Serve: pip install "
-                "'pagedattn[ray]' (or run one engine without them)"
-            ) from None
-    with socket.socket() as sock:
-        try:
-            sock.bind((args.host, args.port))
-        except OSError as exc:
-            raise CliError(
-                f"cannot listen on {args.host}:{args.port} ({exc.strerror or exc}): another "
-                "process holds the port; pick another with --port"
-            ) from None
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -227,7 +176,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     check_before_load(args)
     llm = build_llm(args)
     inputs: list = list(prompts)
-    if not args.raw and getattr(llm.tokenizer, "chat_template", None) is not None:
+    has_template = getattr(llm.tokenizer, "chat_template", None) is not None
+    if not args.raw and not has_template:
+        # NOTE: as vLLM's LLM.generate, a model without a chat template gets the prompts as
+        # they are (`chat` needs a template and refuses); said once, not silently.
+        print(
+            f"pagedattn: note: {llm.engine.model_name} has no chat template: the prompts are "
+            "sent as they are (as --raw)",
+            file=sys.stderr,
+        )
+    if not args.raw and has_template:
         # NOTE: as LLM.chat renders it: the template holds the special tokens already.
         texts = [llm.engine.apply_chat_template([{"role": "user", "content": p}]) for p in prompts]
         inputs = [llm.tokenizer.encode(t, add_special_tokens=False) for t in texts]
@@ -305,7 +263,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("prompts", nargs="*", help="prompts (default: a few demo prompts)")
     gen.add_argument("--file", default=None, help="one prompt per line (default: none)")
     gen.add_argument(
-        "--raw", action="store_true", help="send prompts as they are, without the chat template"
+        "--raw",
+        action="store_true",
+        help="send prompts as they are, without the chat template (a model without one gets "
+        "them so anyway, with a note on stderr)",
     )
     # NOTE: on generate and chat, --seed seeds each request's sampling (sampling options).
     add_engine_args(gen, exclude=("seed",))

@@ -320,6 +320,11 @@ class ModelConfig:
             self.device == "cpu" or self.device.startswith("cuda"),
             f"device={self.device!r} is invalid: use 'cpu' or 'cuda[:N]'",
         )
+        _require(
+            not (self.dtype == "float16" and self.device == "cpu"),
+            "dtype='float16' (--dtype) runs on CUDA only: on CPU use bfloat16 or float32 (auto "
+            "picks bfloat16 where the CPU has bf16 hardware)",
+        )
 
 
 @dataclass(frozen=True)
@@ -443,6 +448,11 @@ class EngineConfig:
             f"tensor_parallel_size={self.tensor_parallel_size!r} is invalid: use an integer >= 1",
         )
         _require(self.tp_timeout_s > 0, f"tp_timeout_s={self.tp_timeout_s!r} is invalid: use > 0")
+        _require(
+            self.num_threads is None or self.num_threads >= 1,
+            f"num_threads={self.num_threads!r} (--threads) is invalid: use >= 1, or leave it out "
+            "for torch's default",
+        )
         # NOTE: LoRA slots hold whole A/B matrices; sharding them with the projections is not
         # built, and an adapter would fail on the first request with a shape error.
         _require(
