@@ -7,7 +7,8 @@ a replay endpoint, a ROUTER socket answers `[b"", start_seq]` with every buffere
 start_seq on, then `[END_SEQ, b""]`; a malformed request gets `[END_SEQ, b""]` at once.
 
 Privacy (the router's internal feed with replicas, distributed/zmq_auth.py): a publisher given
-the deployment's `CurveKeys` binds its PUB and replay sockets as CURVE servers, so only a holder
+the deployment's `CurveKeys` binds its PUB and replay sockets as servers of the deployment
+(CURVE, or PLAIN on loopback: zmq_auth.py), so only a holder
 of the deployment secret can subscribe or replay. Decision: that internal feed also leaves token
 ids out (`token_ids=False`: `BlockStored.token_ids` is empty, `extra_keys` None): the prefix
 router matches the block hashes the ingress computes from the request's prompt
@@ -143,7 +144,7 @@ class ZmqEventPublisher:
 
     `publish(events)` never blocks the engine: it queues the batch; the thread stamps it with
     the next sequence number, sends it and keeps the last `buffer_steps` batches for replay.
-    With ``curve`` both sockets are CURVE servers of the deployment (only its clients read);
+    With ``curve`` both sockets are servers of the deployment (only its clients read);
     ``token_ids=False`` publishes block hashes without token ids.
     """
 
@@ -168,7 +169,7 @@ class ZmqEventPublisher:
         self._pub.set_hwm(hwm)
         self._replay: zmq.Socket | None = None
         if curve is not None:
-            secure_server(self._pub, curve)
+            secure_server(self._pub, curve, endpoint)
         try:
             if _binds(endpoint):
                 self._pub.bind(endpoint)
@@ -178,7 +179,7 @@ class ZmqEventPublisher:
             if replay_endpoint is not None:
                 self._replay = self._ctx.socket(zmq.ROUTER)
                 if curve is not None:
-                    secure_server(self._replay, curve)
+                    secure_server(self._replay, curve, replay_endpoint)
                 self._replay.bind(replay_endpoint)
                 self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         except zmq.ZMQError:
@@ -255,7 +256,7 @@ class ZmqEventSubscriber:
 
     With a replay endpoint, the first poll fetches every batch the publisher still buffers (a
     subscriber that joins late, or after a quiet spell, would otherwise never see a gap). With
-    ``curve`` its sockets are the deployment's CURVE clients (the publisher's must be servers).
+    ``curve`` its sockets are the deployment's clients (the publisher's must be servers).
     """
 
     def __init__(
@@ -270,7 +271,7 @@ class ZmqEventSubscriber:
         self._curve = curve
         self._sub = self._ctx.socket(zmq.SUB)
         if curve is not None:
-            secure_client(self._sub, curve)
+            secure_client(self._sub, curve, endpoint)
         # NOTE: the default receive HWM (1,000 messages) dropped the newest batches while the
         # router did not poll (a replica publishes up to one batch per step); match the PUB's.
         self._sub.set_hwm(hwm)
@@ -323,9 +324,12 @@ class ZmqEventSubscriber:
             # NOTE: a DEALER, not a REQ: the answer is many messages, and REQ takes only one.
             req = self._ctx.socket(zmq.DEALER)
             req.setsockopt(zmq.RCVTIMEO, REPLAY_TIMEOUT_MS)
+            # NOTE: a send blocks for good once a failed handshake (a wrong secret) dropped the
+            # peer; the router must not stall on it.
+            req.setsockopt(zmq.SNDTIMEO, REPLAY_TIMEOUT_MS)
             req.setsockopt(zmq.LINGER, 0)
             if self._curve is not None:
-                secure_client(req, self._curve)
+                secure_client(req, self._curve, self._replay_endpoint)
             try:
                 req.connect(self._replay_endpoint)
                 req.send_multipart((b"", start.to_bytes(8, "big")))

@@ -8,7 +8,8 @@ the answers in its inbox, from which the decode engine's connector loads them be
 step (as for store hits). A value that is missing, late or fails verification means recompute.
 
 Privacy: the server binds where it is told (loopback by default); with the deployment's
-``CurveKeys`` (distributed/zmq_auth.py) it is a CURVE server and ``fetch_blocks`` a CURVE client,
+``CurveKeys`` (distributed/zmq_auth.py) it is a server of the deployment and ``fetch_blocks`` its
+client (CURVE, or PLAIN on loopback),
 so a peer without the deployment secret cannot pull a block. A malformed request is answered
 ``[b"error", reason]`` and the server goes on serving.
 """
@@ -39,7 +40,7 @@ _POLL_MS = 100
 # A TCP connect to a live BlockServer takes milliseconds; past this the peer counts as gone.
 _CONNECT_TIMEOUT_MS = 2000
 # Socket events that mean the BlockServer is gone: connect refused or timed out, peer closed.
-# A failed CURVE handshake (wrong deployment secret) counts as gone too: no retry will pass it.
+# A failed handshake (wrong deployment secret) counts as gone too: no retry will pass it.
 _PEER_GONE = (
     zmq.EVENT_CONNECT_RETRIED
     | zmq.EVENT_DISCONNECTED
@@ -105,7 +106,7 @@ class BlockServer:
     """Serves a store's values by key on a ZMQ ROUTER socket, on a thread of its own.
 
     Request: ``[b"get", key, ...]``; reply: ``[b"ok", value or b"", ...]`` (empty: missing), or
-    ``[b"error", reason]`` for a malformed request. With ``curve``: a CURVE server of the
+    ``[b"error", reason]`` for a malformed request. With ``curve``: a server of the
     deployment (only its clients connect).
     """
 
@@ -117,7 +118,7 @@ class BlockServer:
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         if curve is not None:
-            secure_server(self._socket, curve)
+            secure_server(self._socket, curve, endpoint)
         self._socket.bind(endpoint)
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self.num_requests = 0
@@ -195,7 +196,7 @@ def fetch_blocks(
     A refused or dropped connection raises PeerUnreachableError as soon as the socket reports
     it, not at the deadline (a dead prefill replica's port refuses at once). ``ctx``: the ZMQ
     context whose I/O thread receives (default: the process's shared one). ``curve``: the
-    deployment's keys, when the server is a CURVE server.
+    deployment's keys, when the server is the deployment's (zmq_auth.secure_server).
     """
     if not keys:
         return []
@@ -203,8 +204,10 @@ def fetch_blocks(
     socket = ctx.socket(zmq.REQ)
     socket.setsockopt(zmq.LINGER, 0)
     socket.setsockopt(zmq.CONNECT_TIMEOUT, min(_CONNECT_TIMEOUT_MS, int(timeout_s * 1000)))
+    # NOTE: a send blocks for good once a failed handshake (a wrong secret) dropped the peer.
+    socket.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     if curve is not None:
-        secure_client(socket, curve)
+        secure_client(socket, curve, endpoint)
     monitor = socket.get_monitor_socket(_PEER_GONE)
     try:
         socket.connect(endpoint)

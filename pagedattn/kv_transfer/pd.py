@@ -189,7 +189,7 @@ class DecodeRole:
 
     Pulled values are verified (checksum over key and payload) in the pulling thread, so the
     engine step that loads them only copies. ``curve``: the deployment's keys (the prefill
-    side's BlockServer is a CURVE server).
+    side's BlockServer admits only the deployment's clients).
     """
 
     def __init__(

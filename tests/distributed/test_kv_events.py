@@ -208,10 +208,14 @@ def _raw_replay(endpoint: str, frames, curve: CurveKeys | None = None, timeout_m
     req = zmq.Context.instance().socket(zmq.DEALER)
     req.setsockopt(zmq.LINGER, 0)
     if curve is not None:
-        secure_client(req, curve)
+        secure_client(req, curve, endpoint)
+    req.setsockopt(zmq.SNDTIMEO, timeout_ms)
     req.connect(endpoint)
-    req.send_multipart(frames)
     got = []
+    try:
+        req.send_multipart(frames)
+    except zmq.Again:  # NOTE: a failed handshake dropped the peer: the send has nowhere to go
+        timeout_ms = 0
     while req.poll(timeout_ms):
         got.append(req.recv_multipart())
         timeout_ms = 200

@@ -31,11 +31,14 @@ def _raw(endpoint: str, frames, kind=zmq.REQ, curve=None, timeout_ms=1000):
     socket = zmq.Context.instance().socket(kind)
     socket.setsockopt(zmq.LINGER, 0)
     if curve is not None:
-        secure_client(socket, curve)
+        secure_client(socket, curve, endpoint)
+    socket.setsockopt(zmq.SNDTIMEO, timeout_ms)
     socket.connect(endpoint)
     try:
         socket.send_multipart(frames)
         return socket.recv_multipart() if socket.poll(timeout_ms) else None
+    except zmq.Again:  # NOTE: a failed handshake dropped the peer: the send has nowhere to go
+        return None
     finally:
         socket.close()
 
