@@ -130,6 +130,34 @@ def _too_large_message(limit: int) -> str:
     return f"the request body is larger than this server accepts ({limit} bytes)"
 
 
+class _BodyNotUTF8(StarletteHTTPException):
+    """A body in UTF-16 or UTF-32: json.loads would sniff and read it, RFC 8259 says UTF-8."""
+
+    code = "invalid_encoding"
+
+    def __init__(self) -> None:
+        super().__init__(status_code=400, detail=_NOT_UTF8_MESSAGE)
+
+
+_NOT_UTF8_MESSAGE = "the request body is not UTF-8: send JSON encoded as UTF-8"
+# Bodies curl -d sends without -H 'content-type: application/json'; no route reads a form.
+_FORM_TYPES = ("", "application/x-www-form-urlencoded")
+
+
+def _json_content_type(headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """The headers with a missing or form content-type read as JSON (every route takes JSON)."""
+    kept = [(k, v) for k, v in headers if k.lower() != b"content-type"]
+    content_type = next((v for k, v in headers if k.lower() == b"content-type"), b"")
+    if content_type.split(b";")[0].strip().lower().decode("latin-1") in _FORM_TYPES:
+        return [*kept, (b"content-type", b"application/json")]
+    return headers
+
+
+def _utf16_or_32(head: bytes) -> bool:
+    """A body's first bytes say UTF-16/32 (a byte-order mark, or a NUL in an ASCII position)."""
+    return head.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in head[:4]
+
+
 class GuardMiddleware:
     """Pure ASGI: the API key is checked, then the body size capped, before the app reads a byte.
 
@@ -161,24 +189,29 @@ class GuardMiddleware:
                 await _reply(send, exc.status_code, str(exc), exc.err_type, exc.code)
                 return
         scope.setdefault("state", {})["tenant"] = tenant
+        if scope.get("method") in ("POST", "PUT", "PATCH"):
+            scope["headers"] = _json_content_type(scope["headers"])
         limit = self.max_request_bytes
-        if limit is None:
-            await self.app(scope, receive, send)
-            return
         declared = headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
+        if limit is not None and declared.isdigit() and int(declared) > limit:
             await _reply(send, 413, _too_large_message(limit), code="request_too_large")
             return
         num_bytes = 0
+        head = b""
         started = False
 
         async def counted_receive():
-            nonlocal num_bytes
+            nonlocal num_bytes, head
             message = await receive()
             if message["type"] == "http.request":
-                num_bytes += len(message.get("body", b""))
-                if num_bytes > limit:
+                body = message.get("body", b"")
+                num_bytes += len(body)
+                if limit is not None and num_bytes > limit:
                     raise _BodyTooLarge(limit)
+                if len(head) < 4 and body:
+                    head += body[: 4 - len(head)]
+                    if _utf16_or_32(head):
+                        raise _BodyNotUTF8()
             return message
 
         async def tracked_send(message):
@@ -191,6 +224,9 @@ class GuardMiddleware:
         except _BodyTooLarge:
             if not started:
                 await _reply(send, 413, _too_large_message(limit), code="request_too_large")
+        except _BodyNotUTF8:
+            if not started:
+                await _reply(send, 400, _NOT_UTF8_MESSAGE, code="invalid_encoding")
 
 
 async def _reply(
@@ -216,7 +252,13 @@ def _validation_param(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ()) if p != "body" and not _TYPE_TAG.match(str(p))]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
-        return f"malformed JSON body: {first.get('msg')}", None
+        reason = first.get("ctx", {}).get("error") or first.get("msg")
+        return f"the request body is not valid JSON: {reason}", None
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type"):
+        return (
+            "the request body is not a JSON object: send one (content-type: application/json)",
+            None,
+        )
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return f"{param or 'body'}: {message}", param
 
