@@ -52,13 +52,17 @@ class LoRARegistry:
         self.manager.add(adapter)
 
     def resolve(self, request: LoRARequest) -> str:
-        """The adapter name a request runs under; loads it on first use.
+        """The adapter key (name and content) a request runs under; loads it on first use.
+
+        NOTE: the key is the request's lora_id, so it enters every block hash: other weights
+        loaded later under the same name never hit this adapter's cached or stored blocks.
 
         Raises InvalidRequestError if it cannot be loaded."""
         try:
             known = self.manager.adapters.get(request.lora_name)
             if known is None:
                 self.add(request)
+                known = self.manager.adapters[request.lora_name]
             elif known.int_id != request.lora_int_id:
                 raise LoRAError(
                     f"LoRA {request.lora_name!r} is loaded with id {known.int_id}, not "
@@ -66,22 +70,23 @@ class LoRARegistry:
                 )
         except LoRAError as exc:
             raise InvalidRequestError(str(exc), param="lora_request") from exc
-        return request.lora_name
+        return known.key
 
     def remove(self, name: str) -> int:
         """Unload an adapter and drop its cached KV blocks; returns the blocks dropped.
 
         LoRAInUseError while a live request runs under it; LoRANotFoundError if not loaded."""
         manager = self.manager
-        if name not in manager.adapters:
+        adapter = manager.adapters.get(name)
+        if adapter is None:
             raise LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded")
-        users = [r for r in self.scheduler.requests.values() if r.lora_id == name]
+        users = [r for r in self.scheduler.requests.values() if r.lora_id == adapter.key]
         if users:
             raise LoRAInUseError(
                 f"LoRA {name!r} serves {len(users)} live request(s): unload it once they end"
             )
         manager.remove(name)
-        return self.kv_cache_manager.uncache_lora_blocks(name)
+        return self.kv_cache_manager.uncache_lora_blocks(adapter.key)
 
     def list(self) -> list[LoRARequest]:
         """The loaded adapters, in load order."""

@@ -188,6 +188,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind the API key when keys are set)",
     )
+    g.add_argument(
+        "--lora-root",
+        default=None,
+        metavar="DIR",
+        help="the folder runtime adapter loads read under (a lora_path is relative to it; "
+        "nothing outside it, symlinks and `..` resolved); needed for runtime loads",
+    )
     add_agent_args(g)
     from pagedattn.serve.args import add_distributed_args
 

@@ -71,8 +71,11 @@ class LoRAManager:
         for stack in (getattr(model, "decode_stack", None), getattr(model, "verify_stack", None)):
             if stack is not None:
                 stack.set_lora(self.batch, self.layers)
-        self.adapters: dict[str, LoRAAdapter] = {}
-        self.slots: OrderedDict[str, int] = OrderedDict()  # resident name -> slot, LRU first
+        self.adapters: dict[str, LoRAAdapter] = {}  # by name
+        # NOTE: a step names adapters by key (name and content: adapter.key), as its requests'
+        # block hashes do; slots are keyed the same way.
+        self.by_key: dict[str, LoRAAdapter] = {}
+        self.slots: OrderedDict[str, int] = OrderedDict()  # resident key -> slot, LRU first
         self.num_slot_loads = 0
         self.slot_load_s = 0.0  # time spent copying adapters into slots
 
@@ -104,12 +107,15 @@ class LoRAManager:
                     f"LoRA id {adapter.int_id} is already used by adapter {other.name!r}"
                 )
         self.adapters[adapter.name] = adapter
+        self.by_key[adapter.key] = adapter
 
     def remove(self, name: str) -> None:
         """Forget an adapter and free its slot; LoRANotFoundError if it is not loaded."""
-        if self.adapters.pop(name, None) is None:
+        adapter = self.adapters.pop(name, None)
+        if adapter is None:
             raise LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded")
-        slot = self.slots.pop(name, None)
+        del self.by_key[adapter.key]
+        slot = self.slots.pop(adapter.key, None)
         if slot is not None:
             for layer in self.layers.values():
                 layer.set_slot(slot, None)
@@ -132,28 +138,28 @@ class LoRAManager:
 
     # Slots.
 
-    def _slot_for(self, name: str, step_names: set[str]) -> int:
-        slot = self.slots.get(name)
+    def _slot_for(self, key: str, step_keys: set[str]) -> int:
+        slot = self.slots.get(key)
         if slot is not None:
-            self.slots.move_to_end(name)
+            self.slots.move_to_end(key)
             return slot
         if len(self.slots) < self.max_loras:
             used = set(self.slots.values())
             slot = next(s for s in range(self.max_loras) if s not in used)
         else:
-            victim = next((n for n in self.slots if n not in step_names), None)
+            victim = next((k for k in self.slots if k not in step_keys), None)
             if victim is None:
                 raise LoRAError(
-                    f"{len(step_names)} adapters in one step, more than max_loras={self.max_loras}"
+                    f"{len(step_keys)} adapters in one step, more than max_loras={self.max_loras}"
                 )
             slot = self.slots.pop(victim)
-        adapter = self.adapters[name]
+        adapter = self.by_key[key]
         start = time.perf_counter()
         if not adapter.packed:  # NOTE: read() packs it; an adapter made another way packs here
             self._pack(adapter)
         for key, layer in self.layers.items():
             layer.set_slot(slot, adapter.packed[key])
-        self.slots[name] = slot
+        self.slots[key] = slot
         self.num_slot_loads += 1
         self.slot_load_s += time.perf_counter() - start
         return slot
@@ -162,13 +168,14 @@ class LoRAManager:
     def activate(
         self, lora_names: Sequence[str | None], num_tokens: Sequence[int]
     ) -> Iterator[None]:
-        """For one forward: each sequence's adapter (None: base) over its ``num_tokens`` rows."""
+        """For one forward: each sequence's adapter (by key; None: base) over its
+        ``num_tokens`` rows."""
         names = {n for n in lora_names if n is not None}
         if not names:
             yield
             return
         for name in names:
-            if name not in self.adapters:
+            if name not in self.by_key:
                 raise LoRANotFoundError(f"LoRA adapter {name!r} is not loaded")
         slot_of = {name: self._slot_for(name, names) for name in names}
         seq_slots = np.array(

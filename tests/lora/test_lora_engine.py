@@ -136,7 +136,7 @@ def test_kv_events_name_the_adapter(files):
     llm.engine.enable_kv_cache_events()
     llm.generate([PROMPTS[0]], PARAMS, lora_request=lora(files, "a8"))
     stored = [e for e in llm.engine.take_kv_events() if type(e).__name__ == "BlockStored"]
-    assert stored and all(e.lora_name == "a8" for e in stored)
+    assert stored and all(e.lora_name.startswith("a8#") for e in stored)
     llm.remove_lora("a8")
     removed = [e for e in llm.engine.take_kv_events() if type(e).__name__ == "BlockRemoved"]
     removed_hashes = {h for e in removed for h in e.block_hashes}
@@ -209,3 +209,42 @@ def test_speculative_decoding_under_adapters_matches_hf_peft(files):
     assert tokens(outs) == expected
     stats = llm.get_stats().spec_decode
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+
+
+def test_other_weights_under_a_replaced_name_never_meet_its_blocks(files, hf, tmp_path):
+    """Issue 52: unload `a`, load other weights as `a`: no pool or store block of the old `a`
+    is used (the adapter's content is in the block hash), and the answer is the new weights'."""
+    url = f"file://{tmp_path}/kv"
+    prompt = PROMPTS[2]  # 13 tokens: 3 full blocks of 4
+    llm = make_llm(files, kv_store=url)
+    llm.generate([prompt], PARAMS, lora_request=LoRARequest("a", 1, str(files["a8"])))
+    llm.remove_lora("a")
+    stats = llm.get_stats()
+    pool_before, store_before = stats.prefix_cache_hits, stats.kv_store.num_hit_tokens
+    out = llm.generate([prompt], PARAMS, lora_request=LoRARequest("a", 1, str(files["a16"])))
+    stats = llm.get_stats()
+    assert stats.prefix_cache_hits == pool_before
+    assert stats.kv_store.num_hit_tokens == store_before
+    assert tokens(out) == [hf[("a16", 2)]]
+    llm.engine.close()
+    # A fresh engine, the same name and weights: the store hits (the key is name and content).
+    again = make_llm(files, kv_store=url)
+    again.generate([prompt], PARAMS, lora_request=LoRARequest("a", 1, str(files["a16"])))
+    assert again.get_stats().kv_store.num_hit_tokens == 12
+    again.engine.close()
+
+
+def test_malformed_adapter_configs_are_format_errors(files, tmp_path):
+    import json
+    import shutil
+
+    from pagedattn.lora.request import LoRAFormatError
+
+    llm = make_llm(files)
+    for i, config in enumerate(
+        [{"r": [8]}, {"r": float("inf")}, {"r": 8.5}, {"lora_alpha": "x"}, ["a", "list"]]
+    ):
+        folder = shutil.copytree(files["a8"], tmp_path / f"bad{i}")
+        (folder / "adapter_config.json").write_text(json.dumps(config))
+        with pytest.raises(LoRAFormatError):
+            llm.add_lora(LoRARequest(f"bad{i}", 10 + i, str(folder)))

@@ -1,18 +1,25 @@
 """LoRA on the OpenAI server: adapters by `model`, in `/v1/models`, loaded and unloaded live.
 
 The load/unload endpoints (vLLM's) exist behind --enable-lora-runtime-updates and the API key.
+Tenancy, with API keys set: an adapter loaded at runtime belongs to the key that loaded it (its
+tenant): only that key, or an admin key, sees, uses and unloads it; `--lora-modules` adapters
+are every key's (only an admin key unloads them). Names are one namespace: loading a name that
+another key holds is a 409. Runtime loads read only under `--lora-root`, and every refused path
+gets one message (no answer tells which server paths exist); `/v1/models` shows no path.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from fastapi import FastAPI
-from fastapi.responses import PlainTextResponse
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from pagedattn.entrypoints.openai.http import tenant_of
 from pagedattn.entrypoints.openai.protocol import APIError, ModelCard
+from pagedattn.lora.adapter import REFUSED_PATH_MESSAGE, folder_under_root
 from pagedattn.lora.request import (
     LoRADisabledError,
     LoRAError,
@@ -54,8 +61,8 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 
 def api_error(exc: LoRAError) -> APIError:
-    """The 4xx a LoRA error maps to."""
-    status, code, param = _ERRORS.get(type(exc), (400, "invalid_lora_adapter", None))
+    """The 4xx a LoRA error maps to (every LoRAError has a code)."""
+    status, code, param = _ERRORS.get(type(exc), (400, "invalid_lora_adapter", "lora_path"))
     return APIError(str(exc), status_code=status, param=param, code=code)
 
 
@@ -71,21 +78,37 @@ def parse_lora_modules(specs: Sequence[str]) -> list[tuple[str, str]]:
 
 
 class ServingLoRA:
-    """The server's view of the adapters: name -> LoRARequest, kept in step with the engine."""
+    """The server's view of the adapters: name -> LoRARequest and owner, kept in step with the
+    engine. An owner is the tenant (key salt) that loaded the adapter; None: every tenant's."""
 
-    def __init__(self, engine, base_model: str) -> None:
+    def __init__(
+        self,
+        engine,
+        base_model: str,
+        lora_root: str | None = None,
+        is_admin: Callable[[str | None], bool] = lambda tenant: False,
+    ) -> None:
         self.engine = engine  # AsyncLLMEngine
         self.base_model = base_model
+        self.lora_root = lora_root
+        self.is_admin = is_admin
         self.adapters: dict[str, LoRARequest] = {r.lora_name: r for r in engine.engine.loras.list()}
+        self.owners: dict[str, str | None] = dict.fromkeys(self.adapters)
         self._lock = asyncio.Lock()
 
-    def resolve(self, model: str) -> LoRARequest | None:
-        """None for the base model, the adapter for an adapter name; else a 404."""
+    def _visible(self, name: str, tenant: str | None) -> bool:
+        owner = self.owners.get(name)
+        return owner is None or owner == tenant or self.is_admin(tenant)
+
+    def resolve(self, model: str, tenant: str | None = None) -> LoRARequest | None:
+        """None for the base model, the adapter for an adapter name the tenant may use; else a
+        404 (another tenant's adapter is as unknown as a missing one)."""
         if model == self.base_model:
             return None
         adapter = self.adapters.get(model)
-        if adapter is None:
-            names = ", ".join([repr(self.base_model), *map(repr, self.adapters)])
+        if adapter is None or not self._visible(model, tenant):
+            visible = [n for n in self.adapters if self._visible(n, tenant)]
+            names = ", ".join([repr(self.base_model), *map(repr, visible)])
             raise APIError(
                 f"the model {model!r} does not exist: this server serves {names}",
                 status_code=404,
@@ -94,18 +117,28 @@ class ServingLoRA:
             )
         return adapter
 
-    def cards(self, max_model_len: int) -> list[ModelCard]:
+    def cards(self, max_model_len: int, tenant: str | None = None) -> list[ModelCard]:
+        # NOTE: no `root` path: a server path tells a client nothing it may use.
         return [
-            ModelCard(
-                id=r.lora_name,
-                root=r.lora_path,
-                parent=self.base_model,
-                max_model_len=max_model_len,
-            )
+            ModelCard(id=r.lora_name, parent=self.base_model, max_model_len=max_model_len)
             for r in self.adapters.values()
+            if self._visible(r.lora_name, tenant)
         ]
 
-    async def load(self, body: LoadLoRAAdapterRequest) -> str:
+    def _folder(self, given: str) -> str:
+        if self.lora_root is None:
+            raise APIError(
+                "runtime adapter loads need an adapter root: start the server with "
+                "--lora-root DIR (the folder that holds the adapters)",
+                param="lora_path",
+                code="lora_root_not_set",
+            )
+        try:
+            return folder_under_root(self.lora_root, given)
+        except LoRAPathError as exc:
+            raise api_error(exc) from None
+
+    async def load(self, body: LoadLoRAAdapterRequest, tenant: str | None = None) -> str:
         if body.lora_name == self.base_model:
             raise APIError(
                 f"{body.lora_name!r} is the base model's name: choose another adapter name",
@@ -113,36 +146,63 @@ class ServingLoRA:
                 param="lora_name",
                 code="lora_already_loaded",
             )
+        folder = self._folder(body.lora_path)
         async with self._lock:
             if body.lora_name in self.adapters:
                 raise api_error(
                     LoRAExistsError(f"a LoRA adapter named {body.lora_name!r} is already loaded")
                 )
             int_id = max((r.lora_int_id for r in self.adapters.values()), default=0) + 1
-            request = LoRARequest(body.lora_name, int_id, body.lora_path)
+            request = LoRARequest(body.lora_name, int_id, folder)
             registry = self.engine.engine.loras
             try:
                 # NOTE: files are read off the engine thread; the engine only registers them.
                 adapter = await asyncio.to_thread(registry.read, request)
                 await self.engine.call(lambda e: e.loras.add(adapter))
+            except LoRAPathError:
+                # NOTE: one message for every refused path (missing, not a folder, no config).
+                raise api_error(LoRAPathError(REFUSED_PATH_MESSAGE)) from None
             except LoRAError as exc:
+                # NOTE: the message names the folder as the caller gave it, not its real path.
+                exc.args = (str(exc).replace(folder, body.lora_path),)
                 raise api_error(exc) from None
             self.adapters[request.lora_name] = request
+            self.owners[request.lora_name] = tenant
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
-    async def unload(self, body: UnloadLoRAAdapterRequest) -> str:
+    async def unload(self, body: UnloadLoRAAdapterRequest, tenant: str | None = None) -> str:
         async with self._lock:
+            name = body.lora_name
+            if name not in self.adapters or not self._visible(name, tenant):
+                raise api_error(LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded"))
+            if self.owners[name] != tenant and not self.is_admin(tenant):
+                raise APIError(
+                    f"the LoRA adapter {name!r} was given at server start: only an admin key "
+                    "unloads it",
+                    status_code=403,
+                    err_type="permission_error",
+                    param="lora_name",
+                    code="lora_forbidden",
+                )
             try:
-                await self.engine.call(lambda e: e.loras.remove(body.lora_name))
+                await self.engine.call(lambda e: e.loras.remove(name))
             except LoRAError as exc:
                 raise api_error(exc) from None
-            self.adapters.pop(body.lora_name, None)
-        return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+            self.adapters.pop(name, None)
+            self.owners.pop(name, None)
+        return f"Success: LoRA adapter '{name}' removed successfully."
 
 
-def serving_lora(engine, base_model: str, lora_modules: Sequence[str]) -> ServingLoRA | None:
+def serving_lora(
+    engine,
+    base_model: str,
+    lora_modules: Sequence[str],
+    lora_root: str | None = None,
+    is_admin: Callable[[str | None], bool] = lambda tenant: False,
+) -> ServingLoRA | None:
     """Load the `--lora-modules` adapters into the engine (before it serves); the server's view
-    of the adapters, or None when the engine has LoRA off."""
+    of the adapters, or None when the engine has LoRA off. ``lora_root``: the folder runtime
+    loads read under; ``is_admin``: whether a tenant (key salt) is an admin key's."""
     registry = engine.engine.loras
     if not registry.enabled:
         if lora_modules:
@@ -152,16 +212,19 @@ def serving_lora(engine, base_model: str, lora_modules: Sequence[str]) -> Servin
         if name == base_model:
             raise ValueError(f"--lora-modules name {name!r} is the base model's name")
         registry.add(LoRARequest(name, int_id, path))
-    return ServingLoRA(engine, base_model)
+    return ServingLoRA(engine, base_model, lora_root, is_admin)
 
 
 def install_lora_routes(app: FastAPI, serving_lora: ServingLoRA) -> None:
     """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind the app's API key)."""
 
+    # NOTE: JSON, not vLLM's plain text: every other answer of this server is JSON.
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
-        return PlainTextResponse(await serving_lora.load(body))
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest, raw: Request) -> JSONResponse:
+        message = await serving_lora.load(body, tenant_of(raw))
+        return JSONResponse({"lora_name": body.lora_name, "status": "loaded", "message": message})
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
-        return PlainTextResponse(await serving_lora.unload(body))
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, raw: Request) -> JSONResponse:
+        message = await serving_lora.unload(body, tenant_of(raw))
+        return JSONResponse({"lora_name": body.lora_name, "status": "unloaded", "message": message})

@@ -137,6 +137,7 @@ def build_app(
     grammar_timeout_s: float | None = None,
     lora_modules: Sequence[str] = (),
     enable_lora_runtime_updates: bool = False,
+    lora_root: str | None = None,
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     reasoning_parser: str | None = None,
@@ -145,14 +146,22 @@ def build_app(
 
     ``lora_modules``: ``name=path`` adapters loaded before serving (the engine needs
     enable_lora); ``enable_lora_runtime_updates``: serve /v1/load_lora_adapter and
-    /v1/unload_lora_adapter. ``tool_call_parser``, ``enable_auto_tool_choice``,
-    ``reasoning_parser``: `pagedattn serve`'s options of those names (docs/agent-api.md)."""
+    /v1/unload_lora_adapter, which read adapters under ``lora_root`` only.
+    ``tool_call_parser``, ``enable_auto_tool_choice``, ``reasoning_parser``: `pagedattn serve`'s
+    options of those names (docs/agent-api.md)."""
     engine = engine_or_async_engine
     if not isinstance(engine, AsyncLLMEngine):
         engine = AsyncLLMEngine(engine)
     limits = {} if grammar_timeout_s is None else {"grammar_timeout_s": grammar_timeout_s}
     model_name = served_model_name or engine.model_name
-    loras = serving_lora(engine, model_name, lora_modules)
+
+    def is_admin(tenant: str | None) -> bool:
+        admin_keys = getattr(auth, "admin_keys", ())  # NOTE: TenantAuth's admin keys, if any
+        return tenant is not None and any(
+            tenant == auth.authenticate(f"Bearer {k}") for k in admin_keys
+        )
+
+    loras = serving_lora(engine, model_name, lora_modules, lora_root, is_admin)
     serving = OpenAIServing(
         engine,
         model_name,
@@ -208,8 +217,8 @@ def build_app(
         return Response(body, media_type=content_type)
 
     @app.get("/v1/models")
-    async def models() -> dict:
-        return serving.models().model_dump()
+    async def models(raw: Request) -> dict:
+        return serving.models(tenant_of(raw)).model_dump()
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -318,6 +327,7 @@ def run_server(args: argparse.Namespace) -> int:
         health_stall_s=args.health_stall_s,
         lora_modules=args.lora_modules or (),
         enable_lora_runtime_updates=args.enable_lora_runtime_updates,
+        lora_root=args.lora_root,
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
