@@ -138,7 +138,10 @@ class EngineReplica:
             return await self.serving.create_chat_completion(
                 ChatCompletionRequest.model_validate(body), cache_salt
             )
-        raise ValueError(f"kind={kind!r} is invalid: use {COMPLETION!r} or {CHAT!r}")
+        from pagedattn.entrypoints.openai import agent_routes
+
+        # /tokenize, /detokenize, /v1/embeddings (agent_routes.REQUEST_MODELS names them).
+        return await agent_routes.handle(self.serving, kind, body, cache_salt)
 
     async def generate(
         self, kind: str, body: dict, cache_salt: str | None = None, routing_hashes=None

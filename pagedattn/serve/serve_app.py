@@ -25,6 +25,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from pagedattn.entrypoints.args import DEFAULT_HEALTH_STALL_S, DEFAULT_MAX_REQUEST_BYTES
+from pagedattn.entrypoints.openai import agent_routes
 from pagedattn.entrypoints.openai.http import (
     CLIENT_CLOSED_REQUEST,
     TenantAuth,
@@ -206,6 +207,44 @@ class OpenAIIngress:
             result = _replica_failed(exc)
         return JSONResponse(result["body"], status_code=result["status"])
 
+    async def forward(self, kind: str, body, raw: Request) -> Response:
+        """An agent-API request (agent_routes: tokenize, detokenize, embeddings) to a replica."""
+        salt = self.auth.cache_salt(tenant_of(raw), getattr(body, "cache_salt", None))
+        call = self.engine.generate.remote(kind, await raw.json(), salt)
+        answered, _ = await until_disconnect(_await(call), raw, on_disconnect=call.cancel)
+        if not answered:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        try:
+            result = await call
+        except Exception as exc:
+            result = _replica_failed(exc)
+        return JSONResponse(result["body"], status_code=result["status"])
+
+    async def chat_backend(self, payload: dict, raw: Request):
+        """/v1/responses' chat handler: a chat body (or its events) from a replica; errors raise."""
+        body = agent_routes.validated(ChatCompletionRequest, payload)
+        salt = self.auth.cache_salt(tenant_of(raw), body.cache_salt)
+        await self.check_prompt(CHAT, body)
+        hashes = await self.route_pool.run(self.routing_hashes, CHAT, body, salt)
+        if not body.stream:
+            result = await self.engine.generate.remote(CHAT, payload, salt, routing_hashes=hashes)
+            return agent_routes.body_or_raise(result)
+        gen = self.stream_engine.generate_stream.remote(CHAT, payload, salt, routing_hashes=hashes)
+        first = await gen.__anext__()
+        if isinstance(first, dict):
+            gen.cancel()
+            return agent_routes.body_or_raise(first)
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                yield first
+                async for chunk in gen:
+                    yield chunk
+            finally:
+                gen.cancel()
+
+        return events()
+
     async def _stream(self, kind: str, payload: dict, salt, hashes) -> Response:
         gen = self.stream_engine.generate_stream.remote(kind, payload, salt, routing_hashes=hashes)
         try:
@@ -315,6 +354,10 @@ def build_ingress_app(ingress: OpenAIIngress) -> FastAPI:
         await ingress.ensure_router()
         return JSONResponse({"routers": [r.policy_counters() for r in _routers()]})
 
+    # /tokenize, /detokenize, /v1/embeddings, /v1/responses: the single server's handlers.
+    agent_routes.install_agent_routes(
+        api, ingress.forward, ingress.chat_backend, agent_routes.ResponsesAPI()
+    )
     api.add_middleware(RayDisconnectMiddleware)
     return api
 
