@@ -42,8 +42,6 @@ FILE_KINDS = ("hf", "f16", "q8_0", "q4_k_m")
 QUANTIZED_KINDS = ("q8_0", "q4_k_m")
 # Bump when what is written changes: the cache folder's name carries it.
 BUILD_VERSION = 1
-# Normal(0, 0.02), as Llama's initializer: activations stay finite through 28 layers.
-WEIGHT_STD = 0.02
 # The smallest normal float16: smaller magnitudes are flushed so f16 holds every bf16 value.
 F16_MIN_NORMAL = 2.0**-14
 SHARD_BYTES = 1 << 30
@@ -62,6 +60,8 @@ class SyntheticShape:
     rope_theta: float = 500000.0
     rms_norm_eps: float = 1e-5
     max_position_embeddings: int = 8192
+    # Normal(0, 0.02), as Llama's initializer: activations stay finite through 28 layers.
+    weight_std: float = 0.02
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -127,12 +127,12 @@ def tensor_specs(shape: SyntheticShape, vocab_size: int) -> list[tuple[str, str,
     return specs + [("model.norm.weight", "output_norm.weight", (h,))]
 
 
-def random_tensor(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
-    """The bf16 tensor ``name`` (norms: ones), the same for the same name and seed."""
+def random_tensor(name: str, shape: tuple[int, ...], seed: int, std: float) -> torch.Tensor:
+    """The bf16 tensor ``name`` (norms: ones), the same for the same name, seed and std."""
     if len(shape) == 1:
         return torch.ones(shape, dtype=torch.bfloat16)
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    w = torch.randn(shape, generator=gen).mul_(WEIGHT_STD)
+    w = torch.randn(shape, generator=gen).mul_(std)
     w[w.abs() < F16_MIN_NORMAL] = 0.0
     return w.to(torch.bfloat16)
 
@@ -218,7 +218,10 @@ def write_hf_folder(dest: Path, shape: SyntheticShape, seed: int) -> None:
     weight_map, total = {}, 0
     for n, indices in enumerate(shards):
         file = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {specs[i][0]: random_tensor(specs[i][0], specs[i][2], seed) for i in indices}
+        tensors = {
+            specs[i][0]: random_tensor(specs[i][0], specs[i][2], seed, shape.weight_std)
+            for i in indices
+        }
         save_file(tensors, str(tmp / file), metadata={"format": "pt"})
         weight_map |= dict.fromkeys(tensors, file)
         total += sum(t.numel() * t.element_size() for t in tensors.values())

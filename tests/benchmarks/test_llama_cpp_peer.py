@@ -56,3 +56,51 @@ def test_llama_cpp_on_the_retyped_gguf_generates_the_engines_greedy_tokens():
         if len(theirs) == 12:
             break
     assert theirs == list(ours.outputs[0].token_ids)
+
+
+# The child process: default buffer types first, use_extra_bufts off where they crash.
+
+FAKE_CHILD = """
+import json, os, signal, sys
+job = json.load(open(sys.argv[-2]))
+if job.get("crash_when") == job["use_extra_bufts"]:
+    os.kill(os.getpid(), signal.SIGSEGV)
+result = {"error": "ValueError: bad file"} if job.get("fail") else {"nll": 1.5}
+json.dump(result | {"ran_with": job["use_extra_bufts"]}, open(sys.argv[-1], "w"))
+"""
+
+
+@pytest.fixture
+def fake_llama_cpp_child(tmp_path, monkeypatch):
+    """Children that crash (SIGSEGV) when job["crash_when"] is their use_extra_bufts."""
+    import sys
+
+    script = tmp_path / "fake_child.py"
+    script.write_text(FAKE_CHILD)
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {sys.executable} {script} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(wrapper))
+
+
+def test_a_crash_with_the_default_buffer_types_runs_again_without(fake_llama_cpp_child):
+    from pagedattn.benchmarks.llama_cpp_peer import run_isolated
+
+    result = run_isolated("nll", {"crash_when": True})
+    assert result["ran_with"] is False and result["nll"] == 1.5
+    assert result["buffer_types"] == "use_extra_bufts off (the default crashed: SIGSEGV)"
+    result = run_isolated("nll", {"crash_when": None})
+    assert result["ran_with"] is True
+    assert result["buffer_types"] == "default (use_extra_bufts on)"
+
+
+def test_a_crash_asked_for_or_a_python_error_is_not_retried(fake_llama_cpp_child):
+    from pagedattn.benchmarks.llama_cpp_peer import run_isolated
+
+    with pytest.raises(RuntimeError, match="crashed: SIGSEGV"):
+        run_isolated("nll", {"crash_when": True}, extra_bufts="on")
+    assert run_isolated("nll", {}, extra_bufts="off")["buffer_types"] == (
+        "use_extra_bufts off (as asked)"
+    )
+    with pytest.raises(RuntimeError, match="ValueError: bad file"):
+        run_isolated("nll", {"fail": True})
