@@ -26,6 +26,7 @@ from pagedattn.entrypoints.openai.protocol import (
     PromptTokensDetails,
     UsageInfo,
 )
+from pagedattn.entrypoints.openai.reasoning_grammar import after_reasoning
 from pagedattn.entrypoints.openai.reasoning_parsers import get_reasoning_parser
 from pagedattn.entrypoints.openai.request_checks import check_chat_fields, check_lora_request
 from pagedattn.entrypoints.openai.tool_parsers import HermesToolParser, get_tool_parser
@@ -371,6 +372,14 @@ class OpenAIServing:
                     param=param,
                 )
             structured, param = StructuredOutputsParams(json=tool_schema), "tools"
+        if structured is not None and self.reasoning_parser is not None:
+            # NOTE: the constraint applies after the think block (reasoning_grammar.py).
+            try:
+                structured = await self.preprocessor.run(
+                    after_reasoning, structured, self.reasoning_parser.name
+                )
+            except InvalidStructuredOutputsError as exc:
+                raise APIError(str(exc), param=param) from None
         # NOTE: None (not max_model_len) when the client sets no limit: the engine admits the
         # request on its prompt and caps it by the context and the pool.
         max_tokens = req.max_completion_tokens or req.max_tokens
