@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -45,6 +46,19 @@ def server():
     srv.serving.grammars.pool._executor.submit(_start_worker, srv.serving).result(timeout=300)
     yield srv
     srv.stop()
+
+
+def _children(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (from /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
 
 
 def _start_worker(serving) -> None:
@@ -108,6 +122,7 @@ def test_a_compile_past_its_deadline_is_killed_and_holds_no_one(server):
     assert r.status_code == 400 and r.json()["error"]["code"] == "constraint_timeout", r.text
     assert time.monotonic() - t0 < DEADLINE_S + 3
     assert worker.num_killed == num_killed + 1
+    assert _children(worker._proc.pid) == []  # the compile was stopped, not left running
     # Right after: another tenant's new constraint compiles at once on a fresh child.
     t2 = time.monotonic()
     fresh = _chat(
