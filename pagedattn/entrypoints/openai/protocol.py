@@ -401,7 +401,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "pagedattn"
     max_model_len: int | None = None
-    # A LoRA adapter's folder and base model (vLLM's fields); None for the base model.
+    # vLLM's fields: the folder (always None here: no server path is shown) and an adapter's
+    # base model (None for the base model).
     root: str | None = None
     parent: str | None = None
 
