@@ -307,9 +307,18 @@ class ModelConfig:
     quantization: str | None = option(
         None,
         "int8: per-channel int8 weights (half the bytes of bf16; output no longer HF's), on the "
-        "faster of torch's weight-only kernel and the AMX one, measured",
-        choices=(None, "int8"),
+        "faster of torch's weight-only kernel and the AMX one, measured; q8_0, q4_0, q4_1, "
+        "q5_0, q5_1, q4_k: an HF checkpoint's projections quantised at load into that GGUF "
+        "block type and run as stored (GGUF files keep their own types)",
+        choices=(None, "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q4_k"),
         default_text="none",
+    )
+    weights: str = option(
+        "auto",
+        "GGUF weights: auto runs Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K tensors as "
+        "stored (int8 kernels on their blocks; --dtype is then the activations' dtype) and "
+        "dequantises other types; dequantize widens every tensor to --dtype at load",
+        choices=("auto", "dequantize"),
     )
 
     def __post_init__(self) -> None:

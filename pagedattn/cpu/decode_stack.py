@@ -191,7 +191,8 @@ def build_decode_stack(
     amx_attention: bool,
 ) -> DecodeStack | None:
     """A DecodeStack over ``layers``, or None where it could not match the Python layers exactly
-    (no extension, another dtype or head size, mixed epsilons or scales)."""
+    (no extension, another dtype or head size, mixed epsilons or scales) or runs a kernel it
+    does not take (GGUF blocks)."""
     ext = extension.step_ops()
     if ext is None or not hasattr(ext, "DecodeStack") or not layers:
         return None
@@ -200,6 +201,9 @@ def build_decode_stack(
     first = layers[0]
     if any(layer.eps != first.eps or layer.scale != first.scale for layer in layers):
         return None
+    projections = [p for x in layers for p in (x.qkv, x.o, x.gate_up, x.down)]
+    if any(p.decode is not None and not p.decode.kernel.in_decode_stack for p in projections):
+        return None  # NOTE: GGUF blocks (the gguf kernel) run on the Python layers
     compiled = ext.DecodeStack(
         num_heads,
         num_kv_heads,

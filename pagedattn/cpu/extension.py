@@ -45,6 +45,7 @@ SOURCES = (
     CSRC / "kv_gather_cpu.cpp",
     CSRC / "shm_collectives_cpu.cpp",
     CSRC / "lora_cpu.cpp",
+    CSRC / "quant_cpu.cpp",
 )
 # NOTE: -ffp-contract=off: the kernels fuse a multiply and an add only where they call fmadd, so
 # every ISA rounds at the same points (the rotation must round after each product, as PyTorch).

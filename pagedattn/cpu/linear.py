@@ -13,16 +13,20 @@ layers hold one for few rows (decode) and one for many (prefill), as the KernelP
 - ``torch``: plain ``F.linear``.
 - ``int8`` / ``int8_amx`` (``quantization="int8"`` only): per-output-channel symmetric int8
   weights through torch's weight-only kernel, or widened to bf16 tile by tile on AMX.
+- ``gguf``: weights kept in GGUF blocks (Q4_0 ... Q6_K, pagedattn.cpu.quant) through
+  ``csrc/quant_cpu.cpp``: int8 dot products on the blocks for decode rows, tiles dequantised
+  into at::mm for prefill. Its "weight" is a ``QuantizedParts`` (the pieces of a fused layer).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from pagedattn.cpu import extension
+from pagedattn.cpu.quant import QUANTIZE_TYPES, QuantizedTensor
 
 PANEL = 32  # output columns per panel (the C++ kernel's kPanel)
 # The AMX kernel's tile: 16 output columns by 32 k values (16 k pairs, VNNI order).
@@ -65,6 +69,8 @@ class LinearKernel:
     name: ClassVar[str]
     cpp_id: ClassVar[int]  # the decode stack's number for this kernel (csrc DecodeLinear)
     quantized: ClassVar[bool] = False
+    # Whether the compiled decode stack runs it (csrc/decode_stack_cpu.cpp's DecodeLinear).
+    in_decode_stack: ClassVar[bool] = True
     # Whether its packed form holds the plain weight itself, which F.linear can then run on.
     keeps_weight: ClassVar[bool] = False
 
@@ -272,6 +278,70 @@ class Int8AmxLinear(AmxLinear):
         return self._packed(weight, pack_amx(q), scales.float().contiguous(), fp32_bias)
 
 
+class QuantizedParts(NamedTuple):
+    """A layer's weight as ggml blocks: its pieces (a fused qkv or gate/up projection may store
+    each piece in its own type) and the output row each piece starts at."""
+
+    parts: tuple[QuantizedTensor, ...]
+    starts: tuple[int, ...]
+    out_features: int
+    in_features: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.out_features, self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+# Rows from which a GGUF layer dequantises tiles into at::mm instead of the int8 dot kernels
+# (SmolLM2-135M Q4_1, AMD EPYC Zen 2, 2 threads: see GGUFLinear).
+GGUF_PREFILL_ROWS = 16
+
+
+class GGUFLinear(LinearKernel):
+    name, cpp_id, quantized, in_decode_stack = "gguf", 8, True, False
+
+    def available(self, dtype):
+        ext = extension.get_extension()
+        return dtype in FLOAT_DTYPES and ext is not None and hasattr(ext, "QuantLinear")
+
+    def fits(self, weight):
+        return isinstance(weight, QuantizedParts)
+
+    def pack(self, weight: QuantizedParts, bias):
+        ext = extension.load_extension()
+        index = []
+        for part, start in zip(weight.parts, weight.starts, strict=True):
+            order = part.row_order
+            index.append(None if order is None and start == 0 else _columns(part, start))
+        fp32_bias = None if bias is None else bias.float().contiguous()
+        compiled = ext.QuantLinear(
+            [p.data for p in weight.parts],
+            [p.type_id for p in weight.parts],
+            index,
+            weight.out_features,
+            weight.in_features,
+            fp32_bias,
+            GGUF_PREFILL_ROWS,
+        )
+        # NOTE: ``b`` keeps the parts (their blocks are the compiled layer's too: no copy).
+        return PackedLinear(
+            self, weight.out_features, weight.in_features, compiled, weight, fp32_bias
+        )
+
+    def apply(self, packed, x):
+        return packed.a.forward(x if x.dtype in FLOAT_DTYPES else x.float())
+
+
+def _columns(part: QuantizedTensor, start: int) -> torch.Tensor:
+    order = part.row_order
+    rows = torch.arange(part.shape[0]) if order is None else order.long()
+    return (rows + start).to(torch.int32)
+
+
 LINEAR_KERNELS: dict[str, LinearKernel] = {
     k.name: k
     for k in (
@@ -282,12 +352,14 @@ LINEAR_KERNELS: dict[str, LinearKernel] = {
         TorchLinear(),
         Int8Linear(),
         Int8AmxLinear(),
+        GGUFLinear(),
     )
 }
 # The candidates for unquantized weights and for int8 weights, in the tuner's order.
 KERNELS = ("panels", "amx", "mkl", "onednn", "torch")
 INT8_KERNELS = ("int8", "int8_amx")
-QUANTIZATIONS = ("int8",)
+# --quantization: int8 (the kernels above), or a GGUF block type (GGUFLinear, quantised at load).
+QUANTIZATIONS = ("int8", *QUANTIZE_TYPES)
 
 
 def get_kernel(name: str) -> LinearKernel:
@@ -315,9 +387,11 @@ def shares_weights(kernel: str, other: str) -> bool:
     return kernel == other or (kernel == "torch" and get_kernel(other).keeps_weight)
 
 
-def fitted_kernel(weight: torch.Tensor, name: str) -> str:
+def fitted_kernel(weight: torch.Tensor | QuantizedParts, name: str) -> str:
     """``name`` if it takes ``weight``, else what runs it in its place: int8 weights that are not
     whole AMX tiles stay int8 (torch's kernel), anything else falls back to F.linear."""
+    if isinstance(weight, QuantizedParts):
+        return "gguf"
     if weight.device.type == "cpu" and weight.numel() > 0 and get_kernel(name).fits(weight):
         return name
     if name == "int8_amx" and get_kernel("int8").fits(weight):
@@ -325,7 +399,9 @@ def fitted_kernel(weight: torch.Tensor, name: str) -> str:
     return "torch"
 
 
-def pack_weight(name: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> PackedLinear:
+def pack_weight(
+    name: str, weight: torch.Tensor | QuantizedParts, bias: torch.Tensor | None = None
+) -> PackedLinear:
     """``weight`` (and ``bias``) packed for the kernel called ``name``, or for the kernel that
     runs it in its place where ``name`` does not take it (fitted_kernel)."""
     return get_kernel(fitted_kernel(weight, name)).pack(weight, bias)

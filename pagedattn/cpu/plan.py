@@ -27,10 +27,14 @@ import torch
 
 from pagedattn import disk_cache, envs
 from pagedattn.cpu import extension, features, tuner
-from pagedattn.cpu.linear import INT8_KERNELS, KERNELS, QUANTIZATIONS, candidates
+from pagedattn.cpu.linear import INT8_KERNELS, KERNELS, QUANTIZATIONS, candidates, kernel_available
 from pagedattn.cpu.linear import get_kernel as get_linear_kernel
+from pagedattn.cpu.quant import QUANTIZE_TYPES
 
 AUTO = "auto"
+DEQUANTIZE = "dequantize"
+WEIGHT_FORMATS = (AUTO, DEQUANTIZE)
+GGUF_KERNEL = "gguf"
 CACHE_FILE = "kernel_plans.json"
 PLAN_VERSION = 6  # bump when what is measured or chosen changes, so old plans are measured again
 # Decode attention kernels: the extension's vector kernel, its AMX tile path, PyTorch's SDPA.
@@ -95,8 +99,19 @@ class KernelOptions:
     kv_cache_dtype: str = AUTO
     # Speculative decoding: steps that verify drafts have at most verify_rows - 1 rows (0: none).
     verify_rows: int = 0
+    # GGUF weights: auto runs quantised types as stored (the gguf kernel), dequantize widens them.
+    weights: str = AUTO
 
     def __post_init__(self) -> None:
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weights={self.weights!r} is invalid: use one of {', '.join(WEIGHT_FORMATS)}"
+            )
+        if self.quantization in QUANTIZE_TYPES and self.weights == DEQUANTIZE:
+            raise ValueError(
+                f"quantization={self.quantization!r} quantises to GGUF blocks, which "
+                "weights='dequantize' widens again: leave weights at auto"
+            )
         allowed = (AUTO, *KERNELS, *INT8_KERNELS)
         if self.linear_kernel not in allowed:
             raise ValueError(
@@ -135,6 +150,11 @@ class KernelPlan:
     # decode stack and the LM head; None: the decode and head kernels (see verify_fields).
     linear_verify: str | None = None
     verify_rows: int = 0
+    # Weights stored in GGUF blocks (a GGUF file's Q4_0 ... Q6_K tensors, --quantization q8_0 ...)
+    # run as stored on this kernel ("gguf"); None: they are dequantised at load.
+    linear_quant: str | None = None
+    # --quantization's GGUF block type for an HF checkpoint's projections (None: as stored).
+    quantize_to: str | None = None
 
     @classmethod
     def single(cls, kernel: str, **fields) -> KernelPlan:
@@ -162,6 +182,9 @@ class KernelPlan:
             text += ", no decode stack"
         if not self.step_ops:
             text += ", PyTorch step ops"
+        if self.linear_quant is not None:
+            to = f", HF weights quantised to {self.quantize_to}" if self.quantize_to else ""
+            text += f", GGUF blocks as stored on {self.linear_quant}{to}"
         return f"{text} [{self.isa}]"
 
 
@@ -247,12 +270,20 @@ def choose_plan(
         return KernelPlan(isa=torch.device(device).type)
     _check_forced(options, dtype)
     compiled = extension.get_extension() is not None
+    quant = options.weights == AUTO and kernel_available(GGUF_KERNEL, dtype)
+    if options.quantization in QUANTIZE_TYPES and not quant:
+        raise KernelChoiceError(
+            f"quantization={options.quantization!r} needs the compiled GGUF kernels, which do "
+            f"not run {_dtype_name(dtype)} here (extension missing or disabled)"
+        )
     fixed = dict(
         decode_stack=options.decode_stack and compiled,
         step_ops=options.step_ops and compiled,
         isa=features.vector_isa(),
+        linear_quant=GGUF_KERNEL if quant else None,
+        quantize_to=options.quantization if options.quantization in QUANTIZE_TYPES else None,
     )
-    pool = INT8_KERNELS if options.quantization else KERNELS
+    pool = INT8_KERNELS if options.quantization == "int8" else KERNELS
     linear = candidates(dtype, pool) or ["torch"]
     if options.linear_kernel != AUTO:
         linear = [options.linear_kernel]

@@ -1963,6 +1963,8 @@ int64_t set_flush_denormal_all_threads(bool on) {
 #endif
 }
 
+void bind_quant(pybind11::module_& m);  // quant_cpu.cpp: kernels on GGUF weight blocks
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &pagedattn_vec::isa_name,
         "The vector ISA this build was compiled for: avx512, avx2, neon, sve or scalar");
@@ -2005,4 +2007,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("max_loras"), py::arg("max_rank"));
   register_decode_stack(m);
   register_shm_collectives(m);
+  bind_quant(m);
 }

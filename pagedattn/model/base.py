@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
-from pagedattn.cpu.linear import PackedLinear, pack_weight
+from pagedattn.cpu.linear import PackedLinear, QuantizedParts, pack_weight
 from pagedattn.cpu.plan import KernelPlan
+from pagedattn.cpu.quant import QuantizedTensor
 from pagedattn.model.layers import Linear, LinearKernels
 
 # HF projection name -> (our fused parameter name, shard index inside it).
@@ -87,8 +88,9 @@ class PagedCausalLM(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """Dtype of the weights (and of the KV cache the runner allocates)."""
-        return self.model.embed_tokens.weight.dtype
+        """Dtype of the activations (and of the KV cache the runner allocates): the float
+        weights' (GGUF blocks run with activations in it too)."""
+        return self.model.norm.weight.dtype
 
     def kv_cache_group_windows(self) -> list[int | None]:
         """Sliding window of each KV cache group; None for full attention."""
@@ -108,9 +110,15 @@ class PagedCausalLM(nn.Module):
         return groups
 
     def lm_head_weight(self) -> torch.Tensor:
-        """[V, H] output projection (the embedding when tied)."""
+        """[V, H] output projection (the embedding when tied), dequantised from GGUF blocks
+        where it is held so (a float copy: for tests and tools, not the model's path)."""
         if self.tie_word_embeddings:
-            return self.model.embed_tokens.weight
+            embed = self.model.embed_tokens
+            table = getattr(embed, "quantized", None)
+            return embed.weight if table is None else table.dequantize().to(self.dtype)
+        if self.lm_head.weight is None and self.lm_head.decode is not None:
+            parts: QuantizedParts = self.lm_head.decode.b
+            return parts.parts[0].dequantize().to(self.dtype)
         return self.lm_head.weight
 
     def process_weights_after_loading(self) -> None:
@@ -119,7 +127,13 @@ class PagedCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
-        weight = self.lm_head_weight()
+        table = getattr(self.model.embed_tokens, "quantized", None)
+        if self.tie_word_embeddings and table is not None:
+            # NOTE: the LM head computes on the embedding's own blocks (no second copy).
+            h = table.cols
+            self.tied_head = pack_weight("gguf", QuantizedParts((table,), (0,), table.shape[0], h))
+            return
+        weight = self.model.embed_tokens.weight
         if self.tie_word_embeddings and weight.device.type == "cpu":
             packed = pack_weight(self.plan.linear_head, weight.detach())
             self.tied_head = None if packed.name == "torch" else packed
@@ -168,6 +182,10 @@ class PagedCausalLM(nn.Module):
                     f"checkpoint tensor {hf_name!r} has no place in {type(self).__name__}; "
                     "the checkpoint does not match this architecture"
                 )
+            if isinstance(tensor, QuantizedTensor):
+                self._load_quantized(name, shard, hf_name, tensor)
+                loaded.add((name, -1 if shard is None else shard))
+                continue
             target = params[name].data
             if shard is not None:
                 sizes = self.shard_sizes[name.split(".")[-2]]
@@ -186,6 +204,31 @@ class PagedCausalLM(nn.Module):
                 target.copy_(tensor)
             loaded.add((name, -1 if shard is None else shard))
         self._check_all_loaded(params, loaded)
+
+    def _load_quantized(
+        self, name: str, shard: int | None, hf_name: str, tensor: QuantizedTensor
+    ) -> None:
+        """Hand GGUF blocks to the layer that owns parameter ``name`` (a Linear or Embedding
+        with load_quantized), at its shard's first row."""
+        module = self.get_submodule(name.rpartition(".")[0])
+        if not hasattr(module, "load_quantized") or not name.endswith(".weight"):
+            raise WeightLoadError(
+                f"checkpoint tensor {hf_name!r} is stored as {tensor.name}, which "
+                f"{type(module).__name__} cannot run: load with weights='dequantize'"
+            )
+        start = 0
+        if shard is not None:
+            sizes = self.shard_sizes[name.split(".")[-2]]
+            start = sum(sizes[:shard])
+            if tensor.shape[0] != sizes[shard]:
+                raise WeightLoadError(
+                    f"checkpoint tensor {hf_name!r} has {tensor.shape[0]} rows but shard "
+                    f"{shard} of {name!r} has {sizes[shard]}"
+                )
+        try:
+            module.load_quantized(start, tensor)
+        except ValueError as e:
+            raise WeightLoadError(f"checkpoint tensor {hf_name!r}: {e}") from e
 
     def _map_name(self, hf_name: str) -> tuple[str, int | None]:
         for hf_part, (fused, shard) in STACKED_PARAMS.items():

@@ -12,6 +12,7 @@ from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.cpu.plan import KernelPlan
 from pagedattn.model.base import PagedCausalLM, group_layers, head_kernels, linear_kernels
 from pagedattn.model.layers import (
+    Embedding,
     GemmaRMSNorm,
     Linear,
     PagedAttention,
@@ -139,10 +140,7 @@ class Gemma3Model(nn.Module):
         plan: KernelPlan,
     ) -> None:
         super().__init__()
-        # NOTE: an explicit (empty) weight skips nn.Embedding's random init, whose first call on
-        # the meta device costs seconds of one-time setup; the checkpoint overwrites it anyway.
-        empty = torch.empty(config.vocab_size, config.hidden_size)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=empty)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Gemma3DecoderLayer(config, backend, s, plan) for s in sliding)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps, plan.step_ops)
 

@@ -1,11 +1,15 @@
-"""GGUF checkpoints: config from the metadata, dequantised weights under HF names, tokenizer."""
+"""GGUF checkpoints: config from the metadata, weights under HF names (as stored or dequantised),
+tokenizer."""
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
 import re
+import sys
+import warnings
 from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
@@ -17,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedattn import envs
+from pagedattn.cpu.quant import QuantizedTensor, has_kernel, type_name
 from pagedattn.disk_cache import cache_root, read_json, write_atomic
 from pagedattn.model.gemma3 import FULL, SLIDING
 from pagedattn.model.gguf_file import GGUFFile
@@ -209,6 +214,70 @@ class GGUFCheckpoint:
         except OSError:  # an unwritable cache only costs load time
             tmp.unlink(missing_ok=True)
 
+    def quantized_weights(
+        self, config: TextConfig, dtype: torch.dtype
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """The weights under HF names, each 2-D tensor of a type with kernels (Q4_0 ... Q6_K) as
+        its stored blocks (QuantizedTensor: a view of the file's memory map, nothing copied),
+        every other tensor dequantised to ``dtype``. Prints one line per stored type: how many
+        tensors, their bytes and the format they run in."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        # type -> [tensors, bytes in the file, bytes held]
+        summary: dict[tuple[str, str], list[int]] = collections.defaultdict(lambda: [0, 0, 0])
+        for tensor in self.file.tensors:
+            name = self._hf_name(tensor.name)
+            kind = type_name(tensor.tensor_type)
+            rows_cols = tensor.shape
+            if len(rows_cols) == 2 and has_kernel(tensor.tensor_type, rows_cols[1]):
+                with warnings.catch_warnings():  # NOTE: read-only map: the kernels only read it
+                    warnings.simplefilter("ignore", UserWarning)
+                    data = torch.from_numpy(self.file.tensor_bytes(tensor))
+                order = None
+                if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                    heads = config.num_attention_heads
+                    if name.endswith("k_proj.weight"):
+                        heads = config.num_key_value_heads
+                    order = _stored_row_order(rows_cols[0], heads)
+                entry = summary[(kind, "as stored")]
+                entry[0] += 1
+                entry[1] += tensor.num_bytes
+                entry[2] += tensor.num_bytes
+                yield name, QuantizedTensor(tensor.tensor_type, data, rows_cols[1], order)
+                continue
+            raw = self.file.tensor_bytes(tensor)
+            w = dequantize(raw, GGMLQuantizationType(tensor.tensor_type)).reshape(tensor.shape)
+            w = torch.from_numpy(np.ascontiguousarray(self._converted(name, w, config)))
+            w = w.to(dtype)
+            held = "dequantised" if len(rows_cols) == 2 else "float"
+            entry = summary[(kind, f"{held} to {str(dtype).removeprefix('torch.')}")]
+            entry[0] += 1
+            entry[1] += tensor.num_bytes
+            entry[2] += w.numel() * w.element_size()
+            yield name, w
+        for (kind, held), (count, stored, total) in summary.items():
+            extra = ""
+            if held.startswith("dequantised"):
+                extra = f" (no kernel for {kind}: costs {(total - stored) / 2**20:.1f} MiB more)"
+            print(
+                f"[weights] {kind} x {count}: {stored / 2**20:.1f} MiB in the file, "
+                f"{total / 2**20:.1f} MiB held, {held}{extra}",
+                file=sys.stderr,
+            )
+
+    def _converted(self, name: str, w: np.ndarray, config: TextConfig) -> np.ndarray:
+        """A dequantised tensor with llama.cpp's conversions undone (float32)."""
+        if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            # NOTE: llama.cpp permutes Q/K rows for its interleaved rope; undo it for HF's.
+            is_q = name.endswith("q_proj.weight")
+            num_heads = config.num_attention_heads if is_q else config.num_key_value_heads
+            w = unpermute_qk(w, num_heads)
+        if self.arch == "gemma3" and name.endswith("norm.weight"):
+            # NOTE: llama.cpp stores Gemma norms as (1 + w); HF (and we) keep w.
+            w = w - 1.0
+        return np.ascontiguousarray(w, dtype=np.float32)
+
     def _dequantised(self, config: TextConfig) -> Iterator[tuple[str, torch.Tensor]]:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
@@ -216,16 +285,7 @@ class GGUFCheckpoint:
         for tensor in self.file.tensors:
             name = self._hf_name(tensor.name)
             w = dequantize(self.file.tensor_bytes(tensor), GGMLQuantizationType(tensor.tensor_type))
-            w = w.reshape(tensor.shape)  # [out, in] (numpy order)
-            if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                # NOTE: llama.cpp permutes Q/K rows for its interleaved rope; undo it for HF's.
-                is_q = name.endswith("q_proj.weight")
-                num_heads = config.num_attention_heads if is_q else config.num_key_value_heads
-                w = unpermute_qk(w, num_heads)
-            if self.arch == "gemma3" and name.endswith("norm.weight"):
-                # NOTE: llama.cpp stores Gemma norms as (1 + w); HF (and we) keep w.
-                w = w - 1.0
-            w = np.ascontiguousarray(w, dtype=np.float32)
+            w = self._converted(name, w.reshape(tensor.shape), config)  # [out, in] (numpy order)
             yield name, torch.from_numpy(w if w.flags.writeable else w.copy())
 
     def _hf_name(self, gguf_name: str) -> str:
@@ -289,6 +349,44 @@ def _weights_cache_path(path: Path, dtype: torch.dtype) -> Path:
     key = f"{_file_key(path)}|{dtype}|gguf {version('gguf')}|v{WEIGHT_CACHE_VERSION}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     return cache_root() / "gguf_weights" / f"{digest}.safetensors"
+
+
+# HF tensors --quantization turns into GGUF blocks: the projections, the LM head, the embedding.
+_QUANTIZED_SUFFIXES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
+
+
+def quantize_checkpoint(
+    weights: Iterator[tuple[str, torch.Tensor]], kind: str
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """``weights`` (HF names) with each 2-D projection, LM head and embedding quantised to the
+    GGUF block type ``kind`` (q8_0, q4_0, ...), where its columns are whole blocks; the rest
+    as they come. Prints one line: how many tensors were quantised, and their bytes."""
+    from pagedattn.cpu.quant import GGUF_TYPES, quantize
+
+    block = GGUF_TYPES[kind][1]
+    count = before = after = 0
+    for name, w in weights:
+        if w.dim() == 2 and name.endswith(_QUANTIZED_SUFFIXES) and w.shape[1] % block == 0:
+            q = quantize(w, kind)
+            count, before, after = (
+                count + 1,
+                before + w.numel() * w.element_size(),
+                after + q.nbytes,
+            )
+            yield name, q
+        else:
+            yield name, w
+    print(
+        f"[weights] {kind.upper()} x {count}: quantised at load, {before / 2**20:.1f} MiB -> "
+        f"{after / 2**20:.1f} MiB",
+        file=sys.stderr,
+    )
+
+
+def _stored_row_order(num_rows: int, num_heads: int) -> torch.Tensor:
+    """Where each row llama.cpp stored (permuted, see unpermute_qk) belongs in HF's order."""
+    source = unpermute_qk(np.arange(num_rows)[:, None], num_heads)[:, 0]  # HF row -> stored row
+    return torch.from_numpy(np.argsort(source)).to(torch.int32)
 
 
 def unpermute_qk(w: np.ndarray, num_heads: int) -> np.ndarray:

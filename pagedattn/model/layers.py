@@ -17,7 +17,8 @@ from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.fp8 import compute_scale, is_fp8
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.cpu import extension as cpu_ext
-from pagedattn.cpu.linear import PackedLinear, pack_weight
+from pagedattn.cpu.linear import PackedLinear, QuantizedParts, pack_weight
+from pagedattn.cpu.quant import QuantizedTensor
 from pagedattn.model.rope import rope_frequencies
 from pagedattn.model.text_config import TextConfig
 
@@ -62,10 +63,52 @@ class Linear(nn.Module):
         # NOTE: packed for the verify stack only: a call here never picks it, so a step without
         # drafts computes the same numbers whether or not the engine speculates.
         self.verify: PackedLinear | None = None
+        # GGUF blocks loaded for the weight's rows from start (load_quantized), by start.
+        self.quantized: dict[int, QuantizedTensor] = {}
+
+    def load_quantized(self, start: int, tensor: QuantizedTensor) -> None:
+        """Take ``tensor`` (ggml blocks) as the weight's rows from ``start``, as stored."""
+        rows, cols = tensor.shape
+        if cols != self.in_features or start + rows > self.out_features:
+            raise ValueError(
+                f"GGUF tensor [{rows}, {cols}] does not fit rows {start}.. of a "
+                f"[{self.out_features}, {self.in_features}] linear layer"
+            )
+        self.quantized[start] = tensor
+
+    def quantized_bytes(self) -> int:
+        """Bytes of the GGUF blocks this layer computes on (0: a float weight)."""
+        packed = self.decode
+        return packed.b.nbytes if packed is not None and packed.name == "gguf" else 0
+
+    def _pack_quantized(self) -> bool:
+        """Pack the layer's GGUF blocks (all its rows stored so) for the gguf kernel; pieces
+        beside float rows are widened into the weight instead. Returns whether it packed."""
+        parts = sorted(self.quantized.items())
+        self.quantized = {}
+        rows = sum(t.shape[0] for _, t in parts)
+        if rows == self.out_features:
+            weight = QuantizedParts(
+                tuple(t for _, t in parts),
+                tuple(s for s, _ in parts),
+                self.out_features,
+                self.in_features,
+            )
+            b = None if self.bias is None else self.bias.detach()
+            self.decode = self.prefill = pack_weight("gguf", weight, b)
+            self.prefill_rows = math.inf  # NOTE: the compiled layer splits decode from prefill
+            self.weight = None
+            return True
+        for start, t in parts:  # NOTE: a fused layer mixing float and ggml pieces: all float
+            self.weight.data[start : start + t.shape[0]].copy_(t.dequantize())
+        return False
 
     def process_weights_after_loading(self) -> None:
         """Pack the loaded weight for the layer's kernels (a CPU weight that some kernel other
-        than F.linear takes); the packed copies then hold the only reference to it."""
+        than F.linear takes); the packed copies then hold the only reference to it. GGUF blocks
+        are packed for the gguf kernel as they are."""
+        if self.quantized and self._pack_quantized():
+            return
         kernels, weight = self.kernels, self.weight
         if kernels is None or weight is None or weight.device.type != "cpu":
             return
@@ -94,6 +137,52 @@ class Linear(nn.Module):
         if self.decode is not None:
             kernels = f", kernels={self.decode.name}/{self.prefill.name}"
         return f"in_features={self.in_features}, out_features={self.out_features}{kernels}"
+
+
+class Embedding(nn.Module):
+    """Token embedding: a float table, or GGUF blocks (``load_quantized``) whose rows are
+    dequantised as they are looked up (a tied LM head computes on the same blocks)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        # NOTE: torch.empty, not nn.Embedding's random init (seconds on the meta device); the
+        # checkpoint overwrites it anyway.
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+        self.quantized: QuantizedTensor | None = None
+        self.activation_dtype = torch.float32
+
+    def load_quantized(self, start: int, tensor: QuantizedTensor) -> None:
+        """Take ``tensor`` (ggml blocks, rows in order) as the table; the float one is dropped."""
+        if start != 0 or tuple(tensor.shape) != (self.num_embeddings, self.embedding_dim):
+            raise ValueError(
+                f"GGUF embedding {tuple(tensor.shape)} does not match the model's "
+                f"[{self.num_embeddings}, {self.embedding_dim}]"
+            )
+        if tensor.row_order is not None:
+            raise ValueError("a GGUF embedding's rows must be stored in order")
+        self.quantized = tensor
+        self.activation_dtype = self.weight.dtype
+        self.weight = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is None:
+            return F.embedding(input_ids, self.weight)
+        table = self.quantized
+        dtype = self.dtype
+        return cpu_ext.load_extension().quant_embedding(
+            table.data, table.type_id, table.cols, input_ids, dtype
+        )  # [..., H]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the vectors it returns (the model's: a GGUF table keeps the float
+        table's dtype when it replaces it)."""
+        return self.weight.dtype if self.weight is not None else self.activation_dtype
+
+    def extra_repr(self) -> str:
+        fmt = f", {self.quantized.name}" if self.quantized is not None else ""
+        return f"{self.num_embeddings}, {self.embedding_dim}{fmt}"
 
 
 class RMSNorm(nn.Module):

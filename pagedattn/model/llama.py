@@ -20,6 +20,7 @@ from pagedattn.cpu.decode_stack import (
 from pagedattn.cpu.plan import KernelPlan
 from pagedattn.model.base import PagedCausalLM, group_layers, head_kernels, linear_kernels
 from pagedattn.model.layers import (
+    Embedding,
     Linear,
     PagedAttention,
     RMSNorm,
@@ -192,10 +193,7 @@ class LlamaModel(nn.Module):
         plan: KernelPlan,
     ) -> None:
         super().__init__()
-        # NOTE: an explicit (empty) weight skips nn.Embedding's random init, whose first call on
-        # the meta device costs seconds of one-time setup; the checkpoint overwrites it anyway.
-        empty = torch.empty(config.vocab_size, config.hidden_size)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=empty)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, variant, backend, w, plan) for w in windows
         )
@@ -251,7 +249,7 @@ class LlamaForCausalLM(PagedCausalLM):
         backend = first.attn.backend
         if not (isinstance(backend, CpuBackend) and backend.uses_compiled_decode):
             return
-        if self.model.embed_tokens.weight.device.type != "cpu":
+        if self.model.norm.weight.device.type != "cpu":
             return
         stack_layers = [
             StackLayer(

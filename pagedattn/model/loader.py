@@ -21,7 +21,7 @@ from pagedattn.attention.backends.base import (
 from pagedattn.attention.backends.cpu import time_decode_attention
 from pagedattn.cpu.plan import AUTO, KernelOptions, KernelPlan, choose_plan, model_shapes
 from pagedattn.model.base import PagedCausalLM
-from pagedattn.model.gguf_loader import GGUFCheckpoint
+from pagedattn.model.gguf_loader import GGUFCheckpoint, quantize_checkpoint
 from pagedattn.model.hf_loader import HFCheckpoint
 from pagedattn.model.registry import resolve_architecture, text_config
 from pagedattn.model.text_config import TextConfig
@@ -44,6 +44,10 @@ _PACKAGED_NAMES = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "gemma-3-270m"}
 # Token texts that end a turn in common chat templates (llama.cpp's end-of-generation set).
 _EOG_TOKEN_TEXTS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>", "<|eom_id|>")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class QuantizedShardError(ValueError):
+    """Tensor parallelism was asked for over weights held in GGUF blocks."""
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -201,6 +205,11 @@ def build_model(
     torch_dtype = _torch_dtype(dtype)
     if plan is None:
         plan = choose_model_plan(config, torch_dtype, device)
+    if parallel is not None and plan.linear_quant is not None and _has_blocks(checkpoint, plan):
+        raise QuantizedShardError(
+            "tensor_parallel_size > 1 does not split GGUF blocks yet: run a GGUF file with "
+            "--weights dequantize (or quantization=None for an HF checkpoint) when sharding"
+        )
     backend = (
         attn_backend
         if isinstance(attn_backend, AttentionBackend)
@@ -217,13 +226,32 @@ def build_model(
     # to_empty(): its empty_like on meta tensors imports sympy (~0.35 s); torch.empty does not.
     net = net.to(torch_dtype)
     net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    if isinstance(checkpoint, GGUFCheckpoint):
-        net.load_weights(checkpoint.weights(config, torch_dtype))
-    else:
-        net.load_weights(checkpoint.weights())
+    net.load_weights(_weights(checkpoint, config, torch_dtype, plan))
     net = net.eval().requires_grad_(False)
     net.process_weights_after_loading()
     return net, config, plan
+
+
+def _has_blocks(checkpoint: HFCheckpoint | GGUFCheckpoint, plan: KernelPlan) -> bool:
+    """Whether the model will hold GGUF blocks: a GGUF file or --quantization q8_0 ..."""
+    return isinstance(checkpoint, GGUFCheckpoint) or plan.quantize_to is not None
+
+
+def _weights(
+    checkpoint: HFCheckpoint | GGUFCheckpoint,
+    config: TextConfig,
+    dtype: torch.dtype,
+    plan: KernelPlan,
+) -> Iterator[tuple[str, Any]]:
+    """The checkpoint's tensors as the plan runs them: GGUF types with kernels as stored (or
+    all dequantised), an HF checkpoint's projections quantised to plan.quantize_to."""
+    if isinstance(checkpoint, GGUFCheckpoint):
+        if plan.linear_quant is not None:
+            return checkpoint.quantized_weights(config, dtype)
+        return checkpoint.weights(config, dtype)
+    if plan.quantize_to is not None:
+        return quantize_checkpoint(checkpoint.weights(), plan.quantize_to)
+    return checkpoint.weights()
 
 
 def backend_options(
@@ -243,6 +271,7 @@ def load_model(
     linear_kernel: str | None = None,
     quantization: str | None = None,
     *,
+    weights: str = AUTO,
     plan: KernelPlan | None = None,
     parallel: TensorParallelGroup | None = None,
 ) -> LoadedModel:
@@ -250,14 +279,17 @@ def load_model(
     ``device`` in ``dtype``.
 
     The kernels are ``plan``'s; without one they are chosen here, with ``linear_kernel``
-    forced (None or "auto": measured) and ``quantization`` ("int8" or None).
+    forced (None or "auto": measured), ``quantization`` ("int8", a GGUF block type such as
+    "q8_0", or None) and ``weights`` ("auto": GGUF blocks run as stored; "dequantize").
     """
     with _gc_paused():
         checkpoint = (
             model if isinstance(model, HFCheckpoint | GGUFCheckpoint) else resolve_checkpoint(model)
         )
         if plan is None:
-            options = KernelOptions(linear_kernel=linear_kernel or AUTO, quantization=quantization)
+            options = KernelOptions(
+                linear_kernel=linear_kernel or AUTO, quantization=quantization, weights=weights
+            )
             config = checkpoint_config(checkpoint)
             plan = choose_model_plan(config, _torch_dtype(dtype), device, options)
         net, config, plan = build_model(checkpoint, dtype, device, attn_backend, plan, parallel)

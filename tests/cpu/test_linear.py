@@ -170,7 +170,16 @@ def test_panels_interleave_bf16_halves():
 
 
 def test_kernel_registry_names_every_kernel_and_refuses_unknown_ones():
-    assert set(LINEAR_KERNELS) == {"panels", "amx", "mkl", "onednn", "torch", "int8", "int8_amx"}
+    assert set(LINEAR_KERNELS) == {
+        "panels",
+        "amx",
+        "mkl",
+        "onednn",
+        "torch",
+        "int8",
+        "int8_amx",
+        "gguf",
+    }
     assert len({k.cpp_id for k in LINEAR_KERNELS.values()}) == len(LINEAR_KERNELS)
     with pytest.raises(ValueError, match="linear kernel 'fast' is invalid"):
         get_kernel("fast")

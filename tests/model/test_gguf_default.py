@@ -14,7 +14,7 @@ ATOL = 1e-3
 
 
 def test_default_gguf_matches_transformers_gguf_loading() -> None:
-    loaded = load_model(None, "float32", "cpu", "torch")
+    loaded = load_model(None, "float32", "cpu", "torch", weights="dequantize")
     assert loaded.model_name == "SmolLM2-135M-Instruct"
     assert loaded.max_model_len == 8192
     tokenizer = loaded.tokenizer

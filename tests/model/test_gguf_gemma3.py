@@ -23,7 +23,7 @@ pytestmark = [
 
 
 def test_gemma3_270m_gguf_matches_transformers() -> None:
-    loaded = load_model("gemma3-270m", "float32", "cpu", "torch")
+    loaded = load_model("gemma3-270m", "float32", "cpu", "torch", weights="dequantize")
     model = loaded.model
     assert model.kv_cache_group_windows() == [512, None]
     assert model.layer_group[5] == 1 and model.layer_group.count(1) == 3

@@ -1,0 +1,414 @@
+// Linear layers and embeddings on GGUF weights kept in their stored blocks
+// (quant_blocks_cpu.h): pagedattn/cpu/quant_linear.py holds one QuantLinear per layer.
+//
+// - Decode (fewer rows than the layer's prefill_rows): each activation row is quantised per
+//   block to int8 (Q8_0 blocks of 32 for the legacy types, Q8_K blocks of 256 for the K types,
+//   as llama.cpp does) and every weight row is met with up to kMaxRows activation rows at a time
+//   (quant_dot_cpu.h). at::parallel_for splits the output rows over the threads.
+// - Prefill: a tile of weight rows is dequantised to float32 and multiplied by at::mm, tile by
+//   tile, so no whole float copy of the weight ever exists.
+// - A layer is one or more parts (a fused qkv or gate/up projection whose pieces were stored in
+//   different types); row r of a part lands in output column index[r] (llama.cpp's permuted
+//   q/k rows are put back in place this way, without copying the weight).
+// - quant_embedding: the rows of the asked ids, dequantised (tied LM heads share the blocks).
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "quant_dot_cpu.h"
+#include "vec_cpu.h"
+
+namespace pagedattn_quant {
+namespace {
+
+constexpr int64_t kTileFloats = 1 << 18;  // dequantised floats per prefill tile (1 MiB)
+constexpr int64_t kRowsPerTask = 8;       // output rows per parallel_for grain (decode)
+
+// ---- activations to int8 blocks ----
+
+// 32 floats -> int8 with scale d = max|x| / 127 (round to nearest even); returns sum(q).
+inline int quantize_32(const float* x, float id, int8_t* q) {
+#ifdef PAGEDATTN_QUANT_X86
+  const __m256 s = _mm256_set1_ps(id);
+  __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), s));
+  __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), s));
+  __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), s));
+  __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 24), s));
+  const int sum = hsum_epi32(_mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3)));
+  i0 = _mm256_packs_epi32(i0, i1);
+  i2 = _mm256_packs_epi32(i2, i3);
+  i0 = _mm256_packs_epi16(i0, i2);
+  i0 = _mm256_permutevar8x32_epi32(i0, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), i0);
+  return sum;
+#else
+  int sum = 0;
+  for (int j = 0; j < 32; ++j) {
+    const int v = static_cast<int>(std::nearbyint(x[j] * id));
+    q[j] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  return sum;
+#endif
+}
+
+inline float max_abs(const float* x, int64_t n) {
+  using pagedattn_vec::fVec;
+  constexpr int64_t W = fVec::size();
+  fVec amax(0.0f);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) amax = at::vec::maximum(amax, fVec::loadu(x + i).abs());
+  float r = at::vec::vec_reduce_all<float>(
+      [](fVec a, fVec b) { return at::vec::maximum(a, b); }, amax);
+  for (; i < n; ++i) r = std::max(r, std::fabs(x[i]));
+  return r;
+}
+
+void quantize_row_q8_0(const float* x, int64_t K, ActQ8_0* out) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    const float d = max_abs(xb, kBlock) / 127.0f;
+    const int sum = quantize_32(xb, d > 0.0f ? 1.0f / d : 0.0f, out[b].qs);
+    out[b].d = d;
+    out[b].s = d * static_cast<float>(sum);
+  }
+}
+
+void quantize_row_q8_k(const float* x, int64_t K, ActQ8_K* out) {
+  for (int64_t b = 0; b < K / kBlockK; ++b) {
+    const float* xb = x + b * kBlockK;
+    const float d = max_abs(xb, kBlockK) / 127.0f;
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int c = 0; c < kBlockK / kBlock; ++c) {
+      quantize_32(xb + c * kBlock, id, out[b].qs + c * kBlock);
+      for (int g = 0; g < 2; ++g) {
+        int s = 0;
+        for (int j = 0; j < 16; ++j) s += out[b].qs[c * kBlock + g * 16 + j];
+        out[b].bsums[2 * c + g] = static_cast<int16_t>(s);
+      }
+    }
+    out[b].d = d;
+  }
+}
+
+// ---- dequantisation (prefill tiles, embeddings, tests) ----
+
+template <int T>
+void dequant_legacy(const uint8_t* row, int64_t K, float* y) {
+  using Block = typename LegacyBlock<T>::type;
+  const Block* blocks = reinterpret_cast<const Block*>(row);
+  int q[32];
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const Block* blk = blocks + b;
+    const float d = half_to_float(blk->d);
+    float c = -static_cast<float>(legacy_offset<T>()) * d;
+    if constexpr (legacy_has_min<T>()) c = half_to_float(blk->m);
+    unpack_legacy_scalar<T>(blk, q);
+    for (int j = 0; j < 32; ++j) y[b * kBlock + j] = d * static_cast<float>(q[j]) + c;
+  }
+}
+
+template <bool five>
+void dequant_q45_k(const uint8_t* row, int64_t K, float* y) {
+  constexpr int64_t stride = five ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
+  for (int64_t b = 0; b < K / kBlockK; ++b) {
+    const uint8_t* blk = row + b * stride;
+    const BlockQ4_K* head = reinterpret_cast<const BlockQ4_K*>(blk);
+    const uint8_t* qh = five ? reinterpret_cast<const BlockQ5_K*>(blk)->qh : nullptr;
+    const uint8_t* qs = five ? reinterpret_cast<const BlockQ5_K*>(blk)->qs : head->qs;
+    const float d = half_to_float(head->d), dmin = half_to_float(head->dmin);
+    float* out = y + b * kBlockK;
+    for (int j = 0; j < 4; ++j) {
+      uint8_t sc0, m0, sc1, m1;
+      scale_min_k4(2 * j, head->scales, &sc0, &m0);
+      scale_min_k4(2 * j + 1, head->scales, &sc1, &m1);
+      const float d0 = d * sc0, c0 = dmin * m0, d1 = d * sc1, c1 = dmin * m1;
+      for (int l = 0; l < 32; ++l) {
+        int lo = qs[32 * j + l] & 0xF, hi = qs[32 * j + l] >> 4;
+        if constexpr (five) {
+          lo |= ((qh[l] >> (2 * j)) & 1) << 4;
+          hi |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+        }
+        out[64 * j + l] = d0 * static_cast<float>(lo) - c0;
+        out[64 * j + 32 + l] = d1 * static_cast<float>(hi) - c1;
+      }
+    }
+  }
+}
+
+void dequant_q6_k(const uint8_t* row, int64_t K, float* y) {
+  const BlockQ6_K* blocks = reinterpret_cast<const BlockQ6_K*>(row);
+  for (int64_t b = 0; b < K / kBlockK; ++b) {
+    const BlockQ6_K* blk = blocks + b;
+    const float d = half_to_float(blk->d);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = blk->ql + 64 * h;
+      const uint8_t* qh = blk->qh + 32 * h;
+      const int8_t* sc = blk->scales + 8 * h;
+      float* out = y + b * kBlockK + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        const int g = l / 16;
+        out[l] = d * sc[g] * static_cast<float>(((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+        out[l + 32] =
+            d * sc[g + 2] * static_cast<float>(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+        out[l + 64] = d * sc[g + 4] * static_cast<float>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+        out[l + 96] =
+            d * sc[g + 6] * static_cast<float>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+      }
+    }
+  }
+}
+
+void dequant_row(int type, const uint8_t* row, int64_t K, float* y) {
+  switch (type) {
+    case kQ4_0: return dequant_legacy<kQ4_0>(row, K, y);
+    case kQ4_1: return dequant_legacy<kQ4_1>(row, K, y);
+    case kQ5_0: return dequant_legacy<kQ5_0>(row, K, y);
+    case kQ5_1: return dequant_legacy<kQ5_1>(row, K, y);
+    case kQ8_0: return dequant_legacy<kQ8_0>(row, K, y);
+    case kQ4_K: return dequant_q45_k<false>(row, K, y);
+    case kQ5_K: return dequant_q45_k<true>(row, K, y);
+    case kQ6_K: return dequant_q6_k(row, K, y);
+    default: TORCH_CHECK(false, "ggml type ", type, " has no quantised kernel");
+  }
+}
+
+// ---- the dot kernels by type ----
+
+template <int MB>
+void dot_rows(int type, const uint8_t* row, int64_t K, const void* const* act, float* sums) {
+  const auto* a0 = reinterpret_cast<const ActQ8_0* const*>(act);
+  const auto* ak = reinterpret_cast<const ActQ8_K* const*>(act);
+  switch (type) {
+    case kQ4_0: return dot_legacy<kQ4_0, MB>(row, K / kBlock, a0, sums);
+    case kQ4_1: return dot_legacy<kQ4_1, MB>(row, K / kBlock, a0, sums);
+    case kQ5_0: return dot_legacy<kQ5_0, MB>(row, K / kBlock, a0, sums);
+    case kQ5_1: return dot_legacy<kQ5_1, MB>(row, K / kBlock, a0, sums);
+    case kQ8_0: return dot_legacy<kQ8_0, MB>(row, K / kBlock, a0, sums);
+    case kQ4_K: return dot_q45_k<kQ4_K, MB>(row, K / kBlockK, ak, sums);
+    case kQ5_K: return dot_q45_k<kQ5_K, MB>(row, K / kBlockK, ak, sums);
+    case kQ6_K: return dot_q6_k<MB>(row, K / kBlockK, ak, sums);
+    default: TORCH_CHECK(false, "ggml type ", type, " has no quantised kernel");
+  }
+}
+
+void check_blocks(const at::Tensor& data, int type, int64_t K) {
+  TORCH_CHECK(is_supported(type), "ggml type ", type, " has no quantised kernel");
+  TORCH_CHECK(K % block_values(type) == 0, "K=", K, " is not a whole number of ", block_values(type),
+              "-value blocks of ggml type ", type);
+  TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 2, "quantised blocks: uint8 [rows, bytes]");
+  TORCH_CHECK(data.size(1) == K / block_values(type) * block_bytes(type),
+              "quantised rows hold ", data.size(1), " bytes, ggml type ", type, " needs ",
+              K / block_values(type) * block_bytes(type), " for K=", K);
+  TORCH_CHECK(data.stride(1) == 1 && data.stride(0) == data.size(1), "quantised rows must be contiguous");
+}
+
+}  // namespace
+
+// One linear layer's weight in GGUF blocks (see the file comment).
+class QuantLinear {
+ public:
+  QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> types,
+              std::vector<c10::optional<at::Tensor>> index, int64_t N, int64_t K,
+              c10::optional<at::Tensor> bias, int64_t prefill_rows)
+      : data_(std::move(data)), types_(std::move(types)), N_(N), K_(K),
+        prefill_rows_(prefill_rows) {
+    TORCH_CHECK(data_.size() == types_.size() && index.size() == data_.size(),
+                "QuantLinear: one type and one index per part");
+    int64_t rows = 0;
+    for (size_t p = 0; p < data_.size(); ++p) {
+      check_blocks(data_[p], static_cast<int>(types_[p]), K);
+      starts_.push_back(rows);
+      std::vector<int32_t> cols(data_[p].size(0));
+      if (index[p].has_value()) {
+        const at::Tensor idx = index[p]->to(at::kInt).contiguous();
+        TORCH_CHECK(idx.numel() == data_[p].size(0), "QuantLinear: one index per row");
+        std::copy(idx.data_ptr<int32_t>(), idx.data_ptr<int32_t>() + idx.numel(), cols.begin());
+      } else {
+        for (size_t r = 0; r < cols.size(); ++r) cols[r] = static_cast<int32_t>(rows + r);
+      }
+      for (int32_t c : cols) TORCH_CHECK(c >= 0 && c < N, "QuantLinear: column ", c, " >= N=", N);
+      cols_.push_back(std::move(cols));
+      rows += data_[p].size(0);
+      needs_q8_0_ |= !is_k_type(static_cast<int>(types_[p]));
+      needs_q8_k_ |= is_k_type(static_cast<int>(types_[p]));
+    }
+    TORCH_CHECK(rows == N, "QuantLinear: parts hold ", rows, " rows, N=", N);
+    if (bias.has_value()) bias_ = bias->to(at::kFloat).contiguous();
+  }
+
+  at::Tensor forward(const at::Tensor& x) const {
+    TORCH_CHECK(x.size(-1) == K_, "QuantLinear: input has ", x.size(-1), " features, K=", K_);
+    const auto dtype = x.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "QuantLinear: float32 or bfloat16 input");
+    at::Tensor x32 = x.reshape({-1, K_}).to(at::kFloat).contiguous();
+    const int64_t M = x32.size(0);
+    at::Tensor out = at::empty({M, N_}, x32.options());
+    if (M > 0) {
+      if (M >= prefill_rows_) {
+        prefill(x32, out);
+      } else {
+        decode(x32, out);
+      }
+      if (bias_.defined()) out.add_(bias_);
+    }
+    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+    shape.back() = N_;
+    return out.to(dtype).view(shape);
+  }
+
+  int64_t nbytes() const {
+    int64_t total = 0;
+    for (const auto& d : data_) total += d.numel();
+    return total;
+  }
+
+ private:
+  void decode(const at::Tensor& x32, at::Tensor& out) const {
+    const int64_t M = x32.size(0), K = K_;
+    const float* x = x32.data_ptr<float>();
+    std::vector<ActQ8_0> a0(needs_q8_0_ ? M * (K / kBlock) : 0);
+    std::vector<ActQ8_K> ak(needs_q8_k_ ? M * (K / kBlockK) : 0);
+    for (int64_t m = 0; m < M; ++m) {
+      if (needs_q8_0_) quantize_row_q8_0(x + m * K, K, a0.data() + m * (K / kBlock));
+      if (needs_q8_k_) quantize_row_q8_k(x + m * K, K, ak.data() + m * (K / kBlockK));
+    }
+    float* y = out.data_ptr<float>();
+    const int64_t N = N_;
+    at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (size_t p = 0; p < data_.size(); ++p) {
+        const int64_t p0 = std::max(begin, starts_[p]);
+        const int64_t p1 = std::min(end, starts_[p] + data_[p].size(0));
+        const int type = static_cast<int>(types_[p]);
+        const uint8_t* base = data_[p].data_ptr<uint8_t>();
+        const int64_t row_bytes = data_[p].size(1);
+        const bool k_type = is_k_type(type);
+        for (int64_t n = p0; n < p1; ++n) {
+          const int64_t r = n - starts_[p];
+          const uint8_t* row = base + r * row_bytes;
+          const int64_t col = cols_[p][r];
+          for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+            const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+            const void* act[kMaxRows];
+            for (int i = 0; i < mb; ++i) {
+              act[i] = k_type ? static_cast<const void*>(ak.data() + (m0 + i) * (K / kBlockK))
+                              : static_cast<const void*>(a0.data() + (m0 + i) * (K / kBlock));
+            }
+            float sums[kMaxRows];
+            switch (mb) {
+              case 1: dot_rows<1>(type, row, K, act, sums); break;
+              case 2: dot_rows<2>(type, row, K, act, sums); break;
+              case 3: dot_rows<3>(type, row, K, act, sums); break;
+              default: dot_rows<4>(type, row, K, act, sums); break;
+            }
+            for (int i = 0; i < mb; ++i) y[(m0 + i) * N + col] = sums[i];
+          }
+        }
+      }
+    });
+  }
+
+  void prefill(const at::Tensor& x32, at::Tensor& out) const {
+    const int64_t K = K_;
+    const int64_t tile_rows = std::max<int64_t>(16, kTileFloats / K);
+    at::Tensor tile = at::empty({tile_rows, K}, x32.options());
+    for (size_t p = 0; p < data_.size(); ++p) {
+      const int type = static_cast<int>(types_[p]);
+      const uint8_t* base = data_[p].data_ptr<uint8_t>();
+      const int64_t rows = data_[p].size(0), row_bytes = data_[p].size(1);
+      bool contiguous_cols = true;
+      for (int64_t r = 0; r < rows; ++r) contiguous_cols &= cols_[p][r] == cols_[p][0] + r;
+      for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+        const int64_t t = std::min(tile_rows, rows - r0);
+        float* w = tile.data_ptr<float>();
+        at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
+          for (int64_t i = b; i < e; ++i) dequant_row(type, base + (r0 + i) * row_bytes, K, w + i * K);
+        });
+        at::Tensor part = at::mm(x32, tile.narrow(0, 0, t).t());  // [M, t]
+        if (contiguous_cols) {
+          out.narrow(1, cols_[p][r0], t).copy_(part);
+        } else {
+          at::Tensor idx = at::from_blob(const_cast<int32_t*>(cols_[p].data() + r0), {t},
+                                         at::TensorOptions().dtype(at::kInt)).to(at::kLong);
+          out.index_copy_(1, idx, part);
+        }
+      }
+    }
+  }
+
+  std::vector<at::Tensor> data_;
+  std::vector<int64_t> types_;
+  std::vector<int64_t> starts_;
+  std::vector<std::vector<int32_t>> cols_;
+  int64_t N_, K_, prefill_rows_;
+  at::Tensor bias_;
+  bool needs_q8_0_ = false, needs_q8_k_ = false;
+};
+
+// Rows ``ids`` of a [V, K] quantised table, dequantised, in ``dtype``: [T, K].
+at::Tensor quant_embedding(const at::Tensor& data, int64_t type, int64_t K, const at::Tensor& ids,
+                           at::ScalarType dtype) {
+  check_blocks(data, static_cast<int>(type), K);
+  const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t T = flat.numel(), V = data.size(0), row_bytes = data.size(1);
+  at::Tensor out = at::empty({T, K}, at::TensorOptions().dtype(at::kFloat));
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < V, "token id ", id[t], " >= ", V);
+  const uint8_t* base = data.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) dequant_row(static_cast<int>(type), base + id[t] * row_bytes, K, y + t * K);
+  });
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(K);
+  return out.to(dtype).view(shape);
+}
+
+// A whole [rows, K] quantised tensor as float32 (the dequantised path and tests).
+at::Tensor quant_dequantize(const at::Tensor& data, int64_t type, int64_t K) {
+  check_blocks(data, static_cast<int>(type), K);
+  const int64_t rows = data.size(0), row_bytes = data.size(1);
+  at::Tensor out = at::empty({rows, K}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* base = data.data_ptr<uint8_t>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) dequant_row(static_cast<int>(type), base + r * row_bytes, K, y + r * K);
+  });
+  return out;
+}
+
+// Whether the dot kernels run on x86 vector instructions here (AVX2 maddubs / VNNI).
+std::string quant_kernel_isa() {
+#if defined(PAGEDATTN_QUANT_X86) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return "avx512vnni";
+#elif defined(PAGEDATTN_QUANT_X86)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace pagedattn_quant
+
+void bind_quant(pybind11::module_& m) {
+  namespace py = pybind11;
+  using pagedattn_quant::QuantLinear;
+  py::class_<QuantLinear>(m, "QuantLinear")
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>,
+                    std::vector<c10::optional<at::Tensor>>, int64_t, int64_t,
+                    c10::optional<at::Tensor>, int64_t>(),
+           py::arg("data"), py::arg("types"), py::arg("index"), py::arg("N"), py::arg("K"),
+           py::arg("bias"), py::arg("prefill_rows"))
+      .def("forward", &QuantLinear::forward, "y = x @ W^T (+ bias), W in GGUF blocks")
+      .def("nbytes", &QuantLinear::nbytes, "Bytes of the stored blocks");
+  m.def("quant_embedding", &pagedattn_quant::quant_embedding,
+        "Rows of a GGUF-block table, dequantised", py::arg("data"), py::arg("type"), py::arg("K"),
+        py::arg("ids"), py::arg("dtype"));
+  m.def("quant_dequantize", &pagedattn_quant::quant_dequantize,
+        "A GGUF-block tensor [rows, K] as float32", py::arg("data"), py::arg("type"), py::arg("K"));
+  m.def("quant_kernel_isa", &pagedattn_quant::quant_kernel_isa,
+        "The instructions the quantised dot kernels run on: avx512vnni, avx2 or scalar");
+}

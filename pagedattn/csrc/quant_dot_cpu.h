@@ -1,0 +1,330 @@
+// Dot products of GGUF weight blocks with int8 activation blocks (quant_blocks_cpu.h), for
+// 1..kMaxRows activation rows at a time: each weight block is unpacked once per call and met
+// with every row, so a decode step with a few rows streams its weights once.
+//
+// x86 (the AVX2 and AVX-512 builds): the weight's values are unpacked to unsigned bytes (0..15,
+// 0..31 or 0..63; Q8_0 keeps its sign on the activation side) and multiplied with the activation
+// bytes by _mm256_maddubs_epi16 (pairs summed to int16: 63 * 127 * 2 < 2^15, no saturation),
+// then _mm256_madd_epi16 sums pairs again to int32 (times the sub-block scale for K types); with
+// AVX512-VNNI (a -march that has it) _mm256_dpbusd_epi32 does both steps for the legacy types.
+// The offset of unsigned values (-8, -16, -32) and the minimum of Q4_1/Q5_1/Q4_K/Q5_K are taken
+// out with the activation block's sum (ActQ8_0::s, ActQ8_K::bsums), as llama.cpp does. Each
+// block's int32 sums become float once per block (times d_weight * d_activation).
+//
+// Elsewhere (the scalar and ARM builds) the same sums in plain C++.
+#pragma once
+
+#include "quant_blocks_cpu.h"
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#define PAGEDATTN_QUANT_X86 1
+#endif
+
+namespace pagedattn_quant {
+
+constexpr int kMaxRows = 4;  // activation rows met with one unpacked weight block
+
+// The offset each legacy type's unsigned values carry (x = d * (q - offset)); 0: a minimum m.
+template <int T>
+constexpr int legacy_offset() {
+  return T == kQ4_0 ? 8 : (T == kQ5_0 ? 16 : 0);
+}
+template <int T>
+constexpr bool legacy_has_min() {
+  return T == kQ4_1 || T == kQ5_1;
+}
+
+template <int T>
+struct LegacyBlock;
+template <>
+struct LegacyBlock<kQ4_0> { using type = BlockQ4_0; };
+template <>
+struct LegacyBlock<kQ4_1> { using type = BlockQ4_1; };
+template <>
+struct LegacyBlock<kQ5_0> { using type = BlockQ5_0; };
+template <>
+struct LegacyBlock<kQ5_1> { using type = BlockQ5_1; };
+template <>
+struct LegacyBlock<kQ8_0> { using type = BlockQ8_0; };
+
+// The 32 values of a legacy block as integers (unsigned before the offset; Q8_0 signed).
+template <int T>
+inline void unpack_legacy_scalar(const typename LegacyBlock<T>::type* b, int* q) {
+  if constexpr (T == kQ8_0) {
+    for (int j = 0; j < 32; ++j) q[j] = b->qs[j];
+  } else {
+    uint32_t qh = 0;
+    if constexpr (T == kQ5_0 || T == kQ5_1) std::memcpy(&qh, b->qh, 4);
+    for (int j = 0; j < 16; ++j) {
+      q[j] = b->qs[j] & 0xF;
+      q[j + 16] = b->qs[j] >> 4;
+      if constexpr (T == kQ5_0 || T == kQ5_1) {
+        q[j] |= ((qh >> j) & 1) << 4;
+        q[j + 16] |= ((qh >> (j + 16)) & 1) << 4;
+      }
+    }
+  }
+}
+
+#ifdef PAGEDATTN_QUANT_X86
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+inline float hsum_ps(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm_cvtsi128_si32(s);
+}
+
+// 32 bits -> 32 bytes, 0xFF where the bit is set (byte j from bit j).
+inline __m256i bits_to_bytes(const uint8_t* bits) {
+  uint32_t x;
+  std::memcpy(&x, bits, 4);
+  const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                            0x0101010101010101, 0x0000000000000000);
+  __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(x)), shuffle);
+  bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe));
+  return _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+}
+
+// The 32 values of a legacy block in bytes: elements 0..15 in the low lane, 16..31 high.
+template <int T>
+inline __m256i unpack_legacy(const typename LegacyBlock<T>::type* b) {
+  if constexpr (T == kQ8_0) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b->qs));
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
+    __m256i q = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+    q = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+    if constexpr (T == kQ5_0 || T == kQ5_1) {
+      q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(b->qh), _mm256_set1_epi8(0x10)));
+    }
+    return q;
+  }
+}
+#endif
+
+// sums[m] = dot(weight row, activation row m) for m < MB; a row of nb blocks of type T.
+template <int T, int MB>
+inline void dot_legacy(const uint8_t* row, int64_t nb, const ActQ8_0* const* act, float* sums) {
+  using Block = typename LegacyBlock<T>::type;
+  const Block* blocks = reinterpret_cast<const Block*>(row);
+  float off[MB] = {};
+#ifdef PAGEDATTN_QUANT_X86
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const Block* blk = blocks + b;
+    const float dw = half_to_float(blk->d);
+    float cw = -static_cast<float>(legacy_offset<T>()) * dw;
+    if constexpr (legacy_has_min<T>()) cw = half_to_float(blk->m);
+    __m256i w = unpack_legacy<T>(blk);
+    __m256i wabs = w;
+    if constexpr (T == kQ8_0) wabs = _mm256_sign_epi8(w, w);
+    for (int m = 0; m < MB; ++m) {
+      const ActQ8_0& a = act[m][b];
+      __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs));
+      if constexpr (T == kQ8_0) y = _mm256_sign_epi8(y, w);
+      const __m256i p = dot_u8s8(_mm256_setzero_si256(), wabs, y);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * a.d), acc[m]);
+      if constexpr (T != kQ8_0) off[m] += cw * a.s;
+    }
+  }
+  for (int m = 0; m < MB; ++m) sums[m] = hsum_ps(acc[m]) + off[m];
+#else
+  float acc[MB] = {};
+  int q[32];
+  for (int64_t b = 0; b < nb; ++b) {
+    const Block* blk = blocks + b;
+    const float dw = half_to_float(blk->d);
+    float cw = -static_cast<float>(legacy_offset<T>()) * dw;
+    if constexpr (legacy_has_min<T>()) cw = half_to_float(blk->m);
+    unpack_legacy_scalar<T>(blk, q);
+    for (int m = 0; m < MB; ++m) {
+      const ActQ8_0& a = act[m][b];
+      int s = 0;
+      for (int j = 0; j < 32; ++j) s += q[j] * a.qs[j];
+      acc[m] += static_cast<float>(s) * (dw * a.d);
+      if constexpr (T != kQ8_0) off[m] += cw * a.s;
+    }
+  }
+  for (int m = 0; m < MB; ++m) sums[m] = acc[m] + off[m];
+#endif
+}
+
+// Q4_K and Q5_K (T): 8 sub-blocks of 32, each with a 6-bit scale and min.
+template <int T, int MB>
+inline void dot_q45_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act, float* sums) {
+  constexpr bool five = T == kQ5_K;
+  constexpr int64_t stride = five ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
+  float off[MB] = {};
+#ifdef PAGEDATTN_QUANT_X86
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+#else
+  float acc[MB] = {};
+#endif
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * stride;
+    // Q4_K and Q5_K share d, dmin and the scales at the front; qh (Q5_K) then qs follow.
+    const BlockQ4_K* head = reinterpret_cast<const BlockQ4_K*>(blk);
+    const uint8_t* qh = five ? reinterpret_cast<const BlockQ5_K*>(blk)->qh : nullptr;
+    const uint8_t* qs = five ? reinterpret_cast<const BlockQ5_K*>(blk)->qs : head->qs;
+    const float d = half_to_float(head->d), dmin = half_to_float(head->dmin);
+    uint8_t sc[8], mn[8];
+    for (int j = 0; j < 8; ++j) scale_min_k4(j, head->scales, &sc[j], &mn[j]);
+#ifdef PAGEDATTN_QUANT_X86
+    __m256i isum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    __m256i hbits = _mm256_setzero_si256();
+    if constexpr (five) hbits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qh));
+    for (int j = 0; j < 4; ++j) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * j));
+      __m256i lo = _mm256_and_si256(q, m4);
+      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      if constexpr (five) {
+        const __m256i one = _mm256_set1_epi8(1);
+        const __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j), one);
+        const __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(hbits, 2 * j + 1), one);
+        lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
+        hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
+      }
+      const __m256i s_lo = _mm256_set1_epi16(sc[2 * j]);
+      const __m256i s_hi = _mm256_set1_epi16(sc[2 * j + 1]);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* y = act[m][b].qs + 64 * j;
+        const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y));
+        const __m256i y1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y + 32));
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, y0), s_lo));
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y1), s_hi));
+      }
+    }
+#endif
+    for (int m = 0; m < MB; ++m) {
+      const ActQ8_K& a = act[m][b];
+      int mins = 0;
+      for (int j = 0; j < 8; ++j) mins += mn[j] * (a.bsums[2 * j] + a.bsums[2 * j + 1]);
+      off[m] -= dmin * a.d * static_cast<float>(mins);
+#ifdef PAGEDATTN_QUANT_X86
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * a.d), acc[m]);
+#else
+      int total = 0;
+      for (int j = 0; j < 4; ++j) {
+        int s_lo = 0, s_hi = 0;
+        for (int l = 0; l < 32; ++l) {
+          int lo = qs[32 * j + l] & 0xF, hi = qs[32 * j + l] >> 4;
+          if constexpr (five) {
+            lo |= ((qh[l] >> (2 * j)) & 1) << 4;
+            hi |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+          }
+          s_lo += lo * a.qs[64 * j + l];
+          s_hi += hi * a.qs[64 * j + 32 + l];
+        }
+        total += sc[2 * j] * s_lo + sc[2 * j + 1] * s_hi;
+      }
+      acc[m] += static_cast<float>(total) * (d * a.d);
+#endif
+    }
+  }
+#ifdef PAGEDATTN_QUANT_X86
+  for (int m = 0; m < MB; ++m) sums[m] = hsum_ps(acc[m]) + off[m];
+#else
+  for (int m = 0; m < MB; ++m) sums[m] = acc[m] + off[m];
+#endif
+}
+
+// Q6_K: 16 sub-blocks of 16 with int8 scales; values 0..63 less 32.
+template <int MB>
+inline void dot_q6_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act, float* sums) {
+  const BlockQ6_K* blocks = reinterpret_cast<const BlockQ6_K*>(row);
+  float off[MB] = {};
+#ifdef PAGEDATTN_QUANT_X86
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+#else
+  float acc[MB] = {};
+#endif
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ6_K* blk = blocks + b;
+    const float d = half_to_float(blk->d);
+#ifdef PAGEDATTN_QUANT_X86
+    __m256i isum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = blk->ql + 64 * h;
+      const int8_t* sc = blk->scales + 8 * h;
+      const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
+      const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
+      const __m256i qhv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qh + 32 * h));
+      __m256i q[4];
+      q[0] = _mm256_or_si256(_mm256_and_si256(qa, m4),
+                             _mm256_slli_epi16(_mm256_and_si256(qhv, _mm256_set1_epi8(0x03)), 4));
+      q[1] = _mm256_or_si256(_mm256_and_si256(qb, m4),
+                             _mm256_slli_epi16(_mm256_and_si256(qhv, _mm256_set1_epi8(0x0C)), 2));
+      q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(qa, 4), m4),
+                             _mm256_and_si256(qhv, _mm256_set1_epi8(0x30)));
+      q[3] = _mm256_or_si256(
+          _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
+          _mm256_srli_epi16(_mm256_and_si256(qhv, _mm256_set1_epi8(static_cast<char>(0xC0))), 2));
+      for (int t = 0; t < 4; ++t) {
+        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * t + 1]), _mm_set1_epi16(sc[2 * t]));
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* y = act[m][b].qs + 128 * h + 32 * t;
+          const __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(q[t], yv), s));
+        }
+      }
+    }
+#endif
+    for (int m = 0; m < MB; ++m) {
+      const ActQ8_K& a = act[m][b];
+      int bias = 0;
+      for (int g = 0; g < 16; ++g) bias += blk->scales[g] * a.bsums[g];
+      off[m] -= 32.0f * d * a.d * static_cast<float>(bias);
+#ifdef PAGEDATTN_QUANT_X86
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * a.d), acc[m]);
+#else
+      int total = 0;
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* ql = blk->ql + 64 * h;
+        const uint8_t* qh = blk->qh + 32 * h;
+        const int8_t* sc = blk->scales + 8 * h;
+        const int8_t* y = a.qs + 128 * h;
+        for (int l = 0; l < 32; ++l) {
+          const int g = l / 16;
+          const int q1 = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+          const int q2 = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+          const int q3 = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+          const int q4 = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+          total += sc[g] * q1 * y[l] + sc[g + 2] * q2 * y[l + 32] + sc[g + 4] * q3 * y[l + 64] +
+                   sc[g + 6] * q4 * y[l + 96];
+        }
+      }
+      acc[m] += static_cast<float>(total) * (d * a.d);
+#endif
+    }
+  }
+#ifdef PAGEDATTN_QUANT_X86
+  for (int m = 0; m < MB; ++m) sums[m] = hsum_ps(acc[m]) + off[m];
+#else
+  for (int m = 0; m < MB; ++m) sums[m] = acc[m] + off[m];
+#endif
+}
+
+}  // namespace pagedattn_quant

@@ -1,0 +1,109 @@
+"""GGUF weights run as stored (the gguf kernel) against the same file dequantised.
+
+The shipped SmolLM2-135M Q4_1 file (Q4_1 projections, a Q8_0 tied embedding) and the Gemma 3
+270M Q4_K_M file (Q5_0, Q8_0, Q4_K, Q6_K). As stored, decode rows quantise their activations
+to int8 per block (as llama.cpp does), so logits are close to the dequantised model's, not
+equal: the test compares prefill logits (tiles dequantised into at::mm: equal up to summation
+order), decode logits within a tolerance, and greedy tokens over a few steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedattn.cpu import extension
+from pagedattn.cpu.linear import GGUF_PREFILL_ROWS
+from pagedattn.model import load_model
+from pagedattn.model.gguf_file import GGUFFile
+from pagedattn.model.layers import Embedding, Linear
+from pagedattn.model.loader import packaged_model_path
+from tests.model.paged_driver import PagedDriver
+
+pytestmark = pytest.mark.skipif(
+    extension.get_extension() is None, reason="the gguf kernel needs the compiled extension"
+)
+NUM_STEPS = 4
+
+
+def held_block_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the GGUF blocks the model computes on (each tensor once)."""
+    seen, total = set(), 0
+    for module in model.modules():
+        tensors = []
+        if isinstance(module, Linear) and module.decode is not None and module.decode.b is not None:
+            tensors = [p.data for p in getattr(module.decode.b, "parts", ())]
+        if isinstance(module, Embedding) and module.quantized is not None:
+            tensors = [module.quantized.data]
+        for t in tensors:
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel()
+    return total
+
+
+def float_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[torch.Tensor, list, list[int]]:
+    """(prefill logits, decode logits per step, greedy tokens) over NUM_STEPS steps."""
+    driver = PagedDriver(model, block_size=16)
+    prefill = driver.step([(0, prompt)])[0]
+    tokens, decode = [int(prefill[-1].argmax())], []
+    for _ in range(NUM_STEPS):
+        logits = driver.step([(0, [tokens[-1]])])[0][-1]
+        decode.append(logits)
+        tokens.append(int(logits.argmax()))
+    return prefill, decode, tokens
+
+
+@pytest.mark.parametrize(
+    ("name", "types"),
+    [("smollm2-135m", {"Q4_1", "Q8_0"}), ("gemma3-270m", {"Q5_0", "Q8_0", "Q4_K", "Q6_K"})],
+)
+def test_packaged_gguf_runs_as_stored(name, types, capsys):
+    stored = load_model(name, "float32", "cpu", "torch")
+    assert "[weights]" in capsys.readouterr().err
+    model = stored.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    assert linears and all(m.decode.name == "gguf" and m.weight is None for m in linears)
+    assert model.model.embed_tokens.quantized is not None
+    assert stored.plan.linear_quant == "gguf"
+    held = {p.name for m in linears for p in m.decode.b.parts}
+    assert held | {model.model.embed_tokens.quantized.name} == types
+
+    # Weights held once: the blocks the model computes on are the file's quantised tensors,
+    # and the float parameters left are the norms.
+    file = GGUFFile(packaged_model_path(name))
+    file_bytes = sum(t.num_bytes for t in file.tensors if len(t.shape) == 2)
+    blocks = held_block_bytes(model)
+    assert abs(blocks - file_bytes) <= 0.1 * file_bytes
+    assert float_bytes(model) < 0.01 * file_bytes
+
+    text = (
+        "The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain "
+        "is Madrid. The capital of Portugal is Lisbon. The capital of Italy is"
+    )
+    prompt = stored.tokenizer.encode(text)
+    assert len(prompt) >= GGUF_PREFILL_ROWS  # the prompt runs the prefill tiles
+    dense = load_model(name, "float32", "cpu", "torch", weights="dequantize").model
+    assert all(
+        m.decode is None or m.decode.name != "gguf"
+        for m in dense.modules()
+        if isinstance(m, Linear)
+    )
+    ours, ours_decode, ours_tokens = greedy(model, prompt)
+    ref, ref_decode, ref_tokens = greedy(dense, prompt)
+    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=2e-3)
+    for a, b in zip(ours_decode, ref_decode, strict=True):
+        assert (a - b).abs().max() < 0.05 * b.abs().max()
+    assert ours_tokens == ref_tokens
+
+
+def test_bfloat16_activations_on_blocks():
+    loaded = load_model(None, "bfloat16", "cpu", "torch")
+    prompt = loaded.tokenizer.encode("Hello")
+    logits = PagedDriver(loaded.model, block_size=16).step([(0, prompt)])[0]
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert loaded.model.dtype == torch.bfloat16
