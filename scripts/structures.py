@@ -20,6 +20,7 @@ def main() -> int:
         "",
         "Native code, one extension built on first use per ISA level (`pagedattn/csrc`, written"
         " over at::vec::Vectorized: AVX2, AVX-512, NEON):",
+        "",  # NOTE: MkDocs (Python-Markdown) reads a list only after a blank line.
         "- `paged_attention_cpu.cpp`: CPU paged decode attention through the block tables (vector"
         " code on every ISA, AVX512-BF16 scores; AMX tiles for bf16 and fp8 caches, AMX-INT8 for u8),"
         " and the module's bindings.",
