@@ -112,6 +112,12 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "Comma-separated API keys of the OpenAI server when --api-key is not given.",
         secret=True,
     ),
+    "PAGEDATTN_ADMIN_API_KEY": EnvVar(
+        _text("PAGEDATTN_ADMIN_API_KEY"),
+        "Comma-separated admin API keys when --admin-api-key is not given: also API keys, and "
+        "the only keys internal endpoints (/debug/replicas, /debug/router) accept.",
+        secret=True,
+    ),
     "PAGEDATTN_TP_AUTHKEY": EnvVar(
         _text("PAGEDATTN_TP_AUTHKEY"),
         "Set by the tensor-parallel executor for the rank processes it starts (hex): the key of "

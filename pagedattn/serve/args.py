@@ -91,6 +91,27 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
         "only; --threads sets torch threads)",
     )
     g.add_argument(
+        "--kv-transfer-host",
+        default=None,
+        metavar="ADDR",
+        help="with replicas: the address each replica's internal sockets (the router's KV event "
+        "feed and replay, PD block transfers) bind to; default 127.0.0.1 (every replica on the "
+        "ingress's node). `node`: the Ray node's address, for replicas on several nodes. Either "
+        "way only the deployment's processes can connect (a per-deployment secret; CURVE "
+        "encryption off loopback)",
+    )
+    # NOTE: only if the server's own options (entrypoints/args.py) do not define it already.
+    if "--admin-api-key" not in parser._option_string_actions:
+        g.add_argument(
+            "--admin-api-key",
+            action="append",
+            default=None,
+            metavar="KEY",
+            help="an admin key (repeatable; default: PAGEDATTN_ADMIN_API_KEY): an API key that "
+            "also reads the internal endpoints (/debug/replicas, /debug/router), which no other "
+            "key can",
+        )
+    g.add_argument(
         "--kv-events-replay-endpoint",
         default=None,
         metavar="URL",

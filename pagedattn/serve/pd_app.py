@@ -8,6 +8,10 @@ computes the prompt's KV and the first token with ``max_tokens=1`` and returns t
 pulls the blocks its prefix cache lacks from the prefill replica's BlockServer (ZMQ) and decodes
 the rest. A prefill replica never holds a request past its first token, so long prompts never
 stall the decode replicas' streams.
+
+Every replica's sockets (the prefill replicas' KV event feeds and BlockServers) bind to
+loopback unless `--kv-transfer-host` says otherwise, and only holders of the deployment secret
+(made by `build_pd_app`, handed to every replica) can connect: see replica.py.
 """
 
 # NOTE: no postponed annotations (see serve_app.py): replicas may be pickled by value.
@@ -18,7 +22,8 @@ from typing import Any
 
 from ray import serve
 
-from pagedattn.serve.replica import EngineReplica, _node_ip
+from pagedattn.distributed.zmq_auth import new_deployment_secret
+from pagedattn.serve.replica import EngineReplica
 from pagedattn.serve.serve_app import bind_ingress, make_router_config, replica_cpu_bind
 
 logger = logging.getLogger(__name__)
@@ -74,15 +79,27 @@ class PrefillReplica(EngineReplica):
         events_host=None,
         cpu_bind=None,
         nice=DEFAULT_PD_PREFILL_NICE,
+        deployment_secret=None,
     ) -> None:
         from pagedattn.distributed.cpu_bind import renice_process
         from pagedattn.kv_transfer.pd import PrefillRole
 
         engine_config, shared = _split_store(engine_config)
-        super().__init__(engine_config, served_model_name, events_host, cpu_bind=cpu_bind)
-        host = events_host or _node_ip()
+        super().__init__(
+            engine_config,
+            served_model_name,
+            events_host,
+            cpu_bind=cpu_bind,
+            deployment_secret=deployment_secret,
+        )
         # NOTE: attached before any request: the engine loop is idle.
-        self.role = PrefillRole(self.llm_engine, endpoint=f"tcp://{host}:*", fallback=shared)
+        self.role = PrefillRole(
+            self.llm_engine,
+            endpoint=f"tcp://{self.bind_host}:*",
+            fallback=shared,
+            curve=self.curve,
+            advertised_host=self.advertised_host,
+        )
         # NOTE: last, so every thread started above (the engine loop's, ZMQ's, Ray's) has it.
         self.nice = renice_process(nice) if nice else None
 
@@ -97,8 +114,16 @@ class PrefillReplica(EngineReplica):
         )
 
     async def kv_usage(self) -> dict[str, Any]:
-        """Blocks free and held now (no request in flight: all usable blocks free)."""
-        return {**_kv_usage(self), "nice": self.nice}
+        """Blocks free and held now (no request in flight: all usable blocks free), and where
+        this replica's BlockServer listens."""
+        server = self.role.server
+        return {
+            **_kv_usage(self),
+            "nice": self.nice,
+            "transfer_endpoint": self.role.endpoint,
+            "num_transfer_requests": server.num_requests,
+            "num_malformed_transfer_requests": server.num_malformed,
+        }
 
 
 class DecodeReplica(EngineReplica):
@@ -114,10 +139,12 @@ class DecodeReplica(EngineReplica):
         cpu_bind=None,
         cpu_slot_base=0,
         step_time_s=DEFAULT_PD_DECODE_STEP_TIME_S,
+        deployment_secret=None,
     ) -> None:
         import dataclasses
 
         from pagedattn.kv_transfer.pd import DecodeRole
+        from pagedattn.serve import serve_router
         from pagedattn.serve.pd_engine import DisaggregatedEngine
 
         engine_config, shared = _split_store(engine_config)
@@ -133,8 +160,13 @@ class DecodeReplica(EngineReplica):
             # NOTE: decode replicas are routed by load: nobody reads their KV events, and a
             # drainer thread waking every 5 ms would take the GIL from the engine loop.
             publish_kv_events=False,
+            deployment_secret=deployment_secret,
         )
-        self.role = DecodeRole(self.llm_engine, fallback=shared)
+        # NOTE: before the first call on `prefill`: its router (in this process) subscribes to
+        # the prefill replicas' event feeds with these keys.
+        if deployment_secret is not None:
+            serve_router.use_deployment_secret(deployment_secret)
+        self.role = DecodeRole(self.llm_engine, fallback=shared, curve=self.curve)
         cache = engine_config.cache
         self.pd_engine = DisaggregatedEngine(
             self.engine, self.role, prefill, cache.block_size, cache.hash_seed, min_prompt_tokens
@@ -175,12 +207,14 @@ def build_pd_app(
     decode_step_time_s: float | None = DEFAULT_PD_DECODE_STEP_TIME_S,
     prefill_nice: int = DEFAULT_PD_PREFILL_NICE,
     ingress_on_prefill: bool = True,
+    deployment_secret: bytes | None = None,
     **ingress_options,
 ):
     """The PD application: `serve.run(build_pd_app(...))`.
 
     CPU slots (``cpu_bind``, see build_app): the prefill replicas take slots 0..P-1, the decode
     replicas P..P+D-1; with ``ingress_on_prefill`` the ingress runs on the prefill slots' CPUs.
+    ``deployment_secret`` (default: a fresh one) authenticates the replicas' sockets.
     """
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(
@@ -188,6 +222,7 @@ def build_pd_app(
             "use at least one of each"
         )
     bind = replica_cpu_bind(cpu_bind)
+    deployment_secret = deployment_secret or new_deployment_secret()
     common = dict(
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": replica_num_cpus},
@@ -203,7 +238,14 @@ def build_pd_app(
             routing_stats_period_s, policy="prefix", seed=seed
         ),
         **common,
-    ).bind(engine_config, served_model_name, events_host, bind, prefill_nice)
+    ).bind(
+        engine_config,
+        served_model_name,
+        events_host,
+        bind,
+        prefill_nice,
+        deployment_secret=deployment_secret,
+    )
     decode = serve.deployment(
         DecodeReplica,
         name="DecodeReplica",
@@ -219,6 +261,7 @@ def build_pd_app(
         bind,
         num_prefill,
         decode_step_time_s,
+        deployment_secret=deployment_secret,
     )
     # NOTE: the ingress forwards every streamed token; on the prefill replicas' cores (where
     # prefills run at --pd-prefill-nice) it takes CPU time from prefills, not from decode steps.

@@ -1,4 +1,11 @@
-"""EngineReplica: one engine behind a Ray Serve deployment, publishing its KV cache events."""
+"""EngineReplica: one engine behind a Ray Serve deployment, publishing its KV cache events.
+
+Its sockets (the router's KV event feed and replay; a PD prefill replica's BlockServer) bind to
+loopback unless `--kv-transfer-host` names an address (`node`: the Ray node's, for replicas on
+several nodes), and are servers of the deployment (distributed/zmq_auth.py: CURVE, or PLAIN on
+loopback): only a
+process holding the deployment secret, which the builder hands every replica, reads them.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +18,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pagedattn.distributed.kv_events import ZmqEventPublisher
+from pagedattn.distributed.zmq_auth import CurveKeys, new_deployment_secret
 from pagedattn.serve.prefix_index import hashes_digest
 
 logger = logging.getLogger(__name__)
@@ -22,6 +30,26 @@ EVENTS_TOPIC = "kv-events"
 # A prefix-cache key ends with its KV cache group id (make_block_hash_with_group_id).
 GROUP_ID_BYTES = 4
 _GROUP0 = (0).to_bytes(GROUP_ID_BYTES, "big")
+# Where replica sockets bind by default, and the --kv-transfer-host value for the node's address.
+LOOPBACK = "127.0.0.1"
+NODE_HOST = "node"
+_WILDCARDS = ("0.0.0.0", "*")
+
+
+def socket_hosts(host: str | None) -> tuple[str, str]:
+    """(address to bind, address peers connect to) for a replica's sockets (--kv-transfer-host).
+
+    None: loopback. ``node``: the Ray node's address. A wildcard binds every interface and is
+    reached at the node's address.
+    """
+    if host is None:
+        return LOOPBACK, LOOPBACK
+    if host == NODE_HOST:
+        ip = _node_ip()
+        return ip, ip
+    if host in _WILDCARDS:
+        return "0.0.0.0", _node_ip()
+    return host, host
 
 
 def error_payload(exc: BaseException) -> dict[str, Any]:
@@ -34,9 +62,11 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
 class EngineReplica:
     """An AsyncLLMEngine and its OpenAIServing, driven by the ingress through a handle.
 
-    Its KV cache events go out on a ZMQ PUB socket (vLLM's wire format) bound to
-    `tcp://<events_host>:<free port>`; `record_routing_stats` tells the request router where, and
-    how loaded the engine is. Requests are the OpenAI bodies as dicts plus the tenant's cache salt.
+    Its KV cache events go out on a ZMQ PUB socket (vLLM's wire format, block hashes without
+    token ids) bound to `tcp://<events_host>:<free port>` (events_host: see `socket_hosts`) as a
+    server of `deployment_secret`; `record_routing_stats` tells the request router where,
+    and how loaded the engine is. Requests are the OpenAI bodies as dicts plus the tenant's cache
+    salt.
     """
 
     def __init__(
@@ -50,9 +80,12 @@ class EngineReplica:
         cpu_bind=None,
         cpu_slot_base: int = 0,
         publish_kv_events: bool = True,
+        deployment_secret: bytes | None = None,
     ) -> None:
         """publish_kv_events=False: no router reads this replica's cache (a PD decode replica,
-        routed by load), so its engine records no KV events and no thread drains them."""
+        routed by load), so its engine records no KV events and no thread drains them.
+        deployment_secret: the deployment's (serve_app.build_app makes one); None: a fresh one,
+        which only this object holds (`self.curve`)."""
         from pagedattn.distributed.cpu_bind import bind_replica
         from pagedattn.engine.async_engine import AsyncLLMEngine
         from pagedattn.entrypoints.openai.serving import OpenAIServing
@@ -84,19 +117,26 @@ class EngineReplica:
         self.serving = OpenAIServing(self.engine, served_model_name or self.engine.model_name)
         self.replica_id = _replica_id()
         self.node_id = _node_id()
-        host = events_host or _node_ip()
+        self.curve = CurveKeys.from_secret(deployment_secret or new_deployment_secret())
+        host, advertised = socket_hosts(events_host)
+        self.bind_host, self.advertised_host = host, advertised
         rank = _replica_rank()
         self._stop = threading.Event()
         self.publisher = self.external_publisher = None
         self.events_endpoint = self.replay_endpoint = None
         if not publish_kv_events:
             return
-        # The router's feed: bound here on a free port, with replay, whatever the user asked for.
+        # The router's feed: bound here on a free port, with replay, whatever the user asked for;
+        # only the deployment's clients read it, and it carries no token ids.
         self.publisher = ZmqEventPublisher(
-            f"tcp://{host}:*", replay_endpoint=f"tcp://{host}:*", topic=EVENTS_TOPIC
+            f"tcp://{host}:*",
+            replay_endpoint=f"tcp://{host}:*",
+            topic=EVENTS_TOPIC,
+            curve=self.curve,
+            token_ids=False,
         )
-        self.events_endpoint = _advertised(self.publisher.endpoint, host)
-        self.replay_endpoint = _advertised(self.publisher.replay_endpoint, host)
+        self.events_endpoint = _advertised(self.publisher.endpoint, advertised)
+        self.replay_endpoint = _advertised(self.publisher.replay_endpoint, advertised)
         # --kv-events-endpoint: the same batches for external consumers, port + rank (vLLM's rule;
         # a wildcard binds, a host address connects to the consumer).
         if events_endpoint is not None:
@@ -127,28 +167,35 @@ class EngineReplica:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    async def _create(self, kind: str, body: dict, cache_salt: str | None):
+    async def _create(self, kind: str, body: dict, cache_salt: str | None, owner: str | None):
         from pagedattn.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 
         if kind == COMPLETION:
             return await self.serving.create_completion(
-                CompletionRequest.model_validate(body), cache_salt
+                CompletionRequest.model_validate(body), cache_salt, owner
             )
         if kind == CHAT:
             return await self.serving.create_chat_completion(
-                ChatCompletionRequest.model_validate(body), cache_salt
+                ChatCompletionRequest.model_validate(body), cache_salt, owner
             )
         from pagedattn.entrypoints.openai import agent_routes
 
         # /tokenize, /detokenize, /v1/embeddings (agent_routes.REQUEST_MODELS names them).
-        return await agent_routes.handle(self.serving, kind, body, cache_salt)
+        return await agent_routes.handle(self.serving, kind, body, cache_salt, owner)
 
     async def generate(
-        self, kind: str, body: dict, cache_salt: str | None = None, routing_hashes=None
+        self,
+        kind: str,
+        body: dict,
+        cache_salt: str | None = None,
+        routing_hashes=None,
+        owner: str | None = None,
     ) -> dict:
-        """A whole response: `{"status": 200, "body": ...}` or an error payload."""
+        """A whole response: `{"status": 200, "body": ...}` or an error payload.
+
+        owner: the tenant that sent it (what `kv_snapshot` shows that tenant)."""
         try:
-            result = await self._create(kind, body, cache_salt)
+            result = await self._create(kind, body, cache_salt, owner)
             if not isinstance(result, dict):
                 raise ValueError("stream=true requests go through generate_stream")
             return {"status": 200, "body": result}
@@ -156,11 +203,16 @@ class EngineReplica:
             return error_payload(exc)
 
     async def generate_stream(
-        self, kind: str, body: dict, cache_salt: str | None = None, routing_hashes=None
+        self,
+        kind: str,
+        body: dict,
+        cache_salt: str | None = None,
+        routing_hashes=None,
+        owner: str | None = None,
     ) -> AsyncIterator[str | dict]:
         """Server-sent events, or one error payload (a dict) if the request is rejected."""
         try:
-            result = await self._create(kind, body, cache_salt)
+            result = await self._create(kind, body, cache_salt, owner)
         except Exception as exc:
             yield error_payload(exc)
             return
@@ -181,6 +233,17 @@ class EngineReplica:
     async def models(self) -> dict:
         """The /v1/models body."""
         return self.serving.models().model_dump()
+
+    async def kv_snapshot(
+        self, owner: str | None, scoped: bool, target_replica: str | None = None
+    ) -> dict:
+        """This replica's /debug/kv body for the tenant `owner` (scoped: keys are set), named
+        by `replica_id`. target_replica: the router sends the call there (ingress_debug.py)."""
+        from pagedattn.entrypoints.openai.kv_debug import tenant_kv_snapshot
+
+        snapshot = await tenant_kv_snapshot(self.engine, owner, scoped)
+        snapshot["replica_id"] = self.replica_id
+        return snapshot
 
     # ---- Ray Serve hooks ---------------------------------------------------------------------
 

@@ -42,6 +42,7 @@ from pagedattn.entrypoints.openai.protocol import (
     error_body,
 )
 from pagedattn.entrypoints.openai.worker_pool import WorkerPool
+from pagedattn.serve.ingress_debug import install_debug_routes
 from pagedattn.serve.metrics_merge import merge_metrics
 from pagedattn.serve.replica import CHAT, COMPLETION, EngineReplica
 from pagedattn.serve.router import (
@@ -114,16 +115,23 @@ class OpenAIIngress:
         metrics_public: bool = False,
         health_stall_s: float = DEFAULT_HEALTH_STALL_S,
         cpu_slots: tuple | None = None,
+        deployment_secret: bytes | None = None,
+        admin_keys: Sequence[str] | None = None,
     ) -> None:
         """cpu_slots: (parsed cpu_bind, slots, threads per slot): run on those slots' CPUs (PD:
-        the prefill replicas', so the decode replicas' cores serve decode steps only)."""
+        the prefill replicas', so the decode replicas' cores serve decode steps only).
+        deployment_secret: what this process's router reads the replicas' KV events with."""
         from pagedattn.distributed.cpu_bind import bind_to_slots
         from pagedattn.model.loader import resolve_checkpoint
+        from pagedattn.serve.serve_router import use_deployment_secret
+
+        if deployment_secret is not None:
+            use_deployment_secret(deployment_secret)
 
         self.cpus = bind_to_slots(*cpu_slots) if cpu_slots else None
         self.engine = engine
         self.stream_engine = engine.options(stream=True)
-        self.auth = TenantAuth(api_keys, secret=secret)
+        self.auth = TenantAuth(api_keys, secret=secret, admin_keys=admin_keys)
         self.hasher = RequestHasher(resolve_checkpoint(model).tokenizer(), block_size, hash_seed)
         self.max_request_bytes = max_request_bytes
         self.max_prompt_chars = max_prompt_chars
@@ -191,13 +199,14 @@ class OpenAIIngress:
     # ---- requests -------------------------------------------------------------------------
 
     async def serve(self, kind: str, body, raw: Request) -> Response:
-        salt = self.auth.cache_salt(tenant_of(raw), body.cache_salt)
+        owner = tenant_of(raw)
+        salt = self.auth.cache_salt(owner, body.cache_salt)
         await self.check_prompt(kind, body)
         hashes = await self.route_pool.run(self.routing_hashes, kind, body, salt)
         payload = await raw.json()
         if body.stream:
-            return await self._stream(kind, payload, salt, hashes)
-        call = self.engine.generate.remote(kind, payload, salt, routing_hashes=hashes)
+            return await self._stream(kind, payload, salt, hashes, owner)
+        call = self.engine.generate.remote(kind, payload, salt, routing_hashes=hashes, owner=owner)
         answered, _ = await until_disconnect(_await(call), raw, on_disconnect=call.cancel)
         if not answered:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -209,8 +218,9 @@ class OpenAIIngress:
 
     async def forward(self, kind: str, body, raw: Request) -> Response:
         """An agent-API request (agent_routes: tokenize, detokenize, embeddings) to a replica."""
-        salt = self.auth.cache_salt(tenant_of(raw), getattr(body, "cache_salt", None))
-        call = self.engine.generate.remote(kind, await raw.json(), salt)
+        owner = tenant_of(raw)
+        salt = self.auth.cache_salt(owner, getattr(body, "cache_salt", None))
+        call = self.engine.generate.remote(kind, await raw.json(), salt, owner=owner)
         answered, _ = await until_disconnect(_await(call), raw, on_disconnect=call.cancel)
         if not answered:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -223,13 +233,18 @@ class OpenAIIngress:
     async def chat_backend(self, payload: dict, raw: Request):
         """/v1/responses' chat handler: a chat body (or its events) from a replica; errors raise."""
         body = agent_routes.validated(ChatCompletionRequest, payload)
-        salt = self.auth.cache_salt(tenant_of(raw), body.cache_salt)
+        owner = tenant_of(raw)
+        salt = self.auth.cache_salt(owner, body.cache_salt)
         await self.check_prompt(CHAT, body)
         hashes = await self.route_pool.run(self.routing_hashes, CHAT, body, salt)
         if not body.stream:
-            result = await self.engine.generate.remote(CHAT, payload, salt, routing_hashes=hashes)
+            result = await self.engine.generate.remote(
+                CHAT, payload, salt, routing_hashes=hashes, owner=owner
+            )
             return agent_routes.body_or_raise(result)
-        gen = self.stream_engine.generate_stream.remote(CHAT, payload, salt, routing_hashes=hashes)
+        gen = self.stream_engine.generate_stream.remote(
+            CHAT, payload, salt, routing_hashes=hashes, owner=owner
+        )
         first = await gen.__anext__()
         if isinstance(first, dict):
             gen.cancel()
@@ -245,8 +260,10 @@ class OpenAIIngress:
 
         return events()
 
-    async def _stream(self, kind: str, payload: dict, salt, hashes) -> Response:
-        gen = self.stream_engine.generate_stream.remote(kind, payload, salt, routing_hashes=hashes)
+    async def _stream(self, kind: str, payload: dict, salt, hashes, owner) -> Response:
+        gen = self.stream_engine.generate_stream.remote(
+            kind, payload, salt, routing_hashes=hashes, owner=owner
+        )
         try:
             first = await gen.__anext__()
         except StopAsyncIteration:
@@ -337,23 +354,7 @@ def build_ingress_app(ingress: OpenAIIngress) -> FastAPI:
         pages = {uid: s.get("metrics", "") for uid, s in stats.items()}
         return Response(merge_metrics(pages), media_type="text/plain; version=0.0.4")
 
-    @api.get("/debug/replicas")
-    async def replicas() -> Response:
-        await ingress.ensure_router()
-        out = {}
-        for router in _routers():
-            view = router.index_view()
-            for uid, stats in router.replica_stats().items():
-                stats.pop("metrics", None)
-                stats.update(view.get(uid, {}))
-                out[uid] = stats
-        return JSONResponse(out)
-
-    @api.get("/debug/router")
-    async def router() -> Response:
-        await ingress.ensure_router()
-        return JSONResponse({"routers": [r.policy_counters() for r in _routers()]})
-
+    install_debug_routes(api, ingress, _routers)  # /debug/replicas, /debug/kv, /dashboard
     # /tokenize, /detokenize, /v1/embeddings, /v1/responses: the single server's handlers.
     agent_routes.install_agent_routes(
         api, ingress.forward, ingress.chat_backend, agent_routes.ResponsesAPI()
@@ -407,12 +408,18 @@ def build_app(
     metrics_public: bool = False,
     health_stall_s: float = DEFAULT_HEALTH_STALL_S,
     cpu_bind: str | None = None,
+    deployment_secret: bytes | None = None,
+    admin_keys: Sequence[str] | None = None,
 ):
     """The Ray Serve application: `serve.run(build_app(...))`.
 
     ``cpu_bind`` (default: PAGEDATTN_CPU_BIND, ``auto``) gives each replica CPUs of its own on a
-    shared node (distributed/cpu_bind.py).
+    shared node (distributed/cpu_bind.py). ``deployment_secret`` (default: a fresh one, handed
+    to the replicas and the ingress's router) authenticates the replicas' KV event sockets.
     """
+    from pagedattn.distributed.zmq_auth import new_deployment_secret
+
+    deployment_secret = deployment_secret or new_deployment_secret()
     router_config = make_router_config(
         routing_stats_period_s,
         policy=router,
@@ -440,6 +447,7 @@ def build_app(
         kv_events_replay_endpoint,
         replica_cpu_bind(cpu_bind),
         0,
+        deployment_secret=deployment_secret,
     )
     return bind_ingress(
         engine,
@@ -452,6 +460,8 @@ def build_app(
         max_prompt_chars=max_prompt_chars,
         metrics_public=metrics_public,
         health_stall_s=health_stall_s,
+        deployment_secret=deployment_secret,
+        admin_keys=list(admin_keys or []),
     )
 
 
@@ -519,108 +529,23 @@ def tensor_parallel_placement(tensor_parallel_size: int, num_cpus: float) -> dic
     }
 
 
-def run_replicas(args, engine_config) -> int:
-    """`pagedattn serve --data-parallel-size N`: serve until SIGTERM/SIGINT, drain, return 0.
-
-    Starts a local Ray instance unless `--ray-address` names a cluster; on a signal the app is
-    deleted (replicas finish in-flight requests for up to --shutdown-timeout seconds), then Ray
-    is stopped if this command started it.
-    """
+def replica_env() -> dict[str, str]:
+    """The variables this process hands on to Ray's workers (PAGEDATTN_*, HF_*)."""
     import os
-    import signal
-    import threading
 
-    import ray
-
-    from pagedattn.entrypoints.openai.http import keys_from_env
-    from pagedattn.serve.args import validate_distributed_args
-
-    validate_distributed_args(args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    num_pd = getattr(args, "prefill_replicas", 0) + getattr(args, "decode_replicas", 0)
-    num_replicas = num_pd or args.data_parallel_size
     env = {k: v for k, v in os.environ.items() if k.startswith(("PAGEDATTN_", "HF_"))}
     env.update({k: os.environ[k] for k in ("TRANSFORMERS_OFFLINE",) if k in os.environ})
-    if args.ray_address is None:
-        ranks = num_replicas * engine_config.tensor_parallel_size
-        num_cpus = max(os.cpu_count() or 1, int(ranks * args.replica_cpus + 0.999))
-        ray.init(num_cpus=num_cpus, include_dashboard=False, runtime_env={"env_vars": env})
-    else:
-        ray.init(address=args.ray_address, runtime_env={"env_vars": env})
-    stop = threading.Event()
-    previous = {
-        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)
-    }
-    try:
-        # NOTE: one HTTP proxy, on the head node: the endpoint is --host:--port of the head (a
-        # proxy on every node would also collide on the port when two nodes share a machine).
-        serve.start(proxy_location="HeadOnly", http_options={"host": args.host, "port": args.port})
-        build = build_app
-        if num_pd:  # prefill/decode disaggregation (pd_app.py)
-            from pagedattn.serve.pd_app import pd_app_builder
-
-            build = pd_app_builder(
-                args.prefill_replicas,
-                args.decode_replicas,
-                args.pd_min_prompt_tokens,
-                getattr(args, "pd_decode_step_time", None),
-                getattr(args, "pd_prefill_nice", 5),
-            )
-        app = build(
-            engine_config,
-            num_replicas,
-            router=args.router,
-            api_keys=list(args.api_key or []) or keys_from_env(),
-            served_model_name=args.served_model_name,
-            imbalance_threshold=args.router_imbalance_threshold,
-            replica_num_cpus=args.replica_cpus,
-            graceful_shutdown_timeout_s=args.shutdown_timeout,
-            kv_events_endpoint=getattr(args, "kv_events_endpoint", None),
-            kv_events_replay_endpoint=args.kv_events_replay_endpoint,
-            max_request_bytes=args.max_request_bytes,
-            max_prompt_chars=args.max_prompt_chars,
-            metrics_public=args.metrics_public,
-            health_stall_s=args.health_stall_s,
-        )
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-        logger.info(
-            "serving %d replicas (router %s) on http://%s:%d",
-            num_replicas,
-            args.router,
-            args.host,
-            args.port,
-        )
-        while not stop.wait(1.0):
-            pass
-        logger.info("signal received: draining in-flight requests, then stopping")
-        serve.delete(APP_NAME)
-        if args.ray_address is None:
-            serve.shutdown()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        ray.shutdown()
-    return 0
+    return env
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m pagedattn.serve.serve_app --data-parallel-size N ...` (serve's options)."""
-    import argparse
-    import os
+def run_replicas(args, engine_config) -> int:
+    """`pagedattn serve --data-parallel-size N`: serve until a signal (serve/launch.py)."""
+    from pagedattn.serve.launch import run_replicas as run
 
-    from pagedattn.config import EngineConfig
-    from pagedattn.entrypoints.args import add_serve_args
-    from pagedattn.serve.args import add_distributed_args
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    parser = argparse.ArgumentParser(prog="pagedattn serve", description=__doc__)
-    add_serve_args(parser)
-    if "--data-parallel-size" not in parser._option_string_actions:
-        add_distributed_args(parser)
-    args = parser.parse_args(argv)
-    return run_replicas(args, EngineConfig.from_cli(args))
+    return run(args, engine_config)
 
 
 if __name__ == "__main__":
+    from pagedattn.serve.launch import main
+
     raise SystemExit(main())

@@ -4,6 +4,9 @@ Runs inside the caller of the engine deployment's handle (the ingress). Each rep
 `record_routing_stats` names its KV event endpoints; the router subscribes to each, keeps a
 PrefixIndex from the events, and ranks replicas with the configured policy (`prefix`, `pow2`,
 `round_robin`) for the block hashes the ingress put in the call's `routing_hashes` keyword.
+The replicas' event sockets admit only the deployment's clients: the router subscribes with the
+keys of the deployment secret that the handle's owner (the ingress; a PD decode replica) gave
+this process (`use_deployment_secret`) before its first call.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from pagedattn.distributed.kv_events import ZmqEventSubscriber
+from pagedattn.distributed.zmq_auth import CurveKeys
 from pagedattn.serve.prefix_index import DEFAULT_ROUTED_TTL_S, PrefixIndex, hashes_digest
 from pagedattn.serve.router import (
     DEFAULT_IMBALANCE_RATIO,
@@ -27,6 +31,18 @@ logger = logging.getLogger(__name__)
 
 # Routers alive in this process (the ingress reads replica stats and router counters from them).
 ACTIVE_ROUTERS: weakref.WeakSet[PagedRequestRouter] = weakref.WeakSet()
+# The deployment's keys in this process (use_deployment_secret); routers subscribe with them.
+_DEPLOYMENT_KEYS: list[CurveKeys] = []
+
+
+def use_deployment_secret(secret: bytes) -> None:
+    """The deployment secret this process's routers subscribe to replica event feeds with."""
+    _DEPLOYMENT_KEYS[:] = [CurveKeys.from_secret(secret)]
+
+
+def deployment_keys() -> CurveKeys | None:
+    """The keys use_deployment_secret set in this process (None: none set)."""
+    return _DEPLOYMENT_KEYS[0] if _DEPLOYMENT_KEYS else None
 
 
 class PagedRequestRouter(RequestRouter):
@@ -55,6 +71,10 @@ class PagedRequestRouter(RequestRouter):
     # ---- KV events -------------------------------------------------------------------------
 
     def _sync_subscriptions(self) -> None:
+        # NOTE: the module by name, as ACTIVE_ROUTERS above: this class may be a by-value copy.
+        from pagedattn.serve import serve_router
+
+        curve = serve_router.deployment_keys()
         for replica in self._replicas.values():
             rid = replica.replica_id
             if rid in self._subscribers:
@@ -63,10 +83,17 @@ class PagedRequestRouter(RequestRouter):
             endpoint = stats.get("kv_events_endpoint")
             if endpoint is None:
                 continue
+            if curve is None:
+                logger.warning(
+                    "no deployment secret in this process: the KV events of replica %s cannot "
+                    "be read (prefix routing falls back to load)",
+                    rid.unique_id,
+                )
             self._subscribers[rid] = ZmqEventSubscriber(
                 endpoint,
                 topic=stats.get("kv_events_topic", ""),
                 replay_endpoint=stats.get("kv_events_replay_endpoint"),
+                curve=curve,
             )
             self.index.add_replica(rid.unique_id)
 
@@ -123,9 +150,13 @@ class PagedRequestRouter(RequestRouter):
             return []
         self.drain_events()
         hashes: Any = ()
+        target = None
         if pending_request is not None:
             hashes = pending_request.kwargs.get("routing_hashes") or ()
+            target = pending_request.kwargs.get("target_replica")
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if target in by_id:  # NOTE: a call for one replica (the ingress's /debug/kv)
+            return [[by_id[target]]]
         loads = {uid: self._queue_len(r) for uid, r in by_id.items()}
         with self.lock:
             ranked = self.policy.rank(list(by_id), loads, hashes)

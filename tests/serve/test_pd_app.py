@@ -23,6 +23,7 @@ from tests.entrypoints.server_process import free_port, make_model_dir  # noqa: 
 from tests.serve.test_serve_app import prompt, wait_for  # noqa: E402
 
 KEY = "key-a"
+SECRET = b"deployment secret of the PD test module"
 BLOCK_SIZE = 4
 HEADERS = {"Authorization": f"Bearer {KEY}"}
 
@@ -50,7 +51,7 @@ def app(model):
             num_prefill=1,
             num_decode=1,
             api_keys=[KEY],
-            events_host="127.0.0.1",
+            deployment_secret=SECRET,
             routing_stats_period_s=0.5,
             health_check_period_s=1.0,
             graceful_shutdown_timeout_s=5.0,
@@ -117,6 +118,51 @@ def _actor(name: str):
         a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if name in a["name"]
     ]
     return ray.get_actor(actor, namespace="serve")
+
+
+def _raw_get(endpoint: str, frames, curve=None) -> list[bytes] | None:
+    import zmq
+
+    from pagedattn.distributed.zmq_auth import secure_client
+
+    req = zmq.Context.instance().socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        secure_client(req, curve, endpoint)
+    req.setsockopt(zmq.SNDTIMEO, 1500)
+    req.connect(endpoint)
+    try:
+        req.send_multipart(frames)
+        return req.recv_multipart() if req.poll(1500) else None
+    except zmq.Again:  # NOTE: a failed handshake dropped the peer: the send has nowhere to go
+        return None
+    finally:
+        req.close()
+
+
+def test_the_block_server_is_loopback_private_and_survives_malformed_pulls(app, model):
+    from pagedattn.distributed.zmq_auth import CurveKeys
+
+    before = kv_usage("PrefillReplica")
+    endpoint = before["transfer_endpoint"]
+    assert endpoint.startswith("tcp://127.0.0.1:"), endpoint
+    # Without the deployment secret: no answer at all (not even "missing").
+    assert _raw_get(endpoint, [b"get", b"any-key"]) is None
+    curve = CurveKeys.from_secret(SECRET)
+    assert _raw_get(endpoint, [b"get", b"any-key"], curve) == [b"ok", b""]
+    # A malformed pull (a key that is not UTF-8) is answered with an error ...
+    reply = _raw_get(endpoint, [b"get", b"\xff\xfe"], curve)
+    assert reply is not None and reply[0] == b"error"
+    # ... and the next request's blocks are still pulled from this server.
+    text = prompt(7, n=40)
+    body = {"model": "tiny-llama", "prompt": text, "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    r = app.post("/v1/completions", json=body, headers=HEADERS)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == single_text(model, text, 4)
+    assert kv_usage("DecodeReplica")["transfers"][-1]["num_blocks"] >= 10
+    after = kv_usage("PrefillReplica")
+    assert after["num_malformed_transfer_requests"] == before["num_malformed_transfer_requests"] + 1
 
 
 def test_a_request_the_decode_replica_cannot_hold_is_refused_before_the_prefill(app):

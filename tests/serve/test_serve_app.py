@@ -20,6 +20,8 @@ from tests.entrypoints.server_process import free_port, make_model_dir  # noqa: 
 from tests.entrypoints.test_front_door import load_probes  # noqa: E402
 
 KEYS = ("key-a", "key-b")
+ADMIN = "key-admin"
+SECRET = b"deployment secret of this test module!"
 BLOCK_SIZE = 4
 WORDS = "the a of to and is in it you that he was for on are with as I his they be at one".split()
 
@@ -46,7 +48,8 @@ def app(tmp_path_factory):
             num_replicas=2,
             router="prefix",
             api_keys=KEYS,
-            events_host="127.0.0.1",
+            admin_keys=[ADMIN],
+            deployment_secret=SECRET,
             routing_stats_period_s=0.5,
             health_check_period_s=1.0,
             graceful_shutdown_timeout_s=5.0,
@@ -79,7 +82,7 @@ def auth(key: str) -> dict[str, str]:
 
 
 def replica_stats(client: httpx.Client) -> dict:
-    r = client.get("/debug/replicas", headers=auth(KEYS[0]))
+    r = client.get("/debug/replicas", headers=auth(ADMIN))
     r.raise_for_status()
     return r.json()
 
@@ -214,3 +217,93 @@ def test_killed_replica_fails_its_requests_clearly_and_is_restarted(app):
     for i in range(4):
         complete(app, prompt(200 + i))
     quiescent(app)
+
+
+def test_internal_endpoints_need_the_admin_key(app):
+    for path in ("/debug/replicas", "/debug/router"):
+        for headers in ({}, auth(KEYS[0]), auth(KEYS[1])):
+            r = app.get(path, headers=headers)
+            assert r.status_code in (401, 403), (path, r.status_code)
+            assert "tcp://" not in r.text and "node_id" not in r.text
+        assert app.get(path, headers=auth(ADMIN)).status_code == 200
+    # The admin key is an API key too.
+    assert complete(app, prompt(300), key=ADMIN)["usage"]["completion_tokens"] == 3
+
+
+def _dealer_replay(endpoint: str, curve=None, timeout_ms: int = 1500) -> list:
+    import zmq
+
+    from pagedattn.distributed.zmq_auth import secure_client
+
+    req = zmq.Context.instance().socket(zmq.DEALER)
+    req.setsockopt(zmq.LINGER, 0)
+    if curve is not None:
+        secure_client(req, curve, endpoint)
+    req.setsockopt(zmq.SNDTIMEO, timeout_ms)
+    req.connect(endpoint)
+    got = []
+    try:
+        req.send_multipart([b"", (0).to_bytes(8, "big")])
+    except zmq.Again:  # NOTE: a failed handshake dropped the peer: the send has nowhere to go
+        timeout_ms = 0
+    while req.poll(timeout_ms):
+        got.append(req.recv_multipart())
+        timeout_ms = 300
+    req.close()
+    return got
+
+
+def test_replica_event_sockets_are_loopback_and_need_the_deployment_secret(app):
+    import zmq
+
+    from pagedattn.distributed.kv_events import END_SEQ, decode_batch
+    from pagedattn.distributed.zmq_auth import CurveKeys
+
+    complete(app, prompt(400))
+    stats = quiescent(app)
+    for s in stats.values():
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            assert s[name].startswith("tcp://127.0.0.1:"), s[name]
+        # A peer without the secret: no replay batch, and the PUB socket sends it nothing.
+        assert _dealer_replay(s["kv_events_replay_endpoint"]) == []
+        spy = zmq.Context.instance().socket(zmq.SUB)
+        spy.setsockopt(zmq.LINGER, 0)
+        spy.setsockopt(zmq.SUBSCRIBE, b"")
+        spy.connect(s["kv_events_endpoint"])
+        # With the secret: the history, as block hashes without the prompts' token ids.
+        got = _dealer_replay(s["kv_events_replay_endpoint"], CurveKeys.from_secret(SECRET))
+        assert got and got[-1] == [b"", END_SEQ, b""]
+        stored = [e for m in got[:-1] for e in decode_batch(m[2]).events if hasattr(e, "token_ids")]
+        assert stored and all(e.token_ids == [] and e.block_hashes for e in stored)
+        complete(app, prompt(401))
+        assert not spy.poll(500)
+        spy.close()
+
+
+def test_debug_kv_per_replica_scoped_to_the_tenant_and_the_dashboard(app):
+    page = app.get("/dashboard")
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert app.get("/debug/kv").status_code == 401
+    ids = sorted(replica_stats(app))
+    r = app.get("/debug/kv", params={"replica": "nope"}, headers=auth(KEYS[0]))
+    assert r.status_code == 404
+    body = {"model": "tiny-llama", "prompt": prompt(500), "max_tokens": 200, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    with app.stream("POST", "/v1/completions", json=body, headers=auth(KEYS[0])) as stream:
+        assert stream.status_code == 200
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        mine = {}
+        for rid in ids:
+            snap = app.get("/debug/kv", params={"replica": rid}, headers=auth(KEYS[0])).json()
+            assert snap["replica_id"] == rid and snap["replica_ids"] == ids
+            mine[rid] = snap
+        (holder,) = [rid for rid, snap in mine.items() if snap["requests"]]
+        assert any(state != "hidden" for state in mine[holder]["state"])
+        # Another tenant sees the request only as a count, and none of its blocks.
+        other = app.get("/debug/kv", params={"replica": holder}, headers=auth(KEYS[1])).json()
+        assert other["requests"] == {} and other["block_tables"] == {}
+        assert other["other_tenants"]["num_requests"] >= 1
+        assert set(other["state"]) == {"hidden"}
+        default = app.get("/debug/kv", headers=auth(KEYS[1])).json()
+        assert default["replica_id"] == ids[0]

@@ -91,6 +91,8 @@ def test_replicas_process_publishes_per_rank_and_drains_on_sigterm(tmp_path):
                         assert topic == b"kv-events" and batch.data_parallel_rank == rank
                         stored += [e for e in batch.events if isinstance(e, BlockStored)]
         assert stored and stored[0].block_size == 4
+        # The external feed keeps vLLM's schema: token ids included (the router's has none).
+        assert len(stored[0].token_ids) == 4 * len(stored[0].block_hashes) > 0
         # SIGTERM while a request runs: it completes, then the process exits 0.
         long_body = dict(body, max_tokens=150, ignore_eos=True)
         result: dict = {}

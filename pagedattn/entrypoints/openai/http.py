@@ -50,17 +50,52 @@ def keys_from_env() -> list[str]:
     return [k for k in envs.PAGEDATTN_API_KEY.split(",") if k]
 
 
+def admin_keys_from_env() -> list[str]:
+    """Admin keys from PAGEDATTN_ADMIN_API_KEY (comma-separated): see TenantAuth."""
+    return [k for k in envs.PAGEDATTN_ADMIN_API_KEY.split(",") if k]
+
+
 def public_paths(metrics_public: bool) -> frozenset[str]:
     """The paths served without a key: /health, /dashboard, and /metrics if asked."""
     return PUBLIC_PATHS | {METRICS_PATH} if metrics_public else PUBLIC_PATHS
 
 
 class TenantAuth:
-    """API-key checks and the prefix-cache namespace (cache salt) of each request."""
+    """API-key checks and the prefix-cache namespace (cache salt) of each request.
 
-    def __init__(self, api_keys: Sequence[str] | None, secret: bytes | None = None) -> None:
-        self.api_keys = [k for k in (api_keys or []) if k]
+    Admin keys (`--admin-api-key`, PAGEDATTN_ADMIN_API_KEY) are API keys too (a tenant of their
+    own) and the only keys internal endpoints (`/debug/replicas`) accept; a server with only
+    admin keys needs a key for every request. On an open server (no key at all) every caller is
+    the admin.
+    """
+
+    def __init__(
+        self,
+        api_keys: Sequence[str] | None,
+        secret: bytes | None = None,
+        admin_keys: Sequence[str] | None = None,
+    ) -> None:
+        self.admin_keys = [k for k in (admin_keys or []) if k]
+        tenant_keys = [k for k in (api_keys or []) if k]
+        self.api_keys = tenant_keys + [k for k in self.admin_keys if k not in tenant_keys]
         self._secret = secret if secret is not None else secrets.token_bytes(32)
+
+    def require_admin(self, authorization: str | None) -> None:
+        """Raise a 403 APIError unless the header carries an admin key (or no key is set)."""
+        if not self.api_keys:
+            return
+        scheme, _, token = (authorization or "").partition(" ")
+        token_bytes = token.strip().encode()
+        if scheme.lower() == "bearer" and any(
+            hmac.compare_digest(token_bytes, key.encode()) for key in self.admin_keys
+        ):
+            return
+        raise APIError(
+            "this endpoint needs the admin API key (--admin-api-key or PAGEDATTN_ADMIN_API_KEY)",
+            status_code=403,
+            err_type="permission_error",
+            code="admin_key_required",
+        )
 
     def _hmac(self, *parts: str) -> str:
         msg = b"\0".join(p.encode() for p in parts)

@@ -34,11 +34,10 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
-from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from pagedattn.config import EngineConfig
 from pagedattn.engine.async_engine import AsyncLLMEngine
@@ -53,6 +52,7 @@ from pagedattn.entrypoints.openai.agent_routes import install_agent_routes, loca
 from pagedattn.entrypoints.openai.http import (
     CLIENT_CLOSED_REQUEST,
     TenantAuth,
+    admin_keys_from_env,
     degraded_reasons,
     error_response,
     keys_from_env,
@@ -60,6 +60,10 @@ from pagedattn.entrypoints.openai.http import (
     redact_query_secrets,
     tenant_of,
     until_disconnect,
+)
+from pagedattn.entrypoints.openai.kv_debug import (
+    dashboard_response,
+    tenant_kv_snapshot,
 )
 from pagedattn.entrypoints.openai.lora_routes import install_lora_routes, serving_lora
 from pagedattn.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -69,48 +73,11 @@ from pagedattn.entrypoints.openai.serving import OpenAIServing
 
 logger = logging.getLogger(__name__)
 
-STATIC_DIR = Path(__file__).parent / "static"
 # After --shutdown-timeout the requests still in flight get an error; this long to send it.
 SHUTDOWN_FLUSH_S = 5.0
 # Exit status of `pagedattn serve` after an engine fault (a supervisor should restart it).
 EXIT_ENGINE_FAULT = 1
-# Per-block arrays of /debug/kv that a tenant sees only for its own blocks.
-_BLOCK_ARRAYS = ("ref_cnt", "cached", "state")
-# What another tenant's (or an idle) block shows as in a tenant's /debug/kv.
-HIDDEN_BLOCK = {"ref_cnt": 0, "cached": False, "state": "hidden"}
-
 __all__ = ["TenantAuth", "build_app", "redact_query_secrets", "run_server"]
-
-
-def scope_kv_snapshot(snapshot: dict, own_ids: set[str]) -> dict:
-    """A /debug/kv snapshot cut to the caller's requests; others only as aggregate counts.
-
-    Engine-internal ids of a request's sibling sequences (`<id>#<n>`) count as the request's.
-    """
-
-    def mine(core_id: str) -> bool:
-        return core_id in own_ids or core_id.partition("#")[0] in own_ids
-
-    tables = snapshot.get("block_tables", {})
-    other_ids = [r for r in tables if not mine(r)]
-    other_blocks = {b for r in other_ids for g in tables[r] for b in g}
-    scoped = dict(snapshot)
-    scoped["owners"] = [[r for r in owners if mine(r)] for owners in snapshot.get("owners", [])]
-    scoped["block_tables"] = {r: t for r, t in tables.items() if mine(r)}
-    scoped["requests"] = {r: v for r, v in snapshot.get("requests", {}).items() if mine(r)}
-    own_blocks = {b for r in scoped["block_tables"] for g in tables[r] for b in g}
-    # NOTE: the per-block arrays of the whole pool show when and where other tenants' prompts
-    # are cached (an activity side channel): a tenant sees its own blocks, the rest hidden.
-    for name in _BLOCK_ARRAYS:
-        if name in snapshot:
-            values = snapshot[name]
-            hidden = HIDDEN_BLOCK[name]
-            scoped[name] = [v if i in own_blocks else hidden for i, v in enumerate(values)]
-    scoped["other_tenants"] = {
-        "num_requests": len({r.partition("#")[0] for r in other_ids}),
-        "num_blocks": len(other_blocks),
-    }
-    return scoped
 
 
 async def _respond(handler, raw: Request, headers: dict[str, str] | None = None) -> Response:
@@ -141,6 +108,7 @@ def build_app(
     tool_call_parser: str | None = None,
     enable_auto_tool_choice: bool = False,
     reasoning_parser: str | None = None,
+    admin_keys: Sequence[str] | None = None,
 ) -> FastAPI:
     """The FastAPI app serving one engine; the engine loop stops when the app shuts down.
 
@@ -148,7 +116,8 @@ def build_app(
     enable_lora); ``enable_lora_runtime_updates``: serve /v1/load_lora_adapter and
     /v1/unload_lora_adapter, which read adapters under ``lora_root`` only.
     ``tool_call_parser``, ``enable_auto_tool_choice``, ``reasoning_parser``: `pagedattn serve`'s
-    options of those names (docs/agent-api.md)."""
+    options of those names (docs/agent-api.md). ``admin_keys``: see TenantAuth (internal
+    endpoints and every tenant's adapters)."""
     engine = engine_or_async_engine
     if not isinstance(engine, AsyncLLMEngine):
         engine = AsyncLLMEngine(engine)
@@ -172,7 +141,7 @@ def build_app(
         reasoning_parser=reasoning_parser,
         **limits,
     )
-    auth = TenantAuth(api_keys)
+    auth = TenantAuth(api_keys, admin_keys=admin_keys)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -240,18 +209,11 @@ def build_app(
 
     @app.get("/debug/kv")
     async def debug_kv(raw: Request) -> dict:
-        snapshot, own_ids = await engine.kv_snapshot_with_owned(tenant(raw))
-        # NOTE: without keys there is one tenant, whose dashboard shows the whole pool.
-        return scope_kv_snapshot(snapshot, own_ids) if auth.api_keys else snapshot
+        return await tenant_kv_snapshot(engine, tenant(raw), scoped=bool(auth.api_keys))
 
     @app.get("/dashboard")
     async def dashboard() -> Response:
-        page = STATIC_DIR / "dashboard.html"
-        if not page.exists():
-            return error_response(
-                404, "the dashboard page is not installed", "invalid_request_error"
-            )
-        return FileResponse(page, media_type="text/html")
+        return dashboard_response()
 
     return app
 
@@ -331,6 +293,7 @@ def run_server(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        admin_keys=list(getattr(args, "admin_api_key", None) or []) or admin_keys_from_env(),
     )
     config = uvicorn.Config(
         app,
