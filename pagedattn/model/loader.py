@@ -23,7 +23,7 @@ from pagedattn.cpu.plan import AUTO, KernelOptions, KernelPlan, choose_plan, mod
 from pagedattn.model.base import PagedCausalLM
 from pagedattn.model.gguf_loader import GGUFCheckpoint, quantize_checkpoint
 from pagedattn.model.hf_loader import HFCheckpoint
-from pagedattn.model.registry import resolve_architecture, text_config
+from pagedattn.model.registry import config_class, resolve_architecture, text_config
 from pagedattn.model.text_config import TextConfig
 
 if TYPE_CHECKING:
@@ -163,7 +163,8 @@ def _gc_paused() -> Iterator[None]:
 
 def checkpoint_config(checkpoint: HFCheckpoint | GGUFCheckpoint) -> TextConfig:
     """The checkpoint's text config (what a kernel plan is chosen from, before any module)."""
-    return TextConfig.from_dict(_architecture_and_config(checkpoint)[2])
+    architecture, _, raw = _architecture_and_config(checkpoint)
+    return config_class(architecture).from_dict(raw)
 
 
 def choose_model_plan(
@@ -201,7 +202,7 @@ def build_model(
     (model.parallel_layers).
     """
     architecture, model_cls, raw = _architecture_and_config(checkpoint)
-    config = TextConfig.from_dict(raw)
+    config = config_class(architecture).from_dict(raw)
     torch_dtype = _torch_dtype(dtype)
     if plan is None:
         plan = choose_model_plan(config, torch_dtype, device)

@@ -7,6 +7,10 @@ from typing import Any
 from pagedattn.model.base import PagedCausalLM
 from pagedattn.model.gemma3 import Gemma3ForCausalLM
 from pagedattn.model.llama import LlamaForCausalLM
+from pagedattn.model.mixtral import MixtralForCausalLM
+from pagedattn.model.moe import MoETextConfig
+from pagedattn.model.qwen3_moe import Qwen3MoeForCausalLM
+from pagedattn.model.text_config import TextConfig
 
 MODEL_REGISTRY: dict[str, type[PagedCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -16,6 +20,13 @@ MODEL_REGISTRY: dict[str, type[PagedCausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # Text-only use of the multimodal checkpoint: its vision tower is skipped at load.
     "Gemma3ForConditionalGeneration": Gemma3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+}
+# Architectures whose config carries more than TextConfig's keys -> the config class to read.
+CONFIG_CLASSES: dict[str, type[TextConfig]] = {
+    "Qwen3MoeForCausalLM": MoETextConfig,
+    "MixtralForCausalLM": MoETextConfig,
 }
 
 
@@ -40,3 +51,8 @@ def text_config(architecture: str, config: dict[str, Any]) -> dict[str, Any]:
     if architecture == "Gemma3ForConditionalGeneration":
         return config["text_config"]
     return config
+
+
+def config_class(architecture: str) -> type[TextConfig]:
+    """The TextConfig class an architecture's config dict is read into."""
+    return CONFIG_CLASSES.get(architecture, TextConfig)

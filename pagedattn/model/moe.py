@@ -1,0 +1,290 @@
+"""The sparse mixture-of-experts block: a softmax top-k router over SwiGLU experts.
+
+Experts are held stacked, ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], and computed
+grouped: the (token, expert) pairs are sorted by expert, each active expert runs one GEMM pair on
+its rows, and the weighted rows are scattered back into the output. A step reads only the weights
+of the experts its tokens chose (at batch 1, top-k of them).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedattn.config import ConfigError
+from pagedattn.cpu.quant import QuantizedTensor
+from pagedattn.model.base import WeightLoadError
+from pagedattn.model.layers import silu_and_mul
+from pagedattn.model.text_config import TextConfig
+
+
+class MoECheckpointError(ConfigError):
+    """An MoE checkpoint pagedattn cannot run; the message names the config value or tensor."""
+
+
+class UnsupportedMoEError(MoECheckpointError):
+    """The checkpoint's routing variant (shared experts, a non-softmax router) is not run here."""
+
+
+class MissingExpertError(MoECheckpointError, WeightLoadError):
+    """The checkpoint lacks (or misshapes) an expert's tensor."""
+
+
+@dataclass(frozen=True)
+class MoETextConfig(TextConfig):
+    """TextConfig plus the MoE keys of Qwen3-MoE and Mixtral config.json files."""
+
+    num_experts: int | None = None  # Qwen3-MoE's name
+    num_local_experts: int | None = None  # Mixtral's (transformers 5 maps Qwen3-MoE's to it)
+    num_experts_per_tok: int | None = None
+    moe_intermediate_size: int | None = None
+    norm_topk_prob: bool | None = None
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    hidden_act: str = "silu"
+    # Keys of routing variants this block does not run (refused by MoESpec.from_config).
+    scoring_func: str | None = None
+    shared_expert_intermediate_size: int | None = None
+    n_shared_experts: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> MoETextConfig:
+        """The config of a config.json dict (``mlp_only_layers`` as a tuple)."""
+        raw = dict(raw)
+        if raw.get("mlp_only_layers") is not None:
+            raw["mlp_only_layers"] = tuple(raw["mlp_only_layers"])
+        config = super().from_dict(raw)
+        assert isinstance(config, MoETextConfig)
+        return config
+
+
+# Keys of a MoETextConfig that TextConfig lacks (what a plain TextConfig cannot carry).
+MOE_KEYS = tuple(
+    f.name for f in fields(MoETextConfig) if f.name not in TextConfig.__dataclass_fields__
+)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """What one sparse block computes: E experts of FFN size I, top-k of them per token."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool  # divide the top-k probabilities by their sum
+
+    @staticmethod
+    def from_config(
+        config: TextConfig, intermediate_size: int | None, renormalize: bool | None
+    ) -> MoESpec:
+        """The block of ``config``; UnsupportedMoEError names the value it cannot run."""
+        if not isinstance(config, MoETextConfig):
+            raise UnsupportedMoEError(
+                f"model_type={config.model_type!r}: an MoE model needs its MoE config keys "
+                f"({', '.join(MOE_KEYS[:4])}, ...)"
+            )
+        name = config.model_type
+        shared = config.shared_expert_intermediate_size or config.n_shared_experts
+        if shared:
+            raise UnsupportedMoEError(
+                f"{name}: shared experts (shared_expert_intermediate_size / n_shared_experts="
+                f"{shared}, as in Qwen2-MoE and DeepSeek) are not supported; pagedattn runs "
+                "Qwen3-MoE and Mixtral routing (softmax top-k, no shared expert)"
+            )
+        if config.scoring_func not in (None, "softmax"):
+            raise UnsupportedMoEError(
+                f"{name}: scoring_func={config.scoring_func!r} is not supported; only softmax "
+                "routing is"
+            )
+        if config.hidden_act != "silu":
+            raise UnsupportedMoEError(
+                f"{name}: experts with hidden_act={config.hidden_act!r} are not supported; "
+                "only silu (SwiGLU) experts are"
+            )
+        num_experts = config.num_experts or config.num_local_experts
+        top_k = config.num_experts_per_tok
+        if not num_experts or not top_k or not 1 <= top_k <= num_experts:
+            raise UnsupportedMoEError(
+                f"{name}: num_experts={num_experts}, num_experts_per_tok={top_k}: an MoE model "
+                "needs 1 <= num_experts_per_tok <= num_experts"
+            )
+        if not intermediate_size:
+            raise UnsupportedMoEError(f"{name}: the config gives no expert FFN size")
+        return MoESpec(num_experts, top_k, intermediate_size, bool(renormalize))
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (float32 weights [T, k], expert ids [T, k]): softmax, top-k."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+    weights, ids = torch.topk(probs, top_k, dim=-1)  # [T, k] each
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def grouped_moe(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    step_ops: bool = True,
+) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: x [T, H] -> [T, H].
+
+    gate_up [E, 2I, H], down [E, H, I]; weights (float32) and ids [T, k]. The T * k pairs are
+    sorted by expert and each active expert runs once on its rows.
+    """
+    top_k = ids.shape[1]
+    flat_ids = ids.reshape(-1)  # [T * k]
+    order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
+    token_of = order // top_k  # [T * k] the token of each sorted pair
+    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    rows = x.index_select(0, token_of)  # [T * k, H]
+    out_rows = torch.empty_like(rows)  # [T * k, H]
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        end = start + count
+        hidden = F.linear(rows[start:end], gate_up[expert])  # [count, 2I]
+        torch.mm(silu_and_mul(hidden, step_ops), down[expert].t(), out=out_rows[start:end])
+        start = end
+    scale = weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [T * k, 1]
+    out_rows = (out_rows * scale).to(x.dtype)
+    out = torch.zeros_like(x)  # [T, H]
+    out.index_add_(0, token_of, out_rows)
+    return out
+
+
+class MoERouter(nn.Module):
+    """The router's linear map (HF ``mlp.gate``): hidden [T, H] -> logits [T, E]."""
+
+    def __init__(self, hidden_size: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+
+class MoEExperts(nn.Module):
+    """E SwiGLU experts' weights, stacked (the fused gate/up first, as the dense MLP's)."""
+
+    def __init__(self, hidden_size: int, spec: MoESpec) -> None:
+        super().__init__()
+        e, i = spec.num_experts, spec.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden_size))  # [E, 2I, H]
+        self.down_proj = nn.Parameter(torch.empty(e, hidden_size, i))  # [E, H, I]
+
+
+class SparseMoEBlock(nn.Module):
+    """Router, top-k, grouped experts, weighted sum: hidden [T, H] -> [T, H]."""
+
+    def __init__(self, hidden_size: int, spec: MoESpec, step_ops: bool = True) -> None:
+        super().__init__()
+        self.spec = spec
+        self.step_ops = step_ops
+        self.gate = MoERouter(hidden_size, spec.num_experts)
+        self.experts = MoEExperts(hidden_size, spec)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        logits = F.linear(x, self.gate.weight)  # [T, E]
+        weights, ids = route(logits, self.spec.top_k, self.spec.renormalize)
+        experts = self.experts
+        return grouped_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, self.step_ops)
+
+
+# HF per-expert tensor: "<layer>.mlp.experts.<e>.<proj>.weight".
+_EXPERT_TENSOR = re.compile(r"^(?P<block>.+)\.experts\.(?P<expert>\d+)\.(?P<proj>\w+)\.weight$")
+# A stacked tensor as transformers 5 holds it: "<layer>.mlp.experts.gate_up_proj".
+_STACKED_TENSOR = re.compile(r"^(?P<block>.+)\.experts\.(?P<proj>gate_up_proj|down_proj)$")
+
+
+class ExpertLoader:
+    """Copies per-expert HF tensors into the stacked parameters and checks none is missing.
+
+    ``projections`` maps the checkpoint's names of an expert's projections to (stacked
+    parameter, shard): 0/1 the gate/up halves of gate_up_proj, None the whole down_proj row.
+    """
+
+    def __init__(self, model: nn.Module, projections: dict[str, tuple[str, int | None]]) -> None:
+        self.projections = projections
+        self.blocks: dict[str, SparseMoEBlock] = {
+            name: m for name, m in model.named_modules() if isinstance(m, SparseMoEBlock)
+        }
+        self.loaded: set[tuple[str, int, str]] = set()  # (block, expert, HF projection)
+
+    def filter(self, weights: Iterable[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+        """The tensors that are not experts' (experts' are copied into place on the way)."""
+        for name, tensor in weights:
+            if "shared_expert" in name:
+                raise UnsupportedMoEError(
+                    f"checkpoint tensor {name!r} is a shared expert (Qwen2-MoE / DeepSeek "
+                    "routing): pagedattn runs MoE models without shared experts"
+                )
+            match = _EXPERT_TENSOR.match(name)
+            if match and match["block"] in self.blocks:
+                self._copy(name, match["block"], int(match["expert"]), match["proj"], tensor)
+                continue
+            match = _STACKED_TENSOR.match(name)
+            if match and match["block"] in self.blocks:
+                spec = self.blocks[match["block"]].spec
+                for proj, (param, _) in self.projections.items():
+                    if param == match["proj"]:
+                        self.loaded.update(
+                            (match["block"], e, proj) for e in range(spec.num_experts)
+                        )
+            yield name, tensor
+
+    def _copy(self, name: str, block: str, expert: int, proj: str, tensor: Any) -> None:
+        if proj not in self.projections:
+            raise MissingExpertError(
+                f"checkpoint tensor {name!r}: experts have no projection {proj!r} here (expected "
+                f"{', '.join(self.projections)})"
+            )
+        if isinstance(tensor, QuantizedTensor):
+            raise UnsupportedMoEError(
+                f"checkpoint tensor {name!r} is quantised: MoE experts run float weights only; "
+                "load the model with weights='dequantize' and no quantization"
+            )
+        moe = self.blocks[block]
+        if expert >= moe.spec.num_experts:
+            raise MissingExpertError(
+                f"checkpoint tensor {name!r} names expert {expert}, but the config has "
+                f"{moe.spec.num_experts} experts"
+            )
+        param, shard = self.projections[proj]
+        target = getattr(moe.experts, param).data[expert]  # [2I, H] or [H, I]
+        if shard is not None:
+            size = moe.spec.intermediate_size
+            target = target.narrow(0, shard * size, size)
+        if target.shape != tensor.shape:
+            raise MissingExpertError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)} but the expert "
+                f"expects {tuple(target.shape)}: check num_experts and the expert FFN size"
+            )
+        target.copy_(tensor)
+        self.loaded.add((block, expert, proj))
+
+    def check_complete(self) -> None:
+        """MissingExpertError naming the first expert tensor the checkpoint lacked."""
+        for block, moe in self.blocks.items():
+            for expert in range(moe.spec.num_experts):
+                for proj in self.projections:
+                    if (block, expert, proj) not in self.loaded:
+                        raise MissingExpertError(
+                            f"checkpoint lacks expert tensor '{block}.experts.{expert}.{proj}."
+                            "weight': the checkpoint is incomplete or its num_experts is wrong"
+                        )
+
+    def stacked_names(self) -> set[str]:
+        """Parameter names this loader fills (the base loader must not count them)."""
+        names = set()
+        for block in self.blocks:
+            names |= {f"{block}.experts.gate_up_proj", f"{block}.experts.down_proj"}
+        return names
