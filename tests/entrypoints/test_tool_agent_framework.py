@@ -33,6 +33,9 @@ def server():
     srv.stop()
 
 
+# NOTE: slow (about 90 s on 2 cores, a model load and four agent turns); the routes it drives
+# have their own default-suite tests (test_responses_server.py, test_tool_calling_server.py).
+@pytest.mark.slow
 @pytest.mark.parametrize("api", ["responses", "chat_completions"])
 def test_agents_sdk_one_tool_loop(server, api):
     agents.set_tracing_disabled(True)
