@@ -1,1 +1,2 @@
-"""Serving past one process: KV cache events over ZMQ, prefix-aware routing, Ray Serve replicas."""
+"""Parallel primitives under the worker: process groups, shared-memory collectives, CPU binding,
+KV cache events over ZMQ and the keys of their sockets."""

@@ -1,1 +1,1 @@
-"""Entry points: the pagedattn CLI (generate, chat, serve, bench) and the OpenAI server."""
+"""One process: the chat and generate helpers and the OpenAI server (entrypoints/openai)."""

@@ -36,7 +36,7 @@ DEFAULT_PD_MIN_PROMPT_TOKENS = 256
 DEFAULT_PD_PREFILL_NICE = 5
 # --target-step-time of the decode replicas (--pd-decode-step-time); None: --target-step-time.
 # NOTE: 0.1 s (chunking the short prompts they compute) measured no lower ITL p99 and 33% less
-# throughput than the default in bf16 (README, "bench pd"), so it is not the default.
+# throughput than the default in bf16 (docs/scaling.md, "bench pd"), so it is not the default.
 DEFAULT_PD_DECODE_STEP_TIME_S = None
 
 

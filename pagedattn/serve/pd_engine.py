@@ -90,7 +90,7 @@ class DisaggregatedEngine:
         self.engine = engine
         # Shorter prompts are computed here: they never wait behind long prompts on the prefill
         # replicas and skip a transfer, but each adds its prefill to one decode step (a 64-token
-        # prompt: ~380 ms in float32, ~150 ms in bf16 on one core; README, "bench pd").
+        # prompt: ~380 ms in float32, ~150 ms in bf16 on one core; docs/scaling.md, "bench pd").
         self.min_prompt_tokens = min_prompt_tokens
         self.role = role
         self.prefill = prefill

@@ -158,7 +158,7 @@ class OpenAIIngress:
         limit = self.max_prompt_chars or self.default_prompt_chars
         if not limit:
             # NOTE: listing the vocabulary takes ~80 ms: once, on a worker. Done on the event
-            # loop for every request, it held up every stream's tokens (README, PD section).
+            # loop for every request, it held up every stream's tokens (docs/scaling.md, PD).
             limit = await self.route_pool.run(
                 default_max_prompt_chars, self.hasher.tokenizer, self.max_model_len
             )

@@ -5,13 +5,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-import matplotlib
+from pagedattn.sim.metrics import SimResult
+from pagedattn.sim.sharing import SharingResult
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 
-from pagedattn.sim.metrics import SimResult  # noqa: E402
-from pagedattn.sim.sharing import SharingResult  # noqa: E402
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend, imported on first plot (the `viz` extra: tables
+    need no matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _pct(x: float) -> str:
@@ -77,6 +83,7 @@ def memory_breakdown(r: SimResult) -> dict[str, float]:
 
 def plot_breakdown(results: Sequence[SimResult], title: str, path: Path) -> Path:
     """Stacked bars of memory_breakdown per policy."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.8))
     colors = {
         "token states": "#2ca02c",
@@ -112,6 +119,7 @@ def plot_breakdown(results: Sequence[SimResult], title: str, path: Path) -> Path
 
 def plot_concurrency(results: Sequence[SimResult], title: str, path: Path) -> Path:
     """Mean and max concurrent sequences per policy."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 3.5))
     xs = range(len(results))
     ax.bar([x - 0.2 for x in xs], [r.mean_concurrent for r in results], 0.4, label="mean")
@@ -133,6 +141,7 @@ def plot_block_sweep(
     path: Path,
 ) -> Path:
     """Memory waste (1 - utilisation) vs block size, with kernel time on a second axis."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(block_sizes, [100 * (1 - r.utilization) for r in results], "o-", label="KV waste %")
     ax.set_xscale("log", base=2)
@@ -153,6 +162,7 @@ def plot_block_sweep(
 
 def plot_sharing(results: dict[str, list[SharingResult]], path: Path) -> Path:
     """Memory saved vs width, one line per (workload, mode)."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for label, series in results.items():
         ax.plot([s.width for s in series], [100 * s.saving for s in series], "o-", label=label)
