@@ -32,12 +32,13 @@ HELD_OUT_TEXT = "\n\n".join((TEXT, ARTICLE, DOCUMENT, CODE_FILE))
 CHUNK = 128  # tokens per forward: logits of [CHUNK, vocab] at a time
 
 
-def pagedattn_nll(model, tokens: list[int]) -> float:
-    """Mean NLL of tokens[1:] given their prefixes, fed CHUNK tokens per forward."""
-    runner = SequenceRunner(model, len(tokens) + CHUNK)
+def pagedattn_nll(model, tokens: list[int], chunk: int = CHUNK) -> float:
+    """Mean NLL of tokens[1:] given their prefixes, fed ``chunk`` tokens per forward (1: every
+    token through the decode kernels, as generation runs them)."""
+    runner = SequenceRunner(model, len(tokens) + chunk)
     total = 0.0
-    for lo in range(0, len(tokens) - 1, CHUNK):
-        part = tokens[lo : min(lo + CHUNK, len(tokens) - 1)]
+    for lo in range(0, len(tokens) - 1, chunk):
+        part = tokens[lo : min(lo + chunk, len(tokens) - 1)]
         logprobs = torch.log_softmax(runner.forward(part, lo).double(), dim=-1)  # [T, V]
         target = torch.tensor(tokens[lo + 1 : lo + 1 + len(part)])
         total += float(-logprobs.gather(1, target[:, None]).sum())
@@ -86,24 +87,29 @@ def main(argv: list[str] | None = None) -> int:
         f"model {ckpt.path.name} ({gguf_file_type(ckpt.path)}: {file_types(ckpt.path)}); "
         f"mean NLL of {len(tokens) - 1} tokens"
     )
-    ours = pagedattn_nll(loaded.model, tokens)
     print(
-        f"pagedattn  NLL {ours:.4f} (perplexity {math.exp(ours):.2f}); {args.dtype}, the "
-        f"file as the engine loads it by default ({loaded.plan.describe()}; process resident "
-        f"{resident_mib():.0f} MiB)"
+        f"pagedattn: {args.dtype}, the file as the engine loads it by default "
+        f"({loaded.plan.describe()}; process resident {resident_mib():.0f} MiB)"
     )
+    rows = {
+        f"pagedattn, {CHUNK} tokens per forward (prefill kernels)": pagedattn_nll(
+            loaded.model, tokens
+        ),
+        "pagedattn, 1 token per forward (decode kernels)": pagedattn_nll(loaded.model, tokens, 1),
+    }
     del loaded
+    theirs = None
     if importlib.util.find_spec("llama_cpp") is None:
-        print("llama.cpp  skipped: llama-cpp-python is not installed (make bench-peers)")
-        return 0
-    job = {"gguf": str(ckpt.path), "tokens": tokens, "threads": args.threads}
-    result = run_isolated("nll", job, args.llama_cpp_extra_bufts)
-    theirs = result["nll"]
-    print(
-        f"llama.cpp  NLL {theirs:.4f} (perplexity {math.exp(theirs):.2f}); weights as stored, "
-        f"buffer types {result['buffer_types']}"
-    )
-    print(f"difference pagedattn - llama.cpp: {ours - theirs:+.4f} nats per token")
+        print("llama.cpp: skipped, llama-cpp-python is not installed (make bench-peers)")
+    else:
+        job = {"gguf": str(ckpt.path), "tokens": tokens, "threads": args.threads}
+        result = run_isolated("nll", job, args.llama_cpp_extra_bufts)
+        theirs = rows[f"llama.cpp, {CHUNK} tokens per decode call"] = result["nll"]
+        print(f"llama.cpp: the file as stored, buffer types {result['buffer_types']}")
+    print("\n| engine | mean NLL | perplexity | minus llama.cpp's |\n|---|---|---|---|")
+    for name, nll in rows.items():
+        delta = "-" if theirs is None else f"{nll - theirs:+.4f}"
+        print(f"| {name} | {nll:.4f} | {math.exp(nll):.2f} | {delta} |")
     return 0
 
 
