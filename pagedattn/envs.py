@@ -63,7 +63,8 @@ def _cpu_isa() -> str:
 ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
     "PAGEDATTN_CACHE_DIR": EnvVar(
         _cache_dir,
-        "Where measured and converted files are kept (kernel plans, GGUF metadata and weights): "
+        "Where measured and converted files are kept (kernel plans, GGUF metadata and weights, "
+        "the benchmarks' synthetic checkpoints under synthetic/): "
         "default $XDG_CACHE_HOME/pagedattn, else ~/.cache/pagedattn.",
     ),
     "PAGEDATTN_EXT_DIR": EnvVar(
