@@ -105,3 +105,28 @@ def test_qwen3_moe_layers_follow_config(tmp_path):
     ours = [isinstance(layer.mlp, SparseMoEBlock) for layer in model.model.layers]
     # (i + 1) % 2 == 0 gives layers 1 and 3; mlp_only_layers=[1] keeps layer 1 dense.
     assert ours == hf_sparse == [False, False, False, True]
+
+
+def test_moe_ngram_speculation_keeps_tokens(tiny_moe):
+    path, prompts, expected = tiny_moe
+    llm = LLM(
+        path, dtype="float32", num_blocks=256, speculative_method="ngram", num_speculative_tokens=3
+    )
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
+
+
+@pytest.mark.slow
+def test_moe_lora_on_attention_matches_hf_peft(tmp_path):
+    """An adapter of the attention projections runs on an MoE model as on a dense one."""
+    from pagedattn import LoRARequest
+    from tests.lora.adapters import hf_peft_greedy, make_peft_adapter
+
+    base = make_tiny_qwen3_moe(tmp_path)
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj"]
+    adapter = make_peft_adapter(base, tmp_path / "adapter", rank=8, seed=1, targets=targets)
+    prompt = list(range(5, 16))
+    expected = hf_peft_greedy(base, adapter, prompt, NUM_NEW_TOKENS)
+    assert expected != hf_peft_greedy(base, None, prompt, NUM_NEW_TOKENS)
+    llm = LLM(base, dtype="float32", num_blocks=64, block_size=4, enable_lora=True, max_loras=1)
+    out = llm.generate([prompt], GREEDY, lora_request=[LoRARequest("a", 1, str(adapter))])
+    assert out[0].outputs[0].token_ids == expected
