@@ -33,6 +33,20 @@ KV_STORE_COUNTERS = (
         "Blocks not saved: the writer's queue was full.",
     ),
     ("kv_store_errors", "num_store_errors", "KV store calls that failed (recomputed instead)."),
+    ("kv_store_loaded_blocks", "num_loaded_blocks", "Blocks loaded from the KV store."),
+    ("kv_store_saved_blocks", "num_saved_blocks", "Blocks written to the KV store."),
+    (
+        "kv_store_corrupt_entries",
+        "num_corrupt_entries",
+        "KV store entries that failed verification on load (deleted; the blocks recomputed).",
+    ),
+    (
+        "kv_store_failed_load_blocks",
+        "num_failed_load_blocks",
+        "Blocks the lookup promised that did not load (recomputed).",
+    ),
+    ("kv_store_load_timeouts", "num_load_timeouts", "KV store reads past their deadline."),
+    ("kv_store_failed_saves", "num_failed_saves", "Blocks the KV store failed to write."),
 )
 
 
