@@ -37,7 +37,14 @@ def test_smollm2_two_adapters_and_base_match_hf_peft(tmp_path):
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
         model.save_pretrained(tmp_path / name)
         adapters[name] = tmp_path / name
-    llm = LLM(dtype="float32", num_blocks=64, block_size=16, enable_lora=True, max_loras=2)
+    llm = LLM(
+        dtype="float32",
+        num_blocks=64,
+        block_size=16,
+        enable_lora=True,
+        max_loras=2,
+        weights="dequantize",  # HF PEFT computes on the dequantised file
+    )
     prompts = [llm.engine.tokenize(t) for t in ("The capital of France is", "One, two, three,")]
     names = [None, "a8", "a16", "a8", None, "a16"]
     reqs = [

@@ -1,0 +1,95 @@
+"""--quantization q8_0|q4_0|q4_k on HF checkpoints (GGUF blocks made at load), and what refuses
+GGUF blocks: tensor parallelism."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagedattn.cpu import extension
+from pagedattn.cpu.plan import KernelChoiceError, KernelOptions, KernelPlan
+from pagedattn.model import load_model
+from pagedattn.model.gguf_loader import GGUFCheckpoint
+from pagedattn.model.layers import Linear
+from pagedattn.model.loader import QuantizedShardError, build_model
+from tests.model.gguf_writer import write_gguf
+from tests.model.paged_driver import PagedDriver
+from tests.model.tiny import make_tiny_llama
+
+pytestmark = pytest.mark.skipif(
+    extension.get_extension() is None, reason="the gguf kernel needs the compiled extension"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_256(tmp_path_factory) -> Path:
+    """A tiny Llama whose projections take whole 256-value blocks (Q4_K)."""
+    return make_tiny_llama(
+        tmp_path_factory.mktemp("q"), hidden_size=256, intermediate_size=512, head_dim=64
+    )
+
+
+def dequantised(linear: Linear) -> torch.Tensor:
+    """The float weight a gguf-packed layer computes with (its parts in place)."""
+    parts = linear.decode.b
+    w = torch.empty(parts.out_features, parts.in_features)
+    for t, start in zip(parts.parts, parts.starts, strict=True):
+        w[start : start + t.shape[0]] = t.dequantize()
+    return w
+
+
+@pytest.mark.parametrize(("kind", "weight_error"), [("q8_0", 0.01), ("q4_0", 0.15), ("q4_k", 0.15)])
+def test_hf_checkpoint_quantised_at_load(tiny_256, kind, weight_error, capsys):
+    """The projections, LM head and embedding become ``kind`` blocks close to the weights,
+    and the model computes what a float model with those dequantised weights computes."""
+    ref = load_model(str(tiny_256), "float32", "cpu", "torch", linear_kernel="torch")
+    quant = load_model(str(tiny_256), "float32", "cpu", "torch", quantization=kind)
+    assert f"[weights] {kind.upper()} x 16" in capsys.readouterr().err  # 14 projections + 2
+    assert quant.plan.quantize_to == kind
+    ref_modules = dict(ref.model.named_modules())
+    for name, module in quant.model.named_modules():
+        if isinstance(module, Linear):
+            assert module.decode.name == "gguf" and module.weight is None
+            assert {p.name for p in module.decode.b.parts} == {kind.upper()}
+            w, target = dequantised(module), ref_modules[name].weight
+            assert ((w - target).norm() / target.norm()).item() < weight_error
+            target.data.copy_(w)  # the reference now holds exactly the blocks' values
+    table = quant.model.model.embed_tokens.quantized
+    assert table.name == kind.upper()
+    ref.model.model.embed_tokens.weight.data.copy_(table.dequantize())
+    prompt = list(range(3, 40))
+    a = PagedDriver(quant.model, block_size=16).step([(0, prompt)])[0]  # prefill tiles
+    b = PagedDriver(ref.model, block_size=16).step([(0, prompt)])[0]
+    torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+    a = PagedDriver(quant.model, block_size=16).step([(0, prompt[:5])])[0]  # int8 rows
+    b = PagedDriver(ref.model, block_size=16).step([(0, prompt[:5])])[0]
+    assert ((a - b).norm() / b.norm()).item() < 0.05
+
+
+def test_dense_weights_option_conflicts():
+    with pytest.raises(ValueError, match="dequantize"):
+        KernelOptions(quantization="q8_0", weights="dequantize")
+    with pytest.raises(ValueError, match="weights='bf16' is invalid"):
+        KernelOptions(weights="bf16")
+
+
+def test_quantization_without_the_kernels_is_refused(monkeypatch):
+    from pagedattn.cpu import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "kernel_available", lambda name, dtype: False)
+    with pytest.raises(KernelChoiceError, match="compiled GGUF kernels"):
+        plan_module.choose_plan(
+            plan_module.ModelShapes(((64, 64),), (128, 64), 4, 2, 16),
+            torch.float32,
+            KernelOptions(quantization="q8_0"),
+        )
+
+
+def test_tensor_parallel_refuses_gguf_blocks(tmp_path):
+    hf_dir = make_tiny_llama(tmp_path)
+    path = write_gguf(hf_dir, tmp_path / "tiny.gguf", "llama")
+    plan = KernelPlan(linear_quant="gguf")
+    with pytest.raises(QuantizedShardError, match="--weights dequantize"):
+        build_model(GGUFCheckpoint(path), "float32", "cpu", "torch", plan, parallel=object())
