@@ -163,6 +163,10 @@ def test_the_block_server_is_loopback_private_and_survives_malformed_pulls(app, 
     assert kv_usage("DecodeReplica")["transfers"][-1]["num_blocks"] >= 10
     after = kv_usage("PrefillReplica")
     assert after["num_malformed_transfer_requests"] == before["num_malformed_transfer_requests"] + 1
+    # The ingress's debug views: the decode replica's pool for the tenant; no internals for it.
+    snap = app.get("/debug/kv", headers=HEADERS).json()
+    assert snap["replica_ids"] == [snap["replica_id"]] and "state" in snap
+    assert app.get("/debug/replicas", headers=HEADERS).status_code == 403
 
 
 def test_a_request_the_decode_replica_cannot_hold_is_refused_before_the_prefill(app):
