@@ -9,7 +9,7 @@ of the experts its tokens chose (at batch 1, top-k of them).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.config import ConfigError
+from pagedattn.cpu.linear import PackedLinear, pack_weight
 from pagedattn.cpu.quant import QuantizedTensor
 from pagedattn.model.base import WeightLoadError
 from pagedattn.model.layers import silu_and_mul
@@ -128,24 +129,34 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return weights, ids
 
 
+# An expert's projection: its [out, in] weight (run by F.linear) or the weight packed for a
+# linear kernel (pagedattn.cpu.linear.PackedLinear, called on the rows).
+Projection = torch.Tensor | PackedLinear
+
+
+def _project(proj: Projection, rows: torch.Tensor) -> torch.Tensor:
+    return F.linear(rows, proj) if isinstance(proj, torch.Tensor) else proj(rows)
+
+
 def grouped_moe(
     x: torch.Tensor,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
+    gate_up: torch.Tensor | Sequence[Projection],
+    down: torch.Tensor | Sequence[Projection],
     weights: torch.Tensor,
     ids: torch.Tensor,
     step_ops: bool = True,
 ) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for each token t: x [T, H] -> [T, H].
 
-    gate_up [E, 2I, H], down [E, H, I]; weights (float32) and ids [T, k]. The T * k pairs are
-    sorted by expert and each active expert runs once on its rows.
+    gate_up [E, 2I, H] and down [E, H, I], or E projections each (packed weights); weights
+    (float32) and ids [T, k]. The T * k pairs are sorted by expert and each active expert runs
+    once on its rows.
     """
     top_k = ids.shape[1]
     flat_ids = ids.reshape(-1)  # [T * k]
     order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
     token_of = order // top_k  # [T * k] the token of each sorted pair
-    counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=len(gate_up)).tolist()
     rows = x.index_select(0, token_of)  # [T * k, H]
     out_rows = torch.empty_like(rows)  # [T * k, H]
     start = 0
@@ -153,8 +164,8 @@ def grouped_moe(
         if count == 0:
             continue
         end = start + count
-        hidden = F.linear(rows[start:end], gate_up[expert])  # [count, 2I]
-        torch.mm(silu_and_mul(hidden, step_ops), down[expert].t(), out=out_rows[start:end])
+        hidden = _project(gate_up[expert], rows[start:end])  # [count, 2I]
+        out_rows[start:end] = _project(down[expert], silu_and_mul(hidden, step_ops))
         start = end
     scale = weights.reshape(-1).index_select(0, order).unsqueeze(1)  # [T * k, 1]
     out_rows = (out_rows * scale).to(x.dtype)
@@ -184,17 +195,40 @@ class MoEExperts(nn.Module):
 class SparseMoEBlock(nn.Module):
     """Router, top-k, grouped experts, weighted sum: hidden [T, H] -> [T, H]."""
 
-    def __init__(self, hidden_size: int, spec: MoESpec, step_ops: bool = True) -> None:
+    def __init__(
+        self, hidden_size: int, spec: MoESpec, step_ops: bool = True, kernel: str | None = None
+    ) -> None:
+        """kernel: the linear kernel each expert's projections are packed for after loading
+        (the plan's decode kernel); None: F.linear on the stacked weights."""
         super().__init__()
         self.spec = spec
         self.step_ops = step_ops
+        self.kernel = kernel
         self.gate = MoERouter(hidden_size, spec.num_experts)
         self.experts = MoEExperts(hidden_size, spec)
+        self.packed: tuple[list[PackedLinear], list[PackedLinear]] | None = None
+
+    def process_weights_after_loading(self) -> None:
+        """Pack each expert's gate/up and down weights for ``kernel`` (where it takes them);
+        the stacked parameters then hold no memory of their own."""
+        experts = self.experts
+        if self.kernel is None or experts.gate_up_proj.device.type != "cpu":
+            return
+        gate_up = [pack_weight(self.kernel, w) for w in experts.gate_up_proj.detach()]
+        down = [pack_weight(self.kernel, w) for w in experts.down_proj.detach()]
+        if gate_up[0].name == "torch":
+            return
+        self.packed = (gate_up, down)
+        # NOTE: the packed copies are the weights now: free the stacked ones.
+        experts.gate_up_proj.data = experts.gate_up_proj.data.new_empty(0)
+        experts.down_proj.data = experts.down_proj.data.new_empty(0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         logits = F.linear(x, self.gate.weight)  # [T, E]
         weights, ids = route(logits, self.spec.top_k, self.spec.renormalize)
+        if self.packed is not None:
+            return grouped_moe(x, *self.packed, weights, ids, self.step_ops)
         experts = self.experts
         return grouped_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, self.step_ops)
 

@@ -55,7 +55,8 @@ class MoECausalLM(LlamaForCausalLM):
         self.moe = spec
         for i, layer in enumerate(self.model.layers):
             if self.is_sparse(config, i):
-                layer.mlp = SparseMoEBlock(config.hidden_size, spec, plan.step_ops)
+                kernel = plan.linear_decode
+                layer.mlp = SparseMoEBlock(config.hidden_size, spec, plan.step_ops, kernel)
         self._experts: ExpertLoader | None = None
 
     def moe_spec(self, config: TextConfig) -> MoESpec:
@@ -73,6 +74,9 @@ class MoECausalLM(LlamaForCausalLM):
     def process_weights_after_loading(self) -> None:
         """Pack the dense projections. NOTE: no compiled decode stack: it runs dense MLPs."""
         PagedCausalLM.process_weights_after_loading(self)
+        for module in self.modules():
+            if isinstance(module, SparseMoEBlock):
+                module.process_weights_after_loading()
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Experts' tensors into the stacked [E, ...] parameters, the rest as the dense model."""

@@ -94,3 +94,26 @@ def test_block_matches_hf_qwen3_moe_block(norm_topk_prob):
     x = torch.randn(1, 10, 32)
     with torch.no_grad():
         torch.testing.assert_close(ours(x[0]), hf(x)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_experts_match_stacked(dtype):
+    """Experts packed for a compiled linear kernel give the stacked weights' output."""
+    from pagedattn.cpu.linear import kernel_available
+
+    if not kernel_available("panels", dtype):
+        pytest.skip("the panels kernel is not built here")
+    spec = MoESpec(8, 2, 48, renormalize=True)
+    plain = SparseMoEBlock(64, spec).to(dtype)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.copy_(torch.randn(p.shape) * 0.1)
+    packed = SparseMoEBlock(64, spec, kernel="panels").to(dtype)
+    packed.load_state_dict(plain.state_dict())
+    packed.process_weights_after_loading()
+    assert packed.packed is not None and packed.packed[0][0].name == "panels"
+    assert packed.experts.gate_up_proj.numel() == 0  # the stacked copy is freed
+    x = torch.randn(9, 64).to(dtype)
+    with torch.no_grad():
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(packed(x), plain(x), rtol=tol, atol=tol)
