@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from pagedattn import envs
+from pagedattn.benchmarks.synthetic_moe import moe_config, moe_layer_specs
 
 # What a synthetic checkpoint's files are called: "hf" is the bf16 safetensors folder.
 FILE_KINDS = ("hf", "f16", "q8_0", "q4_k_m")
@@ -62,6 +63,10 @@ class SyntheticShape:
     max_position_embeddings: int = 8192
     # Normal(0, 0.02), as Llama's initializer: activations stay finite through 28 layers.
     weight_std: float = 0.02
+    # MoE shapes (num_experts > 0): Qwen3-MoE layers, every MLP sparse (synthetic_moe.py).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
@@ -81,6 +86,10 @@ SHAPES = {
     "llama-3b": SyntheticShape(3072, 28, 24, 8, 8192),
     # Seconds to build: tests and smoke runs of the same code path.
     "llama-tiny": SyntheticShape(64, 2, 4, 2, 128),
+    # Qwen3-30B-A3B scaled to a 2-core machine: 32 experts, top-4, expert FFN 512.
+    "qwen3-moe-scaled": SyntheticShape(
+        1024, 8, 16, 4, 3072, 1e6, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=512
+    ),
 }
 
 
@@ -120,6 +129,11 @@ def tensor_specs(shape: SyntheticShape, vocab_size: int) -> list[tuple[str, str,
             (hf + "self_attn.v_proj.weight", gg + "attn_v.weight", (kv, h)),
             (hf + "self_attn.o_proj.weight", gg + "attn_output.weight", (h, q)),
             (hf + "post_attention_layernorm.weight", gg + "ffn_norm.weight", (h,)),
+        ]
+        if shape.num_experts:
+            specs += moe_layer_specs(shape, i)
+            continue
+        specs += [
             (hf + "mlp.gate_proj.weight", gg + "ffn_gate.weight", (shape.intermediate_size, h)),
             (hf + "mlp.up_proj.weight", gg + "ffn_up.weight", (shape.intermediate_size, h)),
             (hf + "mlp.down_proj.weight", gg + "ffn_down.weight", (h, shape.intermediate_size)),
@@ -169,7 +183,7 @@ def _vocab_size() -> int:
 def hf_config(shape: SyntheticShape, vocab_size: int) -> dict:
     """config.json in the classic form that transformers 4.x and 5.x both read."""
     source = _tokenizer_source()
-    return {
+    config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "hidden_size": shape.hidden_size,
@@ -191,6 +205,7 @@ def hf_config(shape: SyntheticShape, vocab_size: int) -> dict:
         "pad_token_id": source.field("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "bfloat16",
     }
+    return moe_config(shape, config) if shape.num_experts else config
 
 
 def _shards(specs: list[tuple[str, str, tuple[int, ...]]]) -> list[list[int]]:
@@ -325,6 +340,8 @@ def synthetic_checkpoint(
         if name not in SHAPES:
             raise ValueError(f"no synthetic model {name!r}: choose from {', '.join(SHAPES)}")
         shape = SHAPES[name]
+    if shape.num_experts and set(kinds) - {"hf"}:
+        raise ValueError(f"synthetic {name} is an MoE shape: it has an HF folder only (hf)")
     root = (
         cache_dir or envs.PAGEDATTN_CACHE_DIR / "synthetic"
     ) / f"{name}-seed{seed}-v{BUILD_VERSION}"
@@ -350,6 +367,11 @@ def benchmark_files(name: str, kind: str, threads: int = 2) -> tuple[str, str, s
     """(what pagedattn runs, the HF folder, the GGUF llama.cpp runs) of synthetic ``name`` with
     ``kind`` (hf: the HF folder, and for llama.cpp the F16 GGUF of the same numbers)."""
     gguf_kind = "f16" if kind == "hf" else kind
+    if SHAPES[name].num_experts:  # NOTE: MoE shapes have an HF folder only (no llama.cpp peer)
+        if kind != "hf":
+            raise ValueError(f"synthetic {name} has an HF folder only: --synthetic-file hf")
+        hf_dir = str(synthetic_checkpoint(name, ("hf",), threads=threads).hf_dir)
+        return hf_dir, hf_dir, ""
     ckpt = synthetic_checkpoint(name, ("hf", gguf_kind), threads=threads)
     return str(ckpt.path(kind)), str(ckpt.hf_dir), str(ckpt.gguf(gguf_kind))
 
