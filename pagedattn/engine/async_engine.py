@@ -35,12 +35,21 @@ logger = logging.getLogger(__name__)
 ABORT_FINISH_REASON = "abort"
 # Seconds between health checks of an idle engine (a dead tensor-parallel rank).
 IDLE_HEALTH_CHECK_S = 1.0
+# What a client is told when a fault stopped the engine (the exception goes to the log only).
+FAULT_MESSAGE = "the engine stopped after a fault (the server log has the detail)"
 # Step durations kept (AsyncLLMEngine.step_seconds).
 STEP_HISTORY = 1 << 14
 
 
 class EngineDeadError(RuntimeError):
-    """The engine loop stopped (shut down, or a step raised); no request can be served."""
+    """The engine loop stopped (shut down, or a step raised); no request can be served.
+
+    ``client_message``: what a client is told (no internal exception text; the log has it).
+    """
+
+    def __init__(self, message: str, client_message: str | None = None) -> None:
+        super().__init__(message)
+        self.client_message = client_message or message
 
 
 class RequestFailedError(RuntimeError):
@@ -49,6 +58,7 @@ class RequestFailedError(RuntimeError):
     def __init__(self, request_id: str, message: str) -> None:
         super().__init__(f"request {request_id} failed in the engine: {message}")
         self.request_id = request_id
+        self.message = message
 
 
 @dataclass
@@ -206,7 +216,10 @@ class AsyncLLMEngine:
         # drain of a stopped loop (its future would never be resolved).
         with self._lock:
             if self._dead is not None:
-                raise EngineDeadError(f"the engine loop has stopped: {self._dead}")
+                raise EngineDeadError(
+                    f"the engine loop has stopped: {self._dead}",
+                    getattr(self._dead, "client_message", FAULT_MESSAGE),
+                )
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._run, name="pagedattn-engine-loop", daemon=True
@@ -337,7 +350,9 @@ class AsyncLLMEngine:
         except BaseException as exc:
             logger.exception("engine fault: failing every request in flight and stopping")
             self.fault = exc
-            self._stop(EngineDeadError(f"the engine stopped after a fault: {exc!r}"), [])
+            self._stop(
+                EngineDeadError(f"the engine stopped after a fault: {exc!r}", FAULT_MESSAGE), []
+            )
             for fn in self._fault_listeners:
                 try:
                     fn(exc)

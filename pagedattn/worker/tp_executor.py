@@ -42,13 +42,15 @@ from pagedattn.distributed.cpu_bind import (
     parse_cpu_list,
     slot_cpus,
 )
-from pagedattn.distributed.parallel_state import TensorParallelGroup
+from pagedattn.distributed.parallel_state import CollectiveError, TensorParallelGroup
 from pagedattn.distributed.shm_all_reduce import new_shm_path
 from pagedattn.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 CLOSE = b"close"
+# Seconds the workers get to answer once rank 0's collective has timed out on them.
+AFTER_COLLECTIVE_ERROR_S = 1.0
 OK = b""
 
 
@@ -214,13 +216,20 @@ class TPDriverRunner(ModelRunner):
             output = super().execute(scheduler_output)
         except Exception as exc:
             error = exc
+        # NOTE: rank 0's collective already waited the peers out (--tp-timeout-s): a rank that
+        # has not answered by then is hung, and waiting the timeout again would double it.
+        wait_s = self.timeout_s
+        if isinstance(error, CollectiveError):
+            wait_s = min(self.timeout_s, AFTER_COLLECTIVE_ERROR_S)
         replies = []
         for rank, conn in enumerate(self._conns, start=1):
             try:
-                replies.append(self._recv(conn, rank, self.timeout_s))
+                replies.append(self._recv(conn, rank, wait_s))
             except WorkerFaultError as exc:
                 self._fault = str(exc)
-                raise WorkerFaultError(f"{exc} (rank 0: {error!r})") from error
+                if error is not None:
+                    logger.error("tensor-parallel rank 0 failed in the same step: %r", error)
+                raise WorkerFaultError(self._fault) from error
         if error is None and all(r == OK for r in replies):
             return output
         if error is not None and all(r != OK for r in replies):

@@ -313,10 +313,12 @@ def error_payload(exc: BaseException) -> dict[str, Any]:
     if isinstance(exc, InvalidRequestError):
         return {"status": 400, "body": error_body(str(exc), "invalid_request_error", exc.param)}
     if isinstance(exc, EngineDeadError):
-        body = error_body(str(exc), "server_error", code="engine_unavailable")
+        body = error_body(exc.client_message, "server_error", code="engine_unavailable")
         return {"status": 503, "body": body}
     if isinstance(exc, RequestFailedError):
-        return {"status": 500, "body": error_body(str(exc), "server_error", code="request_failed")}
+        # NOTE: without the engine's request id (an internal name the client never sent).
+        message = f"the request failed in the engine: {exc.message}"
+        return {"status": 500, "body": error_body(message, "server_error", code="request_failed")}
     if isinstance(exc, ValueError):
         # SamplingParams errors read "name=value is invalid: ..."; name the field when they do.
         name = str(exc).partition("=")[0]

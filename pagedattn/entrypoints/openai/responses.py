@@ -21,7 +21,6 @@ from pagedattn.entrypoints.openai.protocol import (
     CompletionResponse,
     TopLogprob,
     UsageInfo,
-    error_body,
 )
 from pagedattn.entrypoints.openai.tool_protocol import FunctionCallOut, ToolCallOut
 from pagedattn.sampling_params import SamplingParams
@@ -35,8 +34,10 @@ MISSING_LOGPROB = -9999.0
 
 def error_json(exc: BaseException) -> str:
     """A server-sent error event's payload for an error raised mid-stream."""
-    err_type = "server_error" if isinstance(exc, RuntimeError) else "invalid_request_error"
-    return json.dumps(error_body(str(exc), err_type, getattr(exc, "param", None)))
+    from pagedattn.entrypoints.openai.http import error_payload
+
+    # NOTE: the same body (message, type, code) as a non-streamed answer to the same error.
+    return json.dumps(error_payload(exc)["body"])
 
 
 def _merge_logprobs(first: CompletionLogProbs, second: CompletionLogProbs) -> CompletionLogProbs:
