@@ -112,6 +112,7 @@ def test_packed_experts_match_stacked(dtype):
     packed.load_state_dict(plain.state_dict())
     packed.process_weights_after_loading()
     assert packed.packed is not None and packed.packed[0][0].name == "panels"
+    assert packed.router is not None and packed.router.name == "panels"
     assert packed.experts.gate_up_proj.numel() == 0  # the stacked copy is freed
     x = torch.randn(9, 64).to(dtype)
     with torch.no_grad():
