@@ -119,6 +119,13 @@ ENVIRONMENT_VARIABLES: dict[str, EnvVar] = {
         "the only keys internal endpoints (/debug/replicas, /debug/router) accept.",
         secret=True,
     ),
+    "PAGEDATTN_TENANT_SALT_SECRET": EnvVar(
+        _text("PAGEDATTN_TENANT_SALT_SECRET"),
+        "The server's secret that each API key's prefix-cache salt is derived from (HMAC): the "
+        "same value across restarts and servers lets a tenant's blocks in --kv-store be found "
+        "again; unset, each server start draws a random one (store hits do not survive it).",
+        secret=True,
+    ),
     "PAGEDATTN_TP_AUTHKEY": EnvVar(
         _text("PAGEDATTN_TP_AUTHKEY"),
         "Set by the tensor-parallel executor for the rank processes it starts (hex): the key of "

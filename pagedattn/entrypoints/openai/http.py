@@ -60,6 +60,16 @@ def public_paths(metrics_public: bool) -> frozenset[str]:
     return PUBLIC_PATHS | {METRICS_PATH} if metrics_public else PUBLIC_PATHS
 
 
+def tenant_salt_secret() -> bytes:
+    """The key tenants' cache salts are derived with (HMAC of the API key, never the key
+    itself): from PAGEDATTN_TENANT_SALT_SECRET, stable across restarts so the KV store finds a
+    tenant's blocks again; unset, a random one for this server (said once in the log)."""
+    text = envs.PAGEDATTN_TENANT_SALT_SECRET
+    if text:
+        return hashlib.sha256(b"pagedattn tenant salt\0" + text.encode()).digest()
+    return secrets.token_bytes(32)
+
+
 class TenantAuth:
     """API-key checks and the prefix-cache namespace (cache salt) of each request.
 
@@ -78,7 +88,12 @@ class TenantAuth:
         self.admin_keys = [k for k in (admin_keys or []) if k]
         tenant_keys = [k for k in (api_keys or []) if k]
         self.api_keys = tenant_keys + [k for k in self.admin_keys if k not in tenant_keys]
-        self._secret = secret if secret is not None else secrets.token_bytes(32)
+        self._secret = secret if secret is not None else tenant_salt_secret()
+        if secret is None and self.api_keys and not envs.PAGEDATTN_TENANT_SALT_SECRET:
+            logger.info(
+                "API keys' cache salts use a random secret: their KV store entries are not found "
+                "after a restart (set PAGEDATTN_TENANT_SALT_SECRET to keep them)"
+            )
 
     def require_admin(self, authorization: str | None) -> None:
         """Raise a 403 APIError unless the header carries an admin key (or no key is set)."""
