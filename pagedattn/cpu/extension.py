@@ -46,6 +46,7 @@ SOURCES = (
     CSRC / "shm_collectives_cpu.cpp",
     CSRC / "lora_cpu.cpp",
     CSRC / "quant_cpu.cpp",
+    CSRC / "bindings_cpu.cpp",
 )
 # NOTE: -ffp-contract=off: the kernels fuse a multiply and an add only where they call fmadd, so
 # every ISA rounds at the same points (the rotation must round after each product, as PyTorch).
