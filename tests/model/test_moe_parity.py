@@ -10,8 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pagedattn import LLM
+from pagedattn.model.moe import SparseMoEBlock
 from tests.engine.test_greedy_parity import CONFIGS, GREEDY, _prompts, hf_greedy
 from tests.model.tiny import TINY_VOCAB_SIZE, make_tiny_checkpoint
 
@@ -72,6 +74,19 @@ def test_moe_greedy_matches_hf(tiny_moe, name):
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.get_stats().kv_cache_usage == 0.0
+
+
+def test_moe_packed_experts_keep_tokens(tiny_moe):
+    """Experts (and router) packed for the compiled panels kernel: HF's tokens still."""
+    from pagedattn.cpu.linear import kernel_available
+
+    if not kernel_available("panels", torch.float32):
+        pytest.skip("the panels kernel is not built here")
+    path, prompts, expected = tiny_moe
+    llm = LLM(path, dtype="float32", num_blocks=256, linear_kernel="panels")
+    blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoEBlock)]
+    assert blocks and all(b.packed is not None and b.router is not None for b in blocks)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
 def test_moe_preemption_keeps_tokens(tiny_moe):
