@@ -16,17 +16,22 @@ loopback (the default SmolLM2 GGUF model), started with the options the docs' se
 A snippet the suite cannot run is in SKIPPED with its reason (never skipped silently), and a
 SKIPPED entry that names no snippet fails. Outputs are checked loosely: HTTP 200, the body parses
 as JSON (or as SSE events of JSON ending in [DONE]), the endpoint's main field is there.
+
+The `pagedattn ...` command lines (which start models or replicas, so they do not run here) are
+checked against their `--help`: every option they pass exists.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import io
 import json
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,6 +115,31 @@ def collect() -> list[tuple[str, str, str]]:
 
 
 SNIPPETS = collect()
+
+
+def _cli_lines() -> list[tuple[str, list[str]]]:
+    """(id FILE:LINE, argv after `pagedattn`) of every `pagedattn ...` command line of the docs."""
+    found = []
+    for path in DOC_FILES:
+        rel = path.relative_to(ROOT).as_posix()
+        for lang, start, text in _blocks(path):
+            if lang not in ("bash", "sh", "shell"):
+                continue
+            for line, cmd in _commands(text, start):
+                argv = shlex.split(cmd, comments=True)
+                if argv and argv[0] in ("pagedattn", ".venv/bin/pagedattn"):
+                    found.append((f"{rel}:{line}", [a.strip("[]") for a in argv[1:]]))
+    return found
+
+
+@functools.cache
+def _help(*subcommand: str) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedattn.cli", *subcommand, "--help"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
 
 
 def _write_adapter(folder: Path, seed: int) -> Path:
@@ -212,6 +242,17 @@ def test_every_skipped_snippet_exists():
     ids = {sid for sid, _, _ in SNIPPETS}
     assert set(SKIPPED) | set(SLOW) <= ids, (set(SKIPPED) | set(SLOW)) - ids
     assert len(SNIPPETS) >= 10, SNIPPETS  # the extraction found the docs' examples
+
+
+@pytest.mark.parametrize("sid, argv", _cli_lines(), ids=[sid for sid, _ in _cli_lines()])
+def test_cli_line_names_only_existing_options(sid, argv):
+    """Every option a `pagedattn ...` line of the docs passes is one its `--help` lists."""
+    subcommand = argv[:2] if argv[:1] == ["bench"] and argv[1:2] != ["--help"] else argv[:1]
+    text = _help(*subcommand)
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if re.fullmatch(r"--?[a-zA-Z][\w-]*", flag) and flag != "--help":
+            assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", text), f"{sid}: {flag}"
 
 
 @pytest.mark.parametrize(
