@@ -100,10 +100,13 @@ def run_isolated(task: str, job: dict, extra_bufts: str = "auto") -> dict:
             continue
         if use:
             result["buffer_types"] = "default (use_extra_bufts on)"
+            result["extra_bufts"] = "on"
         elif crashes:
             result["buffer_types"] = f"use_extra_bufts off (the default crashed: {crashes[0]})"
+            result["extra_bufts"] = f"off, on crashed ({crashes[0]})"
         else:
             result["buffer_types"] = "use_extra_bufts off (as asked)"
+            result["extra_bufts"] = "off"
         return result
     raise RuntimeError("llama.cpp crashed: " + "; ".join(crashes))
 
@@ -200,7 +203,7 @@ def run_llama_cpp(opts: RunOptions, workload: Workload) -> RunResult:
     job = {"opts": asdict(opts), "workload": workload_to_dict(workload), "gguf": str(gguf_file)}
     data = run_isolated("throughput", job, opts.llama_cpp_extra_bufts)
     data["extra"]["note"] += f", weights {weights}, buffer types {data['buffer_types']}"
-    data["extra"] |= {"buffer_types": data["buffer_types"], "weights_file": str(gguf_file)}
+    data["extra"] |= {"extra_bufts": data["extra_bufts"], "weights_file": str(gguf_file)}
     data["extra"]["weight_bytes"] = checkpoint_weight_bytes(str(gguf_file))
     fields = RunResult.__dataclass_fields__
     return RunResult(**{k: v for k, v in data.items() if k in fields})

@@ -69,9 +69,15 @@ def _mib(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
 
 
+def _engine_label(data: dict) -> str:
+    """The engine's name, with llama.cpp's buffer types (llama_cpp_peer.run_isolated)."""
+    bufts = data.get("extra", {}).get("extra_bufts")
+    return data["engine"] if bufts is None else f"{data['engine']} (extra bufts {bufts})"
+
+
 def summarise(data: dict) -> dict:
     """One result row (raw per-request lists reduced to percentiles) plus its printed line."""
-    head = f"{data['workload']:14s} {data['engine']:18s}"
+    head = f"{data['workload']:14s} {_engine_label(data):18s}"
     if "skipped" in data or "error" in data:
         status = "skipped" if "skipped" in data else "error"
         reason = data.get("skipped") or data.get("error")
@@ -85,6 +91,7 @@ def summarise(data: dict) -> dict:
     elapsed = data["elapsed_s"]
     row = {
         "engine": data["engine"],
+        "label": _engine_label(data),
         "workload": data["workload"],
         "status": "ok",
         "elapsed_s": elapsed,
@@ -252,7 +259,7 @@ def render_markdown(
             continue
         ratio = r.get("paged_over_peer_gen_tps")
         md.append(
-            f"| {r['workload']} | {r['engine']} | {r['gen_tps']:.1f} | {r['prompt_tps']:.1f} "
+            f"| {r['workload']} | {r['label']} | {r['gen_tps']:.1f} | {r['prompt_tps']:.1f} "
             f"| {_ms(r['ttft_p50_s'])} / {_ms(r['ttft_p99_s'])} "
             f"| {_ms(r['tpot_p50_s'])} / {_ms(r['tpot_p99_s'])} | {r['peak_rss_mib']:.0f} "
             f"| {_mib(r.get('weight_mib'))} | {r['kv_cache_dtype']} "

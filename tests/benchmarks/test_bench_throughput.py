@@ -112,8 +112,10 @@ def test_end_to_end_rows_ratios_ceiling_and_breakdown(tmp_path, tiny_model, caps
         assert row["fastest_matmul_s"] == min(measured.values())
         assert measured[row["fastest_kernel"]] == row["fastest_matmul_s"]
     md = report["markdown"]
-    for engine in ("pagedattn", "pagedattn_nocache", *PEERS):
+    for engine in ("pagedattn", "pagedattn_nocache", "hf_static", "hf_batch"):
         assert f"| {engine} |" in md
+    if rows[("uniform", "llama_cpp")]["status"] == "ok":  # which buffer types ran, in its row
+        assert "| llama_cpp (extra bufts on) |" in md or "| llama_cpp (extra bufts off" in md
     assert "| peak RSS MiB | weights MiB |" in md
     assert "## Prefix caching" in md and "## pagedattn step breakdown" in md
     assert "thread probe:" in md
