@@ -29,6 +29,7 @@ from tests.entrypoints.test_server_soak import (  # noqa: E402
     NUM_CLIENTS,
     _disconnect,
     _invalid,
+    _rss_bytes,
     _valid,
 )
 
@@ -55,6 +56,11 @@ def _wait_replicas(base_url: str, cond, what: str, server: ServerProcess) -> dic
     raise AssertionError(f"timed out waiting for {what}: {stats}\n{server.log_tail()}")
 
 
+async def _clients(base_url: str, num: int, seconds: float, tally: dict) -> None:
+    deadline = time.monotonic() + seconds
+    await asyncio.gather(*(_client(base_url, i, deadline, tally) for i in range(num)))
+
+
 async def _client(base_url: str, seed: int, deadline: float, tally: dict) -> None:
     rng = random.Random(seed)
     kinds = [_valid] * 5 + [_invalid] * 2 + [_disconnect]
@@ -68,15 +74,25 @@ def test_soak_through_the_ray_ingress_leaves_healthy_replicas_and_free_pools(tmp
     server = ServerProcess(
         model, tmp_path / "serve.log", "--served-model-name", MODEL, "--data-parallel-size",
         str(NUM_REPLICAS), "--replica-cpus", "0.5", "--num-blocks", "96", "--block-size", "16",
-        "--max-model-len", "256", "--shutdown-timeout", "10", command=CLI_SERVE_COMMAND,
+        "--max-model-len", "256", "--shutdown-timeout", "10", "--kv-cache-prefault",
+        command=CLI_SERVE_COMMAND,
     )  # fmt: skip
     tally = {"valid": 0, "invalid": 0, "disconnect": 0}
     try:
         # NOTE: a replica is listed before Ray Serve first polls its routing stats (empty until
         # then): wait until both report their pools.
-        before = _wait_replicas(
+        _wait_replicas(
             server.base_url, lambda s: "num_free_blocks" in s, "2 replicas reporting", server
         )
+        # A short warm-up first (every path imported, pools prefaulted): the replicas' RSS is
+        # measured from after it.
+        warm = {"valid": 0, "invalid": 0, "disconnect": 0}
+        asyncio.run(_clients(server.base_url, 4, 2.0, warm))
+        wait_idle(server.base_url, timeout=SETTLE_TIMEOUT_S)
+        before = _wait_replicas(
+            server.base_url, lambda s: s.get("num_requests") == 0, "idle replicas", server
+        )
+        rss_before = {rid: _rss_bytes(s["pid"]) for rid, s in before.items()}
         deadline = time.monotonic() + SOAK_SECONDS
 
         async def main() -> None:
@@ -100,6 +116,10 @@ def test_soak_through_the_ray_ingress_leaves_healthy_replicas_and_free_pools(tmp
             server,
         )
         assert set(after) == set(before)  # no replica died and was replaced during the soak
+        rss_after = {rid: _rss_bytes(s["pid"]) for rid, s in after.items()}
+        print(f"ingress soak: {tally}; RSS per replica {rss_before} -> {rss_after}")
+        for rid, rss in rss_after.items():
+            assert abs(rss - rss_before[rid]) <= 0.05 * rss_before[rid], (rss_before, rss_after)
         # Every request that reached the ingress was routed to a replica, and both took some.
         assert all(s["num_routed"] > 0 for s in after.values()), after
         assert sum(s["num_routed"] for s in after.values()) >= tally["valid"] + tally["disconnect"]
