@@ -203,17 +203,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """One engine behind the OpenAI server, or N replicas behind the Ray Serve ingress."""
-    from pagedattn.serve.args import uses_replicas
+    from pagedattn.config import EngineConfig
+    from pagedattn.entrypoints.serve_config import ServeConfig
 
     check_before_load(args)
-    if uses_replicas(args):
-        from pagedattn.config import EngineConfig
-        from pagedattn.serve.serve_app import run_replicas
+    engine_config, serve_config = EngineConfig.from_cli(args), ServeConfig.from_cli(args)
+    if serve_config.uses_replicas:
+        from pagedattn.serve.launch import run_replicas
 
-        return run_replicas(args, EngineConfig.from_cli(args)) or 0
+        return run_replicas(engine_config, serve_config) or 0
     from pagedattn.entrypoints.openai.server import run_server
 
-    return run_server(args) or 0
+    return run_server(engine_config, serve_config) or 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -58,12 +58,14 @@ def option(
     choices: tuple[Any, ...] | None = None,
     parse: Callable[[str], Any] | None = None,
     default_text: str | None = None,
+    cli: dict[str, Any] | None = None,
 ) -> Any:
-    """A config field that is also an engine option.
+    """A config field that is also an engine (or server) option.
 
     ``flags``: CLI option strings (default ``--field-name``; a bool gets ``--no-...`` too);
     ``choices``: the allowed values, checked on construction and by argparse; ``parse``: turns
-    the CLI's string into the value; ``default_text``: how ``--help`` names a None default.
+    the CLI's string into the value; ``default_text``: how ``--help`` names a None default;
+    ``cli``: further argparse keywords (action, nargs, metavar), read by ServeConfig's flags.
     """
     metadata = {
         "help": help,
@@ -71,6 +73,7 @@ def option(
         "choices": choices,
         "parse": parse,
         "default_text": default_text,
+        "cli": cli,
     }
     return field(default=default, metadata=metadata)
 

@@ -124,123 +124,13 @@ def options_markdown() -> str:
     return "\n\n".join(tables)
 
 
-# `pagedattn serve`'s options live here, not in the server module, so that parsing the command
-# line does not import the web stack (FastAPI, uvicorn) for generate, chat or bench.
-DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-DEFAULT_MAX_REQUEST_BYTES = 16 * 2**20
-# /health answers 503 "degraded" once a step or a front-end job has run this long.
-DEFAULT_HEALTH_STALL_S = 30.0
-
-
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """Options of `pagedattn serve`: the engine's plus host, port, keys and model name."""
+    """Options of `pagedattn serve`: the engine's, then ServeConfig's (server, replicas).
+
+    NOTE: ServeConfig lives in serve_config.py, not in the server module, so that parsing the
+    command line does not import the web stack (FastAPI, uvicorn) for generate, chat or bench.
+    """
+    from pagedattn.entrypoints.serve_config import ServeConfig
+
     add_engine_args(parser)
-    g = parser.add_argument_group("server options")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument(
-        "--api-key",
-        action="extend",
-        nargs="+",
-        default=None,
-        help="accepted API keys (repeatable); each key gets its own prefix-cache namespace "
-        "(default: PAGEDATTN_API_KEY's comma-separated keys, else no key needed)",
-    )
-    g.add_argument(
-        "--served-model-name",
-        default=None,
-        help="model id clients must send (default: the model's name)",
-    )
-    g.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=DEFAULT_SHUTDOWN_TIMEOUT_S,
-        help="seconds in-flight requests may finish after SIGTERM/SIGINT before being aborted",
-    )
-    g.add_argument(
-        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="logging"
-    )
-    g.add_argument(
-        "--metrics-public",
-        action="store_true",
-        help="serve /metrics without an API key even when keys are set (default: it needs one)",
-    )
-    g.add_argument(
-        "--health-stall-s",
-        type=float,
-        default=DEFAULT_HEALTH_STALL_S,
-        help="/health answers 503 degraded when an engine step or a tokenise job has "
-        "run longer than this",
-    )
-    add_limit_args(g)
-    g.add_argument(
-        "--lora-modules",
-        action="extend",
-        nargs="+",
-        default=None,
-        metavar="NAME=PATH",
-        help="LoRA adapters (PEFT folders) to serve, selected by the `model` field; needs "
-        "--enable-lora",
-    )
-    g.add_argument(
-        "--enable-lora-runtime-updates",
-        action="store_true",
-        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
-        "VLLM_ALLOW_RUNTIME_LORA_UPDATING; behind the API key when keys are set)",
-    )
-    g.add_argument(
-        "--lora-root",
-        default=None,
-        metavar="DIR",
-        help="the folder runtime adapter loads read under (a lora_path is relative to it; "
-        "nothing outside it, symlinks and `..` resolved); needed for runtime loads",
-    )
-    add_agent_args(g)
-    from pagedattn.serve.args import add_distributed_args
-
-    add_distributed_args(parser)
-
-
-def add_agent_args(group) -> None:
-    """Tool calling and reasoning options (vLLM's names); docs/agent-api.md explains them."""
-    from pagedattn.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
-    from pagedattn.entrypoints.openai.tool_parsers import TOOL_PARSERS
-
-    group.add_argument(
-        "--tool-call-parser",
-        default=None,
-        choices=sorted(TOOL_PARSERS),
-        help="how the model writes tool calls (hermes: Qwen/Hermes <tool_call>; llama3_json; "
-        "mistral [TOOL_CALLS]; pythonic); default: hermes for a chat template without tool "
-        "support (it gets the generic tool prompt), else none",
-    )
-    group.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help='allow tool_choice "auto" (the model decides; its calls are parsed); "required" '
-        "and named choices work without it",
-    )
-    group.add_argument(
-        "--reasoning-parser",
-        default=None,
-        choices=sorted(REASONING_PARSERS),
-        help="split the model's <think> block into reasoning_content (deepseek_r1, qwen3)",
-    )
-
-
-def add_limit_args(group) -> None:
-    """The server's request limits (body size, prompt size)."""
-    group.add_argument(
-        "--max-request-bytes",
-        type=int,
-        default=DEFAULT_MAX_REQUEST_BYTES,
-        help="largest request body accepted (413 above it)",
-    )
-    group.add_argument(
-        "--max-prompt-chars",
-        type=int,
-        default=None,
-        help="longest prompt text accepted before tokenising (default: max_model_len x 8 "
-        "characters, or x the longest token if shorter; a prompt of more characters is refused "
-        "before any tokenisation)",
-    )
+    ServeConfig.add_cli_args(parser)

@@ -17,12 +17,12 @@ loopback unless `--kv-transfer-host` says otherwise, and only holders of the dep
 # NOTE: no postponed annotations (see serve_app.py): replicas may be pickled by value.
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 from ray import serve
 
 from pagedattn.distributed.zmq_auth import new_deployment_secret
+from pagedattn.entrypoints.serve_config import ServeConfig
 from pagedattn.serve.replica import EngineReplica
 from pagedattn.serve.serve_app import bind_ingress, make_router_config, replica_cpu_bind
 
@@ -75,7 +75,7 @@ class PrefillReplica(EngineReplica):
     def __init__(
         self,
         engine_config,
-        served_model_name=None,
+        serve_config=None,
         events_host=None,
         cpu_bind=None,
         nice=DEFAULT_PD_PREFILL_NICE,
@@ -87,7 +87,7 @@ class PrefillReplica(EngineReplica):
         engine_config, shared = _split_store(engine_config)
         super().__init__(
             engine_config,
-            served_model_name,
+            serve_config,
             events_host,
             cpu_bind=cpu_bind,
             deployment_secret=deployment_secret,
@@ -133,7 +133,7 @@ class DecodeReplica(EngineReplica):
         self,
         engine_config,
         prefill,
-        served_model_name=None,
+        serve_config=None,
         events_host=None,
         min_prompt_tokens=DEFAULT_PD_MIN_PROMPT_TOKENS,
         cpu_bind=None,
@@ -153,7 +153,7 @@ class DecodeReplica(EngineReplica):
             engine_config = dataclasses.replace(engine_config, scheduler=scheduler)
         super().__init__(
             engine_config,
-            served_model_name,
+            serve_config,
             events_host,
             cpu_bind=cpu_bind,
             cpu_slot_base=cpu_slot_base,
@@ -190,32 +190,26 @@ class DecodeReplica(EngineReplica):
 
 def build_pd_app(
     engine_config,
-    num_prefill: int,
-    num_decode: int,
-    api_keys: Sequence[str] | None = None,
+    serve_config: ServeConfig,
+    *,
     secret: bytes | None = None,
-    served_model_name: str | None = None,
-    events_host: str | None = None,
-    replica_num_cpus: float = 1.0,
     max_ongoing_requests: int = 256,
     routing_stats_period_s: float = 1.0,
-    graceful_shutdown_timeout_s: float = 30.0,
     health_check_period_s: float = 2.0,
     seed: int | None = None,
-    min_prompt_tokens: int = DEFAULT_PD_MIN_PROMPT_TOKENS,
     cpu_bind: str | None = None,
-    decode_step_time_s: float | None = DEFAULT_PD_DECODE_STEP_TIME_S,
-    prefill_nice: int = DEFAULT_PD_PREFILL_NICE,
     ingress_on_prefill: bool = True,
     deployment_secret: bytes | None = None,
-    **ingress_options,
 ):
-    """The PD application: `serve.run(build_pd_app(...))`.
+    """The PD application: `serve.run(build_pd_app(engine_config, serve_config))`.
 
-    CPU slots (``cpu_bind``, see build_app): the prefill replicas take slots 0..P-1, the decode
-    replicas P..P+D-1; with ``ingress_on_prefill`` the ingress runs on the prefill slots' CPUs.
-    ``deployment_secret`` (default: a fresh one) authenticates the replicas' sockets.
+    ``serve_config``: `pagedattn serve`'s options (its prefill_replicas, decode_replicas and
+    pd_* options; keys, limits). The routers are fixed (prefill: prefix, decode: pow2).
+    CPU slots (``cpu_bind``, see serve_app.build_app): the prefill replicas take slots 0..P-1,
+    the decode replicas P..P+D-1; with ``ingress_on_prefill`` the ingress runs on the prefill
+    slots' CPUs. ``deployment_secret`` (default: a fresh one) authenticates the replicas' sockets.
     """
+    num_prefill, num_decode = serve_config.prefill_replicas, serve_config.decode_replicas
     if num_prefill < 1 or num_decode < 1:
         raise ValueError(
             f"--prefill-replicas={num_prefill} --decode-replicas={num_decode} is invalid: "
@@ -225,11 +219,12 @@ def build_pd_app(
     deployment_secret = deployment_secret or new_deployment_secret()
     common = dict(
         max_ongoing_requests=max_ongoing_requests,
-        ray_actor_options={"num_cpus": replica_num_cpus},
-        graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
+        ray_actor_options={"num_cpus": serve_config.replica_cpus},
+        graceful_shutdown_timeout_s=serve_config.shutdown_timeout,
         health_check_period_s=health_check_period_s,
         health_check_timeout_s=30.0,
     )
+    events_host = serve_config.kv_transfer_host
     prefill = serve.deployment(
         PrefillReplica,
         name="PrefillReplica",
@@ -240,10 +235,10 @@ def build_pd_app(
         **common,
     ).bind(
         engine_config,
-        served_model_name,
+        serve_config,
         events_host,
         bind,
-        prefill_nice,
+        serve_config.pd_prefill_nice,
         deployment_secret=deployment_secret,
     )
     decode = serve.deployment(
@@ -255,57 +250,22 @@ def build_pd_app(
     ).bind(
         engine_config,
         prefill,
-        served_model_name,
+        serve_config,
         events_host,
-        min_prompt_tokens,
+        serve_config.pd_min_prompt_tokens,
         bind,
         num_prefill,
-        decode_step_time_s,
+        serve_config.pd_decode_step_time,
         deployment_secret=deployment_secret,
     )
     # NOTE: the ingress forwards every streamed token; on the prefill replicas' cores (where
     # prefills run at --pd-prefill-nice) it takes CPU time from prefills, not from decode steps.
-    ingress_options.setdefault(
-        "cpu_slots",
-        (bind, list(range(num_prefill)), engine_config.num_threads) if ingress_on_prefill else None,
-    )
+    cpu_slots = (bind, list(range(num_prefill)), engine_config.num_threads)
     return bind_ingress(
         decode,
         engine_config,
-        api_keys,
+        serve_config,
         secret,
         max_ongoing_requests,
-        graceful_shutdown_timeout_s,
-        **ingress_options,
+        cpu_slots=cpu_slots if ingress_on_prefill else None,
     )
-
-
-def pd_app_builder(
-    num_prefill: int,
-    num_decode: int,
-    min_prompt_tokens: int,
-    decode_step_time_s: float | None = None,
-    prefill_nice: int = DEFAULT_PD_PREFILL_NICE,
-):
-    """A builder with serve_app.build_app's signature, for run_replicas (`pagedattn serve`).
-
-    The routers are fixed (prefill: prefix, decode: pow2); --router, its threshold and the
-    external KV event endpoints do not apply (`validate_distributed_args` refuses them).
-    """
-
-    def build(engine_config, num_replicas, *, router=None, imbalance_threshold=None,
-              kv_events_endpoint=None, kv_events_replay_endpoint=None, **options):  # fmt: skip
-        step_time = (
-            DEFAULT_PD_DECODE_STEP_TIME_S if decode_step_time_s is None else decode_step_time_s
-        )
-        return build_pd_app(
-            engine_config,
-            num_prefill,
-            num_decode,
-            min_prompt_tokens=min_prompt_tokens,
-            decode_step_time_s=step_time,
-            prefill_nice=prefill_nice,
-            **options,
-        )
-
-    return build

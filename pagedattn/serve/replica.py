@@ -19,6 +19,7 @@ from typing import Any
 
 from pagedattn.distributed.kv_events import ZmqEventPublisher
 from pagedattn.distributed.zmq_auth import CurveKeys, new_deployment_secret
+from pagedattn.entrypoints.serve_config import ServeConfig
 from pagedattn.serve.prefix_index import hashes_digest
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class EngineReplica:
     def __init__(
         self,
         engine_config,
-        served_model_name: str | None = None,
+        serve_config: ServeConfig | None = None,
         events_host: str | None = None,
         engine_factory=None,
         events_endpoint: str | None = None,
@@ -82,7 +83,9 @@ class EngineReplica:
         publish_kv_events: bool = True,
         deployment_secret: bytes | None = None,
     ) -> None:
-        """publish_kv_events=False: no router reads this replica's cache (a PD decode replica,
+        """serve_config: the served model name and the tool-call and reasoning options its
+        OpenAIServing applies (default: ServeConfig()'s).
+        publish_kv_events=False: no router reads this replica's cache (a PD decode replica,
         routed by load), so its engine records no KV events and no thread drains them.
         deployment_secret: the deployment's (serve_app.build_app makes one); None: a fresh one,
         which only this object holds (`self.curve`)."""
@@ -114,7 +117,14 @@ class EngineReplica:
             self.llm_engine.enable_kv_cache_events()
         self.engine = AsyncLLMEngine(self.llm_engine)
         self.engine.start()
-        self.serving = OpenAIServing(self.engine, served_model_name or self.engine.model_name)
+        serve_config = serve_config or ServeConfig()
+        self.serving = OpenAIServing(
+            self.engine,
+            serve_config.served_model_name or self.engine.model_name,
+            tool_call_parser=serve_config.tool_call_parser,
+            enable_auto_tool_choice=serve_config.enable_auto_tool_choice,
+            reasoning_parser=serve_config.reasoning_parser,
+        )
         self.replica_id = _replica_id()
         self.node_id = _node_id()
         self.curve = CurveKeys.from_secret(deployment_secret or new_deployment_secret())

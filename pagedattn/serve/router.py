@@ -14,17 +14,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from pagedattn.core.kv_cache_utils import BlockHash, hash_request_tokens
+from pagedattn.entrypoints.serve_config import DEFAULT_IMBALANCE_THRESHOLD, ROUTERS
 
 if TYPE_CHECKING:
     from pagedattn.serve.prefix_index import PrefixIndex
 
-ROUTERS = ("prefix", "pow2", "round_robin")
-# Queue-length spread (max - min) past which the prefix router ignores cache affinity ...
-# NOTE: a replica's queue length is its ongoing requests, and up to max_num_seqs of them run in
-# one batch, not waiting; with 8, bursts of a few tenants spilled prefixes (a benchmark run:
-# 32 of 150 requests, the prefix computed on both replicas). SGLang's default is 64, Ray Serve
-# LLM's prefix router never spills.
-DEFAULT_IMBALANCE_THRESHOLD = 32
+# ROUTERS (the policies by name) and DEFAULT_IMBALANCE_THRESHOLD (queue-length spread past
+# which the prefix router ignores cache affinity ...) are ServeConfig's choices and default.
 # ... when the longest queue is also this many times the shortest (SGLang's and the vLLM router's
 # rule: two deep queues a few requests apart are both saturated, and moving a prefix between them
 # only computes it twice).

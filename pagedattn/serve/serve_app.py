@@ -13,7 +13,6 @@ server secret, so a tenant's salt, and so its block hashes, are the same everywh
 import asyncio
 import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -24,7 +23,6 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from pagedattn.entrypoints.args import DEFAULT_HEALTH_STALL_S, DEFAULT_MAX_REQUEST_BYTES
 from pagedattn.entrypoints.openai import agent_routes
 from pagedattn.entrypoints.openai.http import (
     CLIENT_CLOSED_REQUEST,
@@ -33,6 +31,7 @@ from pagedattn.entrypoints.openai.http import (
     internal_error,
     make_app,
     tenant_of,
+    tenant_salt_secret,
     until_disconnect,
 )
 from pagedattn.entrypoints.openai.preprocess import check_prompt_chars, default_max_prompt_chars
@@ -42,14 +41,15 @@ from pagedattn.entrypoints.openai.protocol import (
     error_body,
 )
 from pagedattn.entrypoints.openai.worker_pool import WorkerPool
+from pagedattn.entrypoints.serve_config import (
+    DEFAULT_HEALTH_STALL_S,
+    DEFAULT_MAX_REQUEST_BYTES,
+    ServeConfig,
+)
 from pagedattn.serve.ingress_debug import install_debug_routes
 from pagedattn.serve.metrics_merge import merge_metrics
 from pagedattn.serve.replica import CHAT, COMPLETION, EngineReplica
-from pagedattn.serve.router import (
-    DEFAULT_IMBALANCE_RATIO,
-    DEFAULT_IMBALANCE_THRESHOLD,
-    RequestHasher,
-)
+from pagedattn.serve.router import DEFAULT_IMBALANCE_RATIO, RequestHasher
 
 logger = logging.getLogger(__name__)
 
@@ -387,64 +387,56 @@ class RayDisconnectMiddleware:
 
 def build_app(
     engine_config,
-    num_replicas: int,
-    router: str = "prefix",
-    api_keys: Sequence[str] | None = None,
+    serve_config: ServeConfig,
+    *,
     secret: bytes | None = None,
-    served_model_name: str | None = None,
-    imbalance_threshold: int = DEFAULT_IMBALANCE_THRESHOLD,
     imbalance_ratio: float = DEFAULT_IMBALANCE_RATIO,
-    events_host: str | None = None,
-    replica_num_cpus: float = 1.0,
     max_ongoing_requests: int = 256,
     routing_stats_period_s: float = 1.0,
-    graceful_shutdown_timeout_s: float = 30.0,
     health_check_period_s: float = 2.0,
     seed: int | None = None,
-    kv_events_endpoint: str | None = None,
-    kv_events_replay_endpoint: str | None = None,
-    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
-    max_prompt_chars: int | None = None,
-    metrics_public: bool = False,
-    health_stall_s: float = DEFAULT_HEALTH_STALL_S,
     cpu_bind: str | None = None,
     deployment_secret: bytes | None = None,
-    admin_keys: Sequence[str] | None = None,
 ):
-    """The Ray Serve application: `serve.run(build_app(...))`.
+    """The Ray Serve application: `serve.run(build_app(engine_config, serve_config))`.
 
-    ``cpu_bind`` (default: PAGEDATTN_CPU_BIND, ``auto``) gives each replica CPUs of its own on a
-    shared node (distributed/cpu_bind.py). ``deployment_secret`` (default: a fresh one, handed
-    to the replicas and the ingress's router) authenticates the replicas' KV event sockets.
+    ``serve_config``: `pagedattn serve`'s options (replicas: its data_parallel_size; router,
+    keys, limits, tool and reasoning parsers). The keywords tune what no flag sets: ``secret``
+    (the tenant secret; default: a fresh one), the router's ``imbalance_ratio`` and ``seed``,
+    Ray Serve's periods. ``cpu_bind`` (default: PAGEDATTN_CPU_BIND, ``auto``) gives each replica
+    CPUs of its own on a shared node (distributed/cpu_bind.py). ``deployment_secret`` (default:
+    a fresh one, handed to the replicas and the ingress's router) authenticates the replicas'
+    KV event sockets.
     """
     from pagedattn.distributed.zmq_auth import new_deployment_secret
 
     deployment_secret = deployment_secret or new_deployment_secret()
     router_config = make_router_config(
         routing_stats_period_s,
-        policy=router,
-        imbalance_threshold=imbalance_threshold,
+        policy=serve_config.router,
+        imbalance_threshold=serve_config.router_imbalance_threshold,
         imbalance_ratio=imbalance_ratio,
         seed=seed,
     )
+    num_cpus = serve_config.replica_cpus
     engine = serve.deployment(
         EngineReplica,
         name="EngineReplica",
-        num_replicas=num_replicas,
+        num_replicas=serve_config.data_parallel_size,
         max_ongoing_requests=max_ongoing_requests,
-        ray_actor_options={"num_cpus": replica_num_cpus},
-        **tensor_parallel_placement(engine_config.tensor_parallel_size, replica_num_cpus),
+        ray_actor_options={"num_cpus": num_cpus},
+        **tensor_parallel_placement(engine_config.tensor_parallel_size, num_cpus),
         request_router_config=router_config,
-        graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
+        graceful_shutdown_timeout_s=serve_config.shutdown_timeout,
         health_check_period_s=health_check_period_s,
         health_check_timeout_s=30.0,
     ).bind(
         engine_config,
-        served_model_name,
-        events_host,
+        serve_config,
+        serve_config.kv_transfer_host,
         None,
-        kv_events_endpoint,
-        kv_events_replay_endpoint,
+        None,  # NOTE: the replica publishes on the engine's --kv-events-endpoint, port + rank
+        serve_config.kv_events_replay_endpoint,
         replica_cpu_bind(cpu_bind),
         0,
         deployment_secret=deployment_secret,
@@ -452,16 +444,10 @@ def build_app(
     return bind_ingress(
         engine,
         engine_config,
-        api_keys,
+        serve_config,
         secret,
         max_ongoing_requests,
-        graceful_shutdown_timeout_s,
-        max_request_bytes=max_request_bytes,
-        max_prompt_chars=max_prompt_chars,
-        metrics_public=metrics_public,
-        health_stall_s=health_stall_s,
         deployment_secret=deployment_secret,
-        admin_keys=list(admin_keys or []),
     )
 
 
@@ -487,29 +473,33 @@ def make_router_config(period_s: float, **policy_kwargs: Any) -> RequestRouterCo
 def bind_ingress(
     backend,
     engine_config,
-    api_keys: Sequence[str] | None,
+    serve_config: ServeConfig,
     secret: bytes | None,
     max_ongoing_requests: int,
-    graceful_shutdown_timeout_s: float,
     **ingress_options: Any,
 ):
-    """The OpenAIIngress deployment in front of `backend` (the replicas that serve requests);
-    a fresh tenant secret unless one is given."""
+    """The OpenAIIngress deployment in front of `backend` (the replicas that serve requests),
+    with serve_config's keys and limits; a fresh tenant secret unless one is given."""
     ingress = serve.deployment(
         OpenAIIngress,
         name="OpenAIIngress",
         num_replicas=1,
         max_ongoing_requests=4 * max_ongoing_requests,
         ray_actor_options={"num_cpus": 0},
-        graceful_shutdown_timeout_s=graceful_shutdown_timeout_s,
+        graceful_shutdown_timeout_s=serve_config.shutdown_timeout,
     )
     return ingress.bind(
         backend,
         engine_config.model.model,
         engine_config.cache.block_size,
         engine_config.cache.hash_seed,
-        list(api_keys or []),
-        secret if secret is not None else secrets.token_bytes(32),
+        serve_config.api_keys(),
+        secret if secret is not None else tenant_salt_secret(),
+        max_request_bytes=serve_config.max_request_bytes,
+        max_prompt_chars=serve_config.max_prompt_chars,
+        metrics_public=serve_config.metrics_public,
+        health_stall_s=serve_config.health_stall_s,
+        admin_keys=serve_config.admin_keys(),
         **ingress_options,
     )
 
@@ -538,11 +528,11 @@ def replica_env() -> dict[str, str]:
     return env
 
 
-def run_replicas(args, engine_config) -> int:
+def run_replicas(engine_config, serve_config: ServeConfig) -> int:
     """`pagedattn serve --data-parallel-size N`: serve until a signal (serve/launch.py)."""
     from pagedattn.serve.launch import run_replicas as run
 
-    return run(args, engine_config)
+    return run(engine_config, serve_config)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ def server(tmp_path_factory):
     llm = LLM(str(path), dtype="float32", num_blocks=64, block_size=16, max_model_len=256)
     # NOTE: 20 ms per step keeps a 100-token request in flight for 2 s.
     slow = PoisonedEngine(llm.engine, llm.engine.tokenize(POISON)[-1], step_delay_s=0.02)
-    srv = InProcessServer(build_app(AsyncLLMEngine(slow), [KEY_A, KEY_B], MODEL))
+    srv = InProcessServer(
+        build_app(AsyncLLMEngine(slow), api_key=[KEY_A, KEY_B], served_model_name=MODEL)
+    )
     yield srv
     srv.stop()
 

@@ -48,8 +48,8 @@ def server(tmp_path_factory):
     llm = LLM(str(path), dtype="float32", num_blocks=64, block_size=16, max_model_len=256)
     app = build_app(
         AsyncLLMEngine(llm.engine),
-        [KEY_A, KEY_B],
-        MODEL,
+        api_key=[KEY_A, KEY_B],
+        served_model_name=MODEL,
         health_stall_s=STALL_S,
         grammar_timeout_s=1.0,
     )

@@ -35,8 +35,8 @@ def server():
     llm = LLM(dtype="float32", num_blocks=64, block_size=16, max_model_len=512)
     app = build_app(
         AsyncLLMEngine(llm.engine),
-        [KEY_A, KEY_B],
-        MODEL,
+        api_key=[KEY_A, KEY_B],
+        served_model_name=MODEL,
         health_stall_s=1.0,
         grammar_timeout_s=DEADLINE_S,
     )

@@ -17,7 +17,7 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 @pytest.fixture(scope="module")
 def server():
     llm = LLM(dtype="float32", num_blocks=32, block_size=16, max_model_len=256)
-    srv = InProcessServer(build_app(llm.engine, [KEY], served_model_name=MODEL))
+    srv = InProcessServer(build_app(llm.engine, api_key=[KEY], served_model_name=MODEL))
     srv.tokenizer = llm.tokenizer
     yield srv
     srv.stop()

@@ -18,6 +18,7 @@ serve = pytest.importorskip("ray.serve")
 
 from pagedattn import LLM, SamplingParams  # noqa: E402
 from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from pagedattn.entrypoints.serve_config import ServeConfig  # noqa: E402
 from pagedattn.serve.pd_app import build_pd_app  # noqa: E402
 from tests.entrypoints.server_process import free_port, make_model_dir  # noqa: E402
 from tests.serve.test_serve_app import prompt, wait_for  # noqa: E402
@@ -46,17 +47,20 @@ def app(model):
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve_config = ServeConfig(
+            prefill_replicas=1,
+            decode_replicas=1,
+            api_key=[KEY],
+            shutdown_timeout=5.0,
+            pd_min_prompt_tokens=0,  # NOTE: these prompts are short; every one goes through PD
+        )
         application = build_pd_app(
             config,
-            num_prefill=1,
-            num_decode=1,
-            api_keys=[KEY],
+            serve_config,
             deployment_secret=SECRET,
             routing_stats_period_s=0.5,
             health_check_period_s=1.0,
-            graceful_shutdown_timeout_s=5.0,
             seed=0,
-            min_prompt_tokens=0,  # NOTE: these prompts are short; every one goes through PD
         )
         serve.run(application, name="pagedattn", route_prefix="/")
         client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0)

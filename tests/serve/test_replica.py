@@ -12,8 +12,9 @@ import zmq
 from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagedattn.distributed.kv_events import END_SEQ, ZmqEventSubscriber, decode_batch
 from pagedattn.distributed.zmq_auth import CurveKeys, secure_client
+from pagedattn.entrypoints.serve_config import ServeConfig
 from pagedattn.serve import replica as replica_module
-from pagedattn.serve.replica import COMPLETION, EVENTS_TOPIC, EngineReplica, socket_hosts
+from pagedattn.serve.replica import CHAT, COMPLETION, EVENTS_TOPIC, EngineReplica, socket_hosts
 from tests.entrypoints.server_process import make_model_dir
 
 SECRET = b"the deployment secret of this test"
@@ -36,7 +37,10 @@ def replica(tmp_path_factory):
         scheduler=SchedulerConfig(max_num_seqs=4),
         num_threads=1,
     )
-    replica = EngineReplica(config, "tiny-llama", deployment_secret=SECRET)
+    serve_config = ServeConfig(
+        served_model_name="tiny-llama", tool_call_parser="hermes", enable_auto_tool_choice=True
+    )
+    replica = EngineReplica(config, serve_config, deployment_secret=SECRET)
     yield replica
     replica.__del__()
 
@@ -115,3 +119,27 @@ def test_kv_snapshot_is_the_tenants_view(replica):
     assert theirs["requests"] == {} and theirs["other_tenants"]["num_requests"] == 1
     assert set(theirs["state"]) == {"hidden"} and set(mine["state"]) != {"hidden"}
     assert len(whole["requests"]) == 1
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_a_replica_applies_the_serve_configs_tool_options(replica):
+    """--enable-auto-tool-choice reaches the replicas: `auto` is served, not refused with 400."""
+    body = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "weather in Paris?"}],
+        "tools": [WEATHER],
+        "tool_choice": "auto",
+        "max_tokens": 4,
+    }
+    out = asyncio.run(replica.generate(CHAT, body, cache_salt="t1", owner="t1"))
+    assert out["status"] == 200, out
+    assert out["body"]["choices"][0]["finish_reason"] in ("length", "stop", "tool_calls")
+    assert replica.serving.enable_auto_tool_choice

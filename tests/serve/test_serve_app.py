@@ -15,6 +15,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
 from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from pagedattn.entrypoints.serve_config import ServeConfig  # noqa: E402
 from pagedattn.serve.serve_app import build_app  # noqa: E402
 from tests.entrypoints.server_process import free_port, make_model_dir  # noqa: E402
 from tests.entrypoints.test_front_door import load_probes  # noqa: E402
@@ -43,16 +44,19 @@ def app(tmp_path_factory):
     ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve_config = ServeConfig(
+            data_parallel_size=2,
+            router="prefix",
+            api_key=KEYS,
+            admin_api_key=[ADMIN],
+            shutdown_timeout=5.0,
+        )
         application = build_app(
             config,
-            num_replicas=2,
-            router="prefix",
-            api_keys=KEYS,
-            admin_keys=[ADMIN],
+            serve_config,
             deployment_secret=SECRET,
             routing_stats_period_s=0.5,
             health_check_period_s=1.0,
-            graceful_shutdown_timeout_s=5.0,
             seed=0,
         )
         serve.run(application, name="pagedattn", route_prefix="/")

@@ -42,20 +42,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pagedattn.config import EngineConfig
 from pagedattn.engine.async_engine import AsyncLLMEngine
 from pagedattn.engine.llm_engine import LLMEngine
-from pagedattn.entrypoints.args import (
-    DEFAULT_HEALTH_STALL_S,
-    DEFAULT_MAX_REQUEST_BYTES,
-    HelpFormatter,
-    add_serve_args,
-)
+from pagedattn.entrypoints.args import HelpFormatter, add_serve_args
 from pagedattn.entrypoints.openai.agent_routes import install_agent_routes, local_front_door
 from pagedattn.entrypoints.openai.http import (
     CLIENT_CLOSED_REQUEST,
     TenantAuth,
-    admin_keys_from_env,
     degraded_reasons,
     error_response,
-    keys_from_env,
     make_app,
     redact_query_secrets,
     tenant_of,
@@ -70,6 +63,7 @@ from pagedattn.entrypoints.openai.protocol import ChatCompletionRequest, Complet
 from pagedattn.entrypoints.openai.request_checks import ignored_fields, ignored_header
 from pagedattn.entrypoints.openai.responses_api import ResponsesAPI
 from pagedattn.entrypoints.openai.serving import OpenAIServing
+from pagedattn.entrypoints.serve_config import ServeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -94,35 +88,28 @@ async def _respond(handler, raw: Request, headers: dict[str, str] | None = None)
 
 def build_app(
     engine_or_async_engine,
-    api_keys: Sequence[str] | None = None,
-    served_model_name: str | None = None,
+    serve_config: ServeConfig | None = None,
     *,
-    max_request_bytes: int | None = DEFAULT_MAX_REQUEST_BYTES,
-    max_prompt_chars: int | None = None,
-    metrics_public: bool = False,
-    health_stall_s: float = DEFAULT_HEALTH_STALL_S,
     grammar_timeout_s: float | None = None,
-    lora_modules: Sequence[str] = (),
-    enable_lora_runtime_updates: bool = False,
-    lora_root: str | None = None,
-    tool_call_parser: str | None = None,
-    enable_auto_tool_choice: bool = False,
-    reasoning_parser: str | None = None,
-    admin_keys: Sequence[str] | None = None,
+    **options,
 ) -> FastAPI:
     """The FastAPI app serving one engine; the engine loop stops when the app shuts down.
 
-    ``lora_modules``: ``name=path`` adapters loaded before serving (the engine needs
-    enable_lora); ``enable_lora_runtime_updates``: serve /v1/load_lora_adapter and
-    /v1/unload_lora_adapter, which read adapters under ``lora_root`` only.
-    ``tool_call_parser``, ``enable_auto_tool_choice``, ``reasoning_parser``: `pagedattn serve`'s
-    options of those names (docs/agent-api.md). ``admin_keys``: see TenantAuth (internal
-    endpoints and every tenant's adapters)."""
+    ``serve_config``: `pagedattn serve`'s options (LoRA adapters, tool and reasoning parsers,
+    keys, limits: docs/agent-api.md); or ``options``, ServeConfig's fields by name
+    (``build_app(engine, served_model_name="m")``), for tests and scripts. API and admin keys
+    default to PAGEDATTN_API_KEY and PAGEDATTN_ADMIN_API_KEY (see TenantAuth).
+    ``grammar_timeout_s``: the structured-output compile deadline (OpenAIServing's default)."""
+    if serve_config is None:
+        serve_config = ServeConfig(**options)
+    elif options:
+        raise TypeError(f"build_app: give serve_config or options, not both: {sorted(options)}")
+    cfg = serve_config
     engine = engine_or_async_engine
     if not isinstance(engine, AsyncLLMEngine):
         engine = AsyncLLMEngine(engine)
     limits = {} if grammar_timeout_s is None else {"grammar_timeout_s": grammar_timeout_s}
-    model_name = served_model_name or engine.model_name
+    model_name = cfg.served_model_name or engine.model_name
 
     def is_admin(tenant: str | None) -> bool:
         admin_keys = getattr(auth, "admin_keys", ())  # NOTE: TenantAuth's admin keys, if any
@@ -130,18 +117,18 @@ def build_app(
             tenant == auth.authenticate(f"Bearer {k}") for k in admin_keys
         )
 
-    loras = serving_lora(engine, model_name, lora_modules, lora_root, is_admin)
+    loras = serving_lora(engine, model_name, cfg.lora_modules or (), cfg.lora_root, is_admin)
     serving = OpenAIServing(
         engine,
         model_name,
-        max_prompt_chars=max_prompt_chars,
+        max_prompt_chars=cfg.max_prompt_chars,
         loras=loras,
-        tool_call_parser=tool_call_parser,
-        enable_auto_tool_choice=enable_auto_tool_choice,
-        reasoning_parser=reasoning_parser,
+        tool_call_parser=cfg.tool_call_parser,
+        enable_auto_tool_choice=cfg.enable_auto_tool_choice,
+        reasoning_parser=cfg.reasoning_parser,
         **limits,
     )
-    auth = TenantAuth(api_keys, admin_keys=admin_keys)
+    auth = TenantAuth(cfg.api_keys(), admin_keys=cfg.admin_keys())
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -155,13 +142,13 @@ def build_app(
     app = make_app(
         "pagedattn",
         auth,
-        max_request_bytes=max_request_bytes,
-        metrics_public=metrics_public,
+        max_request_bytes=cfg.max_request_bytes,
+        metrics_public=cfg.metrics_public,
         lifespan=lifespan,
     )
     app.state.engine = engine
     app.state.serving = serving
-    if enable_lora_runtime_updates:
+    if cfg.enable_lora_runtime_updates:
         if loras is None:
             raise ValueError("--enable-lora-runtime-updates needs --enable-lora")
         install_lora_routes(app, loras)
@@ -174,7 +161,7 @@ def build_app(
             return error_response(503, "the engine stopped after a fault", "server_error")
         if not engine.is_running:
             return error_response(503, "the engine loop has stopped", "server_error")
-        reasons = degraded_reasons(engine, serving.pools, health_stall_s)
+        reasons = degraded_reasons(engine, serving.pools, cfg.health_stall_s)
         if reasons:
             body = {"status": "degraded", "reasons": reasons}
             return JSONResponse(body, status_code=503)
@@ -274,33 +261,18 @@ class _GracefulServer(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
-def run_server(args: argparse.Namespace) -> int:
+def run_server(engine_config: EngineConfig, serve_config: ServeConfig) -> int:
     """Load the model, serve until SIGINT/SIGTERM, finish or abort in-flight requests, return 0."""
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(EngineConfig.from_cli(args), verbose=True)
-    api_keys = list(args.api_key or []) or keys_from_env()
-    app = build_app(
-        engine,
-        api_keys,
-        args.served_model_name,
-        max_request_bytes=args.max_request_bytes,
-        max_prompt_chars=args.max_prompt_chars,
-        metrics_public=args.metrics_public,
-        health_stall_s=args.health_stall_s,
-        lora_modules=args.lora_modules or (),
-        enable_lora_runtime_updates=args.enable_lora_runtime_updates,
-        lora_root=args.lora_root,
-        tool_call_parser=args.tool_call_parser,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        reasoning_parser=args.reasoning_parser,
-        admin_keys=list(getattr(args, "admin_api_key", None) or []) or admin_keys_from_env(),
+    logging.basicConfig(
+        level=serve_config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
     )
+    engine = LLMEngine(engine_config, verbose=True)
     config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        build_app(engine, serve_config),
+        host=serve_config.host,
+        port=serve_config.port,
+        log_level=serve_config.log_level,
+        timeout_graceful_shutdown=serve_config.shutdown_timeout,
     )
     _GracefulServer(config).run()
     return 0
@@ -315,11 +287,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     add_serve_args(parser)
     args = parser.parse_args(argv)
-    from pagedattn.serve.args import uses_replicas
-
-    if uses_replicas(args):
+    serve_config = ServeConfig.from_cli(args)
+    if serve_config.uses_replicas:
         parser.error("replicas (--data-parallel-size, --ray-address) run with `pagedattn serve`")
-    return run_server(args)
+    return run_server(EngineConfig.from_cli(args), serve_config)
 
 
 if __name__ == "__main__":
