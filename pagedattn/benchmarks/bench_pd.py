@@ -222,30 +222,31 @@ def _config(args, threshold: int = 0):
 def deploy(layout: str, args) -> None:
     from ray import serve
 
+    from pagedattn.entrypoints.serve_config import ServeConfig
     from pagedattn.serve.pd_app import build_pd_app
     from pagedattn.serve.serve_app import build_app
 
-    common = dict(
-        api_keys=[KEY],
-        events_host="127.0.0.1",
-        replica_num_cpus=0.5,
-        seed=args.seed,
-        cpu_bind=args.cpu_bind,
-    )
+    common = dict(api_key=[KEY], kv_transfer_host="127.0.0.1", replica_cpus=0.5)
+    tuning = dict(seed=args.seed, cpu_bind=args.cpu_bind)
     if layout == "pd":
+        serve_config = ServeConfig(
+            prefill_replicas=1,
+            decode_replicas=1,
+            pd_min_prompt_tokens=args.pd_min_prompt_tokens,
+            pd_decode_step_time=args.pd_decode_step_time,
+            pd_prefill_nice=args.pd_prefill_nice,
+            **common,
+        )
         app = build_pd_app(
             _config(args, args.long_prefill_token_threshold),
-            1,
-            1,
-            min_prompt_tokens=args.pd_min_prompt_tokens,
-            decode_step_time_s=args.pd_decode_step_time,
-            prefill_nice=args.pd_prefill_nice,
+            serve_config,
             ingress_on_prefill=args.pd_ingress_on_prefill,
-            **common,
+            **tuning,
         )
     else:
         threshold = args.long_prefill_token_threshold if args.cap_colocated else 0
-        app = build_app(_config(args, threshold), 2, router="prefix", **common)
+        serve_config = ServeConfig(data_parallel_size=2, router="prefix", **common)
+        app = build_app(_config(args, threshold), serve_config, **tuning)
     serve.run(app, name=APP, route_prefix="/")
 
 

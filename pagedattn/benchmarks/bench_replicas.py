@@ -202,6 +202,7 @@ def _deploy(args, num_replicas: int, router: str, port: int):
     from ray import serve
 
     from pagedattn.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from pagedattn.entrypoints.serve_config import ServeConfig
     from pagedattn.serve.serve_app import APP_NAME, build_app
 
     threads = (
@@ -214,15 +215,18 @@ def _deploy(args, num_replicas: int, router: str, port: int):
         num_threads=threads,
     )
     keys = [f"tenant-{i}" for i in range(args.num_tenants)]
+    serve_config = ServeConfig(
+        data_parallel_size=num_replicas,
+        router=router,
+        api_key=keys,
+        kv_transfer_host="127.0.0.1",
+        router_imbalance_threshold=args.imbalance_threshold,
+        replica_cpus=0.5,
+    )
     app = build_app(
         config,
-        num_replicas,
-        router=router,
-        api_keys=keys,
-        events_host="127.0.0.1",
-        imbalance_threshold=args.imbalance_threshold,
+        serve_config,
         imbalance_ratio=args.imbalance_ratio,
-        replica_num_cpus=0.5,
         routing_stats_period_s=1.0,
         seed=args.seed,
     )
