@@ -239,8 +239,10 @@ def median_time(fn, reps: int) -> float:
 
 
 def _linear_bytes(module: torch.nn.Module, dtype: torch.dtype) -> int:
-    """Bytes of a linear layer's weight (what one call reads, whichever kernel packed it)."""
-    return module.out_features * module.in_features * dtype.itemsize
+    """Bytes of a linear layer's weight (what one call reads, whichever kernel packed it): its
+    GGUF blocks where it computes on them, else the float matrix."""
+    quantized = module.quantized_bytes()
+    return quantized or module.out_features * module.in_features * dtype.itemsize
 
 
 def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
@@ -263,8 +265,14 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
     untied_head = getattr(model, "lm_head", None)
     linears = [m for m in model.modules() if isinstance(m, Linear) and m is not untied_head]
     dtype = model.dtype
-    vocab_size, hidden_size = model.model.embed_tokens.weight.shape
-    head_bytes = vocab_size * hidden_size * dtype.itemsize
+    embed = model.model.embed_tokens
+    vocab_size, hidden_size = embed.num_embeddings, embed.embedding_dim
+    if isinstance(untied_head, Linear):
+        head_bytes = _linear_bytes(untied_head, dtype)
+    elif getattr(embed, "quantized", None) is not None:
+        head_bytes = embed.quantized.data.nbytes  # NOTE: a tied head computes on the blocks
+    else:
+        head_bytes = vocab_size * hidden_size * dtype.itemsize
     result = {
         "matmul_s": {},
         "linear_kernel": loaded.plan.describe().removeprefix("linear "),
