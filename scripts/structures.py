@@ -22,8 +22,22 @@ def main() -> int:
         " over at::vec::Vectorized: AVX2, AVX-512, NEON):",
         "",  # NOTE: MkDocs (Python-Markdown) reads a list only after a blank line.
         "- `paged_attention_cpu.cpp`: CPU paged decode attention through the block tables (vector"
-        " code on every ISA, AVX512-BF16 scores; AMX tiles for bf16 and fp8 caches, AMX-INT8 for u8),"
-        " and the module's bindings.",
+        " code on every ISA, AVX512-BF16 scores; AMX tiles for bf16 and fp8 caches, AMX-INT8 for u8):"
+        " the work plan, the threads' dispatch and the partitions' merge.",
+        "- `attention_common_cpu.h`: paged attention's building blocks (online softmax, per-call"
+        " parameters, scratch) and the chunk walk every kernel shares (walk_chunks).",
+        "- `attention_vector_cpu.h`: the vector kernel of paged attention, every cache dtype on"
+        " at::vec.",
+        "- `attention_quant_cpu.h`: the one-byte caches' arithmetic (u8 integer path, fp8 pairs).",
+        "- `attention_amx_cpu.h`: the AMX tile kernels of paged attention for bf16 and fp8 caches.",
+        "- `attention_amx_u8_cpu.h`: the u8 cache's AMX-INT8 tile kernel.",
+        "- `bindings_cpu.cpp`: the extension's Python module: every kernel's bindings.",
+        "- `quant_cpu.cpp`: linear layers and embeddings on GGUF weights kept in their stored"
+        " blocks (int8 activations per block for decode rows, dequantised tiles for prefill).",
+        "- `quant_blocks_cpu.h`: the GGUF block formats as stored, and the int8 forms activations"
+        " take to meet them (Q8_0, Q8_K).",
+        "- `quant_dot_cpu.h`: dot products of GGUF weight blocks with int8 activation blocks"
+        " (AVX2 maddubs, AVX-512 VNNI, scalar).",
         "- `linear_cpu.cpp`: the panel GEMM, one of the linear kernels the tuner measures"
         " (panels, AMX, MKL, oneDNN, F.linear).",
         "- `linear_amx_cpu.cpp`: the AMX-BF16 tile GEMM for decode row counts (weights packed once"
