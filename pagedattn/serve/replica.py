@@ -356,7 +356,8 @@ def _node_id() -> str | None:
     try:
         import ray
 
-        return ray.get_runtime_context().get_node_id()
+        # NOTE: outside Ray, get_runtime_context() would start a local Ray instance of its own.
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     except Exception:
         return None
 
