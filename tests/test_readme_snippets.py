@@ -7,7 +7,8 @@ loopback (the default SmolLM2 GGUF model), started with the options the docs' se
 (an API key, tool choice, LoRA with runtime loads under an adapter root). The rewrite rules:
 
 - `localhost:8000` becomes the fixture's 127.0.0.1:PORT;
-- the key placeholders (`Bearer KEY`, `api_key="KEY"`, `api_key="none"`) become the fixture's key, and a curl
+- the key placeholders (`Bearer KEY`, `api_key="KEY"`, `api_key="none"`) become the fixture's
+  key, and a curl
   command without an authorization header gets one (the docs' keyless lines are for a keyless
   server; the fixture has a key, as the README's serve line does);
 - a placeholder path (`path/to/base`, `path/to/hf-folder`) becomes the packaged default model, and
