@@ -21,13 +21,22 @@ class ReasoningParser(ABC):
 
     name: ClassVar[str]
 
-    @abstractmethod
     def split(self, text: str, final: bool) -> tuple[str, str, int]:
         """(reasoning, content, num_held): the reasoning and content of `text` so far.
 
         While streaming (`final` False) the last `num_held` characters may still turn out to be
         part of a tag and are in neither.
         """
+        stripped = text.lstrip()
+        if stripped.startswith(THINK_START):
+            return _after_end(stripped[len(THINK_START) :], final)
+        if not final and THINK_START.startswith(stripped):
+            return "", "", len(text)
+        return self.split_unopened(text, final)
+
+    @abstractmethod
+    def split_unopened(self, text: str, final: bool) -> tuple[str, str, int]:
+        """`split` of an output that does not open with ``<think>``."""
 
 
 def _held(text: str, tag: str) -> int:
@@ -52,12 +61,7 @@ class DeepSeekR1ReasoningParser(ReasoningParser):
 
     name = "deepseek_r1"
 
-    def split(self, text: str, final: bool) -> tuple[str, str, int]:
-        stripped = text.lstrip()
-        if stripped.startswith(THINK_START):
-            return _after_end(stripped[len(THINK_START) :], final)
-        if not final and THINK_START.startswith(stripped):
-            return "", "", len(text)
+    def split_unopened(self, text: str, final: bool) -> tuple[str, str, int]:
         return _after_end(text, final)
 
 
@@ -66,12 +70,7 @@ class Qwen3ReasoningParser(ReasoningParser):
 
     name = "qwen3"
 
-    def split(self, text: str, final: bool) -> tuple[str, str, int]:
-        stripped = text.lstrip()
-        if stripped.startswith(THINK_START):
-            return _after_end(stripped[len(THINK_START) :], final)
-        if not final and THINK_START.startswith(stripped):
-            return "", "", len(text)
+    def split_unopened(self, text: str, final: bool) -> tuple[str, str, int]:
         return "", text, 0
 
 
