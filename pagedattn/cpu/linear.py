@@ -297,8 +297,8 @@ class QuantizedParts(NamedTuple):
 
 
 # Rows from which a GGUF layer dequantises tiles into at::mm instead of the int8 dot kernels
-# (SmolLM2-135M Q4_1, AMD EPYC Zen 2, 2 threads: see GGUFLinear).
-GGUF_PREFILL_ROWS = 16
+# where the plan measured nothing (the tuner measures it per machine: tuner.tune_quant_rows).
+GGUF_PREFILL_ROWS = 128
 
 
 class GGUFLinear(LinearKernel):
@@ -311,7 +311,7 @@ class GGUFLinear(LinearKernel):
     def fits(self, weight):
         return isinstance(weight, QuantizedParts)
 
-    def pack(self, weight: QuantizedParts, bias):
+    def pack(self, weight: QuantizedParts, bias, prefill_rows: int = GGUF_PREFILL_ROWS):
         ext = extension.load_extension()
         index = []
         for part, start in zip(weight.parts, weight.starts, strict=True):
@@ -325,7 +325,7 @@ class GGUFLinear(LinearKernel):
             weight.out_features,
             weight.in_features,
             fp32_bias,
-            GGUF_PREFILL_ROWS,
+            prefill_rows,
         )
         # NOTE: ``b`` keeps the parts (their blocks are the compiled layer's too: no copy).
         return PackedLinear(
@@ -334,6 +334,14 @@ class GGUFLinear(LinearKernel):
 
     def apply(self, packed, x):
         return packed.a.forward(x if x.dtype in FLOAT_DTYPES else x.float())
+
+
+def pack_quantized(
+    weight: QuantizedParts, bias: torch.Tensor | None, prefill_rows: int
+) -> PackedLinear:
+    """``weight``'s blocks packed for the gguf kernel, which dequantises tiles into at::mm from
+    ``prefill_rows`` rows and runs its int8 dot kernels below."""
+    return LINEAR_KERNELS["gguf"].pack(weight, bias, prefill_rows)
 
 
 def _columns(part: QuantizedTensor, start: int) -> torch.Tensor:

@@ -27,7 +27,14 @@ import torch
 
 from pagedattn import disk_cache, envs
 from pagedattn.cpu import extension, features, tuner
-from pagedattn.cpu.linear import INT8_KERNELS, KERNELS, QUANTIZATIONS, candidates, kernel_available
+from pagedattn.cpu.linear import (
+    GGUF_PREFILL_ROWS,
+    INT8_KERNELS,
+    KERNELS,
+    QUANTIZATIONS,
+    candidates,
+    kernel_available,
+)
 from pagedattn.cpu.linear import get_kernel as get_linear_kernel
 from pagedattn.cpu.quant import QUANTIZE_TYPES
 
@@ -155,6 +162,9 @@ class KernelPlan:
     linear_quant: str | None = None
     # --quantization's GGUF block type for an HF checkpoint's projections (None: as stored).
     quantize_to: str | None = None
+    # GGUF layers run their int8 dot kernels below this many rows, dequantised tiles from it
+    # (measured per CPU and model shape: tuner.tune_quant_rows).
+    quant_prefill_rows: int = GGUF_PREFILL_ROWS
 
     @classmethod
     def single(cls, kernel: str, **fields) -> KernelPlan:
@@ -283,6 +293,7 @@ def choose_plan(
         linear_quant=GGUF_KERNEL if quant else None,
         quantize_to=options.quantization if options.quantization in QUANTIZE_TYPES else None,
     )
+
     pool = INT8_KERNELS if options.quantization == "int8" else KERNELS
     linear = candidates(dtype, pool) or ["torch"]
     if options.linear_kernel != AUTO:
@@ -332,6 +343,51 @@ def choose_plan(
     _announced.add(key)  # NOTE: a fresh measurement is always printed, then not again
     print(f"[kernels] {line} on {features.describe_cpu()}; cached in {path})", file=sys.stderr)
     return dataclasses.replace(plan, **verify_fields(options, dtype, plan))
+
+
+QUANT_PLAN_VERSION = 1
+
+
+def with_quant_rows(plan: KernelPlan, shapes: ModelShapes) -> KernelPlan:
+    """``plan`` with its GGUF layers' switch from dot kernels to tiles for ``shapes`` on this
+    CPU: cached, or measured (tuner.tune_quant_rows, about a second) and cached. Asked only for
+    a model that holds GGUF blocks."""
+    digest = hashlib.sha256(json.dumps(max(shapes.layers)).encode()).hexdigest()[:16]
+    key = (
+        f"quant v{QUANT_PLAN_VERSION}|{features.cpu_signature()}|{digest}|torch "
+        f"{torch.__version__}|ext {extension.build_key(features.isa_level())}"
+    )
+    path = disk_cache.cache_root() / CACHE_FILE
+    entry = {} if envs.PAGEDATTN_RETUNE else disk_cache.read_json(path).get(key, {})
+    rows = entry.get("quant_prefill_rows") if isinstance(entry, dict) else None
+    if isinstance(rows, int) and rows > 0:
+        _announce(
+            key,
+            f"GGUF layers: int8 dot kernels below {rows} rows, dequantised tiles "
+            "from there (measured earlier)",
+        )
+        return dataclasses.replace(plan, quant_prefill_rows=rows)
+    start = time.perf_counter()
+    rows, times = tuner.tune_quant_rows(shapes.layers)
+    disk_cache.update_json(
+        path,
+        key,
+        {
+            "quant_prefill_rows": rows,
+            "times_ms": {
+                r: {k: round(t * 1e3, 3) for k, t in ts.items()} for r, ts in times.items()
+            },
+            "cpu": features.describe_cpu(),
+            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        },
+    )
+    _announced.add(key)
+    print(
+        f"[kernels] GGUF layers: int8 dot kernels below {rows} rows, dequantised tiles from "
+        f"there (measured in {time.perf_counter() - start:.1f} s; cached in {path})",
+        file=sys.stderr,
+    )
+    return dataclasses.replace(plan, quant_prefill_rows=rows)
 
 
 def _measure(

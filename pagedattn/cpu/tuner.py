@@ -30,7 +30,8 @@ from typing import NamedTuple
 import torch
 
 from pagedattn.cpu import features
-from pagedattn.cpu.linear import pack_weight, shares_weights
+from pagedattn.cpu.linear import QuantizedParts, pack_quantized, pack_weight, shares_weights
+from pagedattn.cpu.quant import quantize
 
 DECODE_ROWS = 32
 PREFILL_ROWS = 2048
@@ -51,6 +52,13 @@ HOPELESS = 3.0  # a kernel this many times slower than the best after a round is
 ONE_THREAD_MARGIN = 0.9
 # Rows at and above which a layer runs its prefill kernel when nothing was measured.
 DEFAULT_PREFILL_ROWS = 128
+# GGUF layers: row counts tried for the switch from the int8 dot kernels to dequantised tiles
+# into at::mm (tune_quant_rows), and the weight rows of the layer they are timed on. NOTE: AMD
+# EPYC Zen 2 (AVX2), 2 threads, an [8192, 2048] Q4_K layer: dot 11.1 ms at 32 rows against 21.9
+# for the tiles, even at 128 rows (46.0 / 45.9 ms); a fixed switch at 16 rows made the 1B Q4_K_M
+# model's 32-sequence decode steps 2.0 s against llama.cpp's 0.74.
+QUANT_SPLIT_ROWS = (16, 32, 64, 128, 256, 512)
+QUANT_TUNE_MAX_OUT = 4096
 # Prefill takes a kernel that runs on the decode kernel's own copy of the weights (the same
 # kernel, or F.linear on the plain weight MKL keeps) when it is within this share of the fastest:
 # any other kernel packs a second copy of every weight. NOTE: AVX2 cap on the AMX Xeon,
@@ -219,3 +227,26 @@ def tune_threads(
         times[f"threads_{regime}"] = {f"{threads}": times[regime][kernel], "1": single}
         wins.append(single < ONE_THREAD_MARGIN * times[regime][kernel])
     return 1 if all(wins) else threads
+
+
+def tune_quant_rows(layer_shapes: Sequence[Shape]) -> tuple[int, dict[str, dict[str, float]]]:
+    """The row count from which a GGUF layer's dequantised tiles run faster than its int8 dot
+    kernels, timed on (up to QUANT_TUNE_MAX_OUT rows of) the model's largest projection in Q4_K
+    blocks (Q8_0 where its inputs are not whole Q4_K blocks), and the seconds per row count.
+    Twice the last row count tried where the dot kernels win at all of them."""
+    out, cols = max(layer_shapes, key=lambda s: s[0] * s[1])
+    kind = "q4_k" if cols % 256 == 0 else "q8_0"
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(min(out, QUANT_TUNE_MAX_OUT), cols, generator=gen).mul_(0.02)
+    block = quantize(weight, kind)
+    parts = QuantizedParts((block,), (0,), block.shape[0], cols)
+    modes = {"dot": pack_quantized(parts, None, 1 << 30), "tiles": pack_quantized(parts, None, 1)}
+    times: dict[str, dict[str, float]] = {}
+    for rows in QUANT_SPLIT_ROWS:
+        x = torch.randn(rows, cols, generator=gen)
+        times[f"{kind}_rows_{rows}"] = t = fastest_passes(
+            {mode: (lambda layer=layer, x=x: layer(x)) for mode, layer in modes.items()}
+        )
+        if t["tiles"] <= t["dot"]:
+            return rows, times
+    return 2 * QUANT_SPLIT_ROWS[-1], times

@@ -260,6 +260,8 @@ class QuantLinear {
     return out.to(dtype).view(shape);
   }
 
+  int64_t prefill_rows() const { return prefill_rows_; }
+
   int64_t nbytes() const {
     int64_t total = 0;
     for (const auto& d : data_) total += d.numel();
@@ -403,7 +405,9 @@ void bind_quant(pybind11::module_& m) {
            py::arg("data"), py::arg("types"), py::arg("index"), py::arg("N"), py::arg("K"),
            py::arg("bias"), py::arg("prefill_rows"))
       .def("forward", &QuantLinear::forward, "y = x @ W^T (+ bias), W in GGUF blocks")
-      .def("nbytes", &QuantLinear::nbytes, "Bytes of the stored blocks");
+      .def("nbytes", &QuantLinear::nbytes, "Bytes of the stored blocks")
+      .def_property_readonly("prefill_rows", &QuantLinear::prefill_rows,
+                             "Rows from which forward dequantises tiles (below: int8 dot kernels)");
   m.def("quant_embedding", &pagedattn_quant::quant_embedding,
         "Rows of a GGUF-block table, dequantised", py::arg("data"), py::arg("type"), py::arg("K"),
         py::arg("ids"), py::arg("dtype"));

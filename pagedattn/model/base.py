@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from pagedattn.core.kv_cache_spec import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
-from pagedattn.cpu.linear import PackedLinear, QuantizedParts, pack_weight
+from pagedattn.cpu.linear import PackedLinear, QuantizedParts, pack_quantized, pack_weight
 from pagedattn.cpu.plan import KernelPlan
 from pagedattn.cpu.quant import QuantizedTensor
 from pagedattn.model.layers import Linear, LinearKernels
@@ -44,13 +44,22 @@ class WeightLoadError(RuntimeError):
 def linear_kernels(plan: KernelPlan) -> LinearKernels:
     """The kernels of a model's projections under ``plan``."""
     return LinearKernels(
-        plan.linear_decode, plan.linear_prefill, plan.prefill_rows, plan.linear_verify
+        plan.linear_decode,
+        plan.linear_prefill,
+        plan.prefill_rows,
+        plan.linear_verify,
+        plan.quant_prefill_rows,
     )
 
 
 def head_kernels(plan: KernelPlan) -> LinearKernels:
     """The kernel of an (untied) LM head under ``plan``: the same for every row count."""
-    return LinearKernels(plan.linear_head, plan.linear_head, verify=plan.linear_verify)
+    return LinearKernels(
+        plan.linear_head,
+        plan.linear_head,
+        verify=plan.linear_verify,
+        quant_rows=plan.quant_prefill_rows,
+    )
 
 
 def group_layers(layer_windows: list[int | None]) -> tuple[list[int], list[int | None]]:
@@ -131,7 +140,8 @@ class PagedCausalLM(nn.Module):
         if self.tie_word_embeddings and table is not None:
             # NOTE: the LM head computes on the embedding's own blocks (no second copy).
             h = table.cols
-            self.tied_head = pack_weight("gguf", QuantizedParts((table,), (0,), table.shape[0], h))
+            parts = QuantizedParts((table,), (0,), table.shape[0], h)
+            self.tied_head = pack_quantized(parts, None, self.plan.quant_prefill_rows)
             return
         weight = self.model.embed_tokens.weight
         if self.tie_word_embeddings and weight.device.type == "cpu":

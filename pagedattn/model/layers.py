@@ -17,7 +17,13 @@ from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.attention.fp8 import compute_scale, is_fp8
 from pagedattn.attention.metadata import AttentionMetadata
 from pagedattn.cpu import extension as cpu_ext
-from pagedattn.cpu.linear import PackedLinear, QuantizedParts, pack_weight
+from pagedattn.cpu.linear import (
+    GGUF_PREFILL_ROWS,
+    PackedLinear,
+    QuantizedParts,
+    pack_quantized,
+    pack_weight,
+)
 from pagedattn.cpu.quant import QuantizedTensor
 from pagedattn.model.rope import rope_frequencies
 from pagedattn.model.text_config import TextConfig
@@ -39,6 +45,8 @@ class LinearKernels(NamedTuple):
     prefill: str
     prefill_rows: float = math.inf
     verify: str | None = None
+    # GGUF blocks (the gguf kernel): int8 dot kernels below this many rows, tiles from it.
+    quant_rows: int = GGUF_PREFILL_ROWS
 
 
 class Linear(nn.Module):
@@ -95,7 +103,8 @@ class Linear(nn.Module):
                 self.in_features,
             )
             b = None if self.bias is None else self.bias.detach()
-            self.decode = self.prefill = pack_weight("gguf", weight, b)
+            rows = GGUF_PREFILL_ROWS if self.kernels is None else self.kernels.quant_rows
+            self.decode = self.prefill = pack_quantized(weight, b, rows)
             self.prefill_rows = math.inf  # NOTE: the compiled layer splits decode from prefill
             self.weight = None
             return True

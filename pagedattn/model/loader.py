@@ -19,7 +19,14 @@ from pagedattn.attention.backends.base import (
     get_attn_backend,
 )
 from pagedattn.attention.backends.cpu import time_decode_attention
-from pagedattn.cpu.plan import AUTO, KernelOptions, KernelPlan, choose_plan, model_shapes
+from pagedattn.cpu.plan import (
+    AUTO,
+    KernelOptions,
+    KernelPlan,
+    choose_plan,
+    model_shapes,
+    with_quant_rows,
+)
 from pagedattn.model.base import PagedCausalLM
 from pagedattn.model.gguf_loader import GGUFCheckpoint, quantize_checkpoint
 from pagedattn.model.hf_loader import HFCheckpoint
@@ -206,11 +213,14 @@ def build_model(
     torch_dtype = _torch_dtype(dtype)
     if plan is None:
         plan = choose_model_plan(config, torch_dtype, device)
-    if parallel is not None and plan.linear_quant is not None and _has_blocks(checkpoint, plan):
+    blocks = plan.linear_quant is not None and _has_blocks(checkpoint, plan)
+    if parallel is not None and blocks:
         raise QuantizedShardError(
             "tensor_parallel_size > 1 does not split GGUF blocks yet: run a GGUF file with "
             "--weights dequantize (or quantization=None for an HF checkpoint) when sharding"
         )
+    if blocks:
+        plan = with_quant_rows(plan, model_shapes(config))
     backend = (
         attn_backend
         if isinstance(attn_backend, AttentionBackend)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from pagedattn.cpu import extension, tuner
 from pagedattn.cpu import plan as plan_module
-from pagedattn.cpu import tuner
 from pagedattn.cpu.linear import KERNELS, candidates, shares_weights
 from pagedattn.cpu.plan import (
     KernelChoiceError,
@@ -434,3 +434,61 @@ def test_real_attention_timing_on_one_byte_caches(kv_cache_dtype):
         3, 1, 64, kernels, torch.bfloat16, num_seqs=2, kv_cache_dtype=kv_cache_dtype
     )
     assert set(times) == set(kernels) and all(0 < t < 1 for t in times.values())
+
+
+def quant_kernels_built() -> bool:
+    return hasattr(extension.get_extension(), "QuantLinear")
+
+
+@pytest.mark.parametrize(("tiles_win_from", "chosen"), [(2, 64), (0, 16), (None, 1024)])
+def test_gguf_switch_is_the_first_row_count_where_tiles_win(monkeypatch, tiles_win_from, chosen):
+    """tune_quant_rows times dot kernels against tiles at rising row counts and stops at the
+    first where the tiles are no slower (twice the last count tried where they never are)."""
+    if not quant_kernels_built():
+        pytest.skip("no compiled GGUF kernels")
+    timed: list[int] = []
+
+    def fake_passes(passes):
+        assert set(passes) == {"dot", "tiles"}
+        for one_pass in passes.values():
+            one_pass()  # the real layers run (shapes and modes are wired up)
+        i = len(timed)
+        timed.append(i)
+        tiles = 0.5 if tiles_win_from is not None and i >= tiles_win_from else 2.0
+        return {"dot": 1.0, "tiles": tiles}
+
+    monkeypatch.setattr(tuner, "fastest_passes", fake_passes)
+    rows, times = tuner.tune_quant_rows([(96, 64), (64, 512)])
+    assert rows == chosen
+    stop = len(tuner.QUANT_SPLIT_ROWS) if tiles_win_from is None else tiles_win_from + 1
+    # the largest projection, 512 columns: whole Q4_K blocks
+    assert list(times) == [f"q4_k_rows_{r}" for r in tuner.QUANT_SPLIT_ROWS[:stop]]
+
+
+def test_gguf_switch_is_measured_once_per_cpu_and_shape(monkeypatch, capsys):
+    calls: list = []
+
+    def fake_tune(layers):
+        calls.append(layers)
+        return 48, {"q8_0_rows_16": {"dot": 1e-3, "tiles": 2e-3}}
+
+    monkeypatch.setattr(tuner, "tune_quant_rows", fake_tune)
+    plan = KernelPlan()
+    first = plan_module.with_quant_rows(plan, SHAPES)
+    assert first.quant_prefill_rows == 48 and len(calls) == 1
+    assert "int8 dot kernels below 48 rows" in capsys.readouterr().err
+    assert plan_module.with_quant_rows(plan, SHAPES).quant_prefill_rows == 48 and len(calls) == 1
+    plan_module.with_quant_rows(plan, SHAPES._replace(layers=((256, 64),)))
+    assert len(calls) == 2
+    monkeypatch.setenv("PAGEDATTN_RETUNE", "1")
+    plan_module.with_quant_rows(plan, SHAPES)
+    assert len(calls) == 3
+
+
+def test_gguf_switch_real_measurement():
+    if not quant_kernels_built():
+        pytest.skip("no compiled GGUF kernels")
+    rows, times = tuner.tune_quant_rows([(256, 64)])
+    assert rows in (*tuner.QUANT_SPLIT_ROWS, 2 * tuner.QUANT_SPLIT_ROWS[-1])
+    assert all(0 < t < 1 for ts in times.values() for t in ts.values())
+    assert next(iter(times)) == "q8_0_rows_16"  # 64 columns: not whole Q4_K blocks

@@ -14,10 +14,12 @@ import pytest
 import torch
 
 from pagedattn.cpu import extension, features
-from pagedattn.cpu.linear import GGUF_PREFILL_ROWS, QuantizedParts, pack_weight
+from pagedattn.cpu.linear import QuantizedParts, pack_quantized
 from pagedattn.cpu.quant import GGUF_TYPES, QuantizedTensor, quantize
 
 gguf = pytest.importorskip("gguf")
+# The layers here dequantise tiles from this many rows (the plan measures it for a model).
+TILES_FROM = 16
 from gguf.quants import dequantize  # noqa: E402
 
 ext = extension.get_extension()
@@ -66,7 +68,7 @@ def relative_error(y: torch.Tensor, ref: torch.Tensor, x: torch.Tensor, w: torch
 
 def packed(blocks: np.ndarray, type_id: int, cols: int, bias=None):
     t = QuantizedTensor(type_id, torch.from_numpy(blocks), cols)
-    return pack_weight("gguf", QuantizedParts((t,), (0,), t.shape[0], cols), bias)
+    return pack_quantized(QuantizedParts((t,), (0,), t.shape[0], cols), bias, TILES_FROM)
 
 
 @pytest.mark.parametrize("kind", list(GGUF_TYPES))
@@ -88,7 +90,7 @@ def test_linear_matches_dequantised_matmul(kind, rows):
     w = reference_weight(blocks, type_id)
     x = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32))
     y = packed(blocks, type_id, cols)(x)
-    decode = rows < GGUF_PREFILL_ROWS
+    decode = rows < TILES_FROM
     ref = (int8_rounded(x, type_id) if decode else x) @ w.T
     assert y.shape == (rows, out) and y.dtype == torch.float32
     assert relative_error(y, ref, x, w) < 2e-6
@@ -108,13 +110,13 @@ def test_fused_parts_row_order_bias_and_bf16(rows):
         QuantizedTensor(14, torch.from_numpy(b), cols),
     )
     bias = torch.linspace(-1, 1, 16)
-    layer = pack_weight("gguf", QuantizedParts(parts, (0, 6), 16, cols), bias)
+    layer = pack_quantized(QuantizedParts(parts, (0, 6), 16, cols), bias, TILES_FROM)
     w = torch.cat((parts[0].dequantize(), parts[1].dequantize()))  # rows in the layer's order
     assert torch.equal(w[order.long()], reference_weight(a, 3))
     x = torch.randn(rows, cols)
     y = layer(x)
     exact = x @ w.T + bias
-    tolerance = 2e-6 if rows >= GGUF_PREFILL_ROWS else 1e-2
+    tolerance = 2e-6 if rows >= TILES_FROM else 1e-2
     assert relative_error(y, exact, x, w) < tolerance
     y16 = layer(x.bfloat16())
     assert y16.dtype == torch.bfloat16

@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from pagedattn.cpu import extension
-from pagedattn.cpu.linear import GGUF_PREFILL_ROWS
 from pagedattn.model import load_model
 from pagedattn.model.gguf_file import GGUFFile
 from pagedattn.model.layers import Embedding, Linear
@@ -85,8 +84,12 @@ def test_packaged_gguf_runs_as_stored(name, types, capsys):
         "The capital of France is Paris. The capital of Germany is Berlin. The capital of Spain "
         "is Madrid. The capital of Portugal is Lisbon. The capital of Italy is"
     )
+    # Every layer switches to dequantised tiles where the plan measured it; the prompt is long
+    # enough to run them, the decode steps run the int8 dot kernels.
+    tiles_from = stored.plan.quant_prefill_rows
+    assert {m.decode.a.prefill_rows for m in linears} == {tiles_from}
     prompt = stored.tokenizer.encode(text)
-    assert len(prompt) >= GGUF_PREFILL_ROWS  # the prompt runs the prefill tiles
+    prompt = (prompt * (tiles_from // len(prompt) + 1))[:tiles_from]
     dense = load_model(name, "float32", "cpu", "torch", weights="dequantize").model
     assert all(
         m.decode is None or m.decode.name != "gguf"
