@@ -108,6 +108,9 @@ class KernelOptions:
     verify_rows: int = 0
     # GGUF weights: auto runs quantised types as stored (the gguf kernel), dequantize widens them.
     weights: str = AUTO
+    # False: every matrix of the model is in GGUF blocks the gguf kernel runs, so no float
+    # linear kernel is measured (they would run nothing).
+    float_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.weights not in WEIGHT_FORMATS:
@@ -298,6 +301,8 @@ def choose_plan(
     linear = candidates(dtype, pool) or ["torch"]
     if options.linear_kernel != AUTO:
         linear = [options.linear_kernel]
+    elif quant and not options.float_weights:
+        linear = ["torch"]
     kv = options.kv_cache_dtype
     attention = [k for k in ATTENTION_KERNELS if attention_available(k, dtype, kv)]
     if options.attention_kernel != AUTO:
@@ -305,7 +310,8 @@ def choose_plan(
     if len(linear) == 1 and (len(attention) == 1 or measure_attention is None):
         plan = KernelPlan.single(linear[0], attention=attention[0], **fixed)
         plan = dataclasses.replace(plan, **verify_fields(options, dtype, plan))
-        _announce(str(plan), f"{_dtype_name(dtype)}: {plan.describe()} (as asked)")
+        why = "as asked" if options.float_weights else "every matrix in GGUF blocks"
+        _announce(str(plan), f"{_dtype_name(dtype)}: {plan.describe()} ({why})")
         return plan
     key = _plan_key(shapes, dtype, linear, attention, kv)
     path = disk_cache.cache_root() / CACHE_FILE

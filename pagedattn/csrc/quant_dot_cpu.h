@@ -214,15 +214,24 @@ inline void dot_q45_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act,
         isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, y1), s_hi));
       }
     }
-#endif
+    // The minimums: mn[j] against the sums of sub-block j's two 16-value activation groups,
+    // 16 int16 products summed in pairs by one madd per row (each min stands at 2j and 2j + 1).
+    uint8_t mn2[16];
+    for (int j = 0; j < 8; ++j) mn2[2 * j] = mn2[2 * j + 1] = mn[j];
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn2)));
+    for (int m = 0; m < MB; ++m) {
+      const ActQ8_K& a = act[m][b];
+      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * a.d), acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, mins)),
+                               _mm256_set1_ps(-dmin * a.d), acc[m]);
+    }
+#else
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
       int mins = 0;
       for (int j = 0; j < 8; ++j) mins += mn[j] * (a.bsums[2 * j] + a.bsums[2 * j + 1]);
       off[m] -= dmin * a.d * static_cast<float>(mins);
-#ifdef PAGEDATTN_QUANT_X86
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * a.d), acc[m]);
-#else
       int total = 0;
       for (int j = 0; j < 4; ++j) {
         int s_lo = 0, s_hi = 0;
@@ -238,8 +247,8 @@ inline void dot_q45_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act,
         total += sc[2 * j] * s_lo + sc[2 * j + 1] * s_hi;
       }
       acc[m] += static_cast<float>(total) * (d * a.d);
-#endif
     }
+#endif
   }
 #ifdef PAGEDATTN_QUANT_X86
   for (int m = 0; m < MB; ++m) sums[m] = hsum_ps(acc[m]) + off[m];
@@ -291,15 +300,22 @@ inline void dot_q6_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act, 
         }
       }
     }
-#endif
+    // The offset 32: the 16 scales against the 16 group sums, one madd per row.
+    const __m256i scales =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk->scales)));
+    for (int m = 0; m < MB; ++m) {
+      const ActQ8_K& a = act[m][b];
+      const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * a.d), acc[m]);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(bs, scales)),
+                               _mm256_set1_ps(-32.0f * d * a.d), acc[m]);
+    }
+#else
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
       int bias = 0;
       for (int g = 0; g < 16; ++g) bias += blk->scales[g] * a.bsums[g];
       off[m] -= 32.0f * d * a.d * static_cast<float>(bias);
-#ifdef PAGEDATTN_QUANT_X86
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_set1_ps(d * a.d), acc[m]);
-#else
       int total = 0;
       for (int h = 0; h < 2; ++h) {
         const uint8_t* ql = blk->ql + 64 * h;
@@ -317,8 +333,8 @@ inline void dot_q6_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act, 
         }
       }
       acc[m] += static_cast<float>(total) * (d * a.d);
-#endif
     }
+#endif
   }
 #ifdef PAGEDATTN_QUANT_X86
   for (int m = 0; m < MB; ++m) sums[m] = hsum_ps(acc[m]) + off[m];

@@ -214,6 +214,12 @@ class GGUFCheckpoint:
         except OSError:  # an unwritable cache only costs load time
             tmp.unlink(missing_ok=True)
 
+    def every_matrix_has_kernels(self) -> bool:
+        """Whether every 2-D tensor is of a type the gguf kernel runs as stored."""
+        return all(
+            has_kernel(t.tensor_type, t.shape[1]) for t in self.file.tensors if len(t.shape) == 2
+        )
+
     def quantized_weights(
         self, config: TextConfig, dtype: torch.dtype
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 import importlib
@@ -179,9 +180,17 @@ def choose_model_plan(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     options: KernelOptions = KernelOptions(),
+    checkpoint: HFCheckpoint | GGUFCheckpoint | None = None,
 ) -> KernelPlan:
     """The KernelPlan for a model of ``config`` in ``dtype`` (pagedattn.cpu.plan.choose_plan),
-    timing the decode attention kernels on the model's heads where it measures."""
+    timing the decode attention kernels on the model's heads where it measures. A GGUF
+    ``checkpoint`` whose every matrix runs as stored has no float linear kernel measured."""
+    if (
+        isinstance(checkpoint, GGUFCheckpoint)
+        and options.weights == AUTO
+        and checkpoint.every_matrix_has_kernels()
+    ):
+        options = dataclasses.replace(options, float_weights=False)
     shapes = model_shapes(config)
     measure = functools.partial(
         time_decode_attention,
@@ -212,7 +221,7 @@ def build_model(
     config = config_class(architecture).from_dict(raw)
     torch_dtype = _torch_dtype(dtype)
     if plan is None:
-        plan = choose_model_plan(config, torch_dtype, device)
+        plan = choose_model_plan(config, torch_dtype, device, checkpoint=checkpoint)
     blocks = plan.linear_quant is not None and _has_blocks(checkpoint, plan)
     if parallel is not None and blocks:
         raise QuantizedShardError(
@@ -302,7 +311,7 @@ def load_model(
                 linear_kernel=linear_kernel or AUTO, quantization=quantization, weights=weights
             )
             config = checkpoint_config(checkpoint)
-            plan = choose_model_plan(config, _torch_dtype(dtype), device, options)
+            plan = choose_model_plan(config, _torch_dtype(dtype), device, options, checkpoint)
         net, config, plan = build_model(checkpoint, dtype, device, attn_backend, plan, parallel)
         tokenizer = checkpoint.tokenizer()
     extra_eos = (

@@ -126,7 +126,7 @@ class ModelRunner:
         text_config = checkpoint_config(checkpoint)
         if parallel is not None:
             text_config = shard_text_config(text_config, parallel)
-        self.plan = choose_model_plan(text_config, self.dtype, self.device, options)
+        self.plan = choose_model_plan(text_config, self.dtype, self.device, options, checkpoint)
         self.attn_backend = get_attn_backend(
             config.attn_backend,
             self.device,

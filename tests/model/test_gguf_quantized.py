@@ -110,3 +110,23 @@ def test_bfloat16_activations_on_blocks():
     logits = PagedDriver(loaded.model, block_size=16).step([(0, prompt)])[0]
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     assert loaded.model.dtype == torch.bfloat16
+
+
+def test_a_file_of_blocks_measures_no_float_linear_kernel(monkeypatch, tmp_path, capsys):
+    """Every matrix of the packaged file runs on the gguf kernel: timing float kernels on random
+    weights of its shapes would cost the first start a minute (1B) for nothing."""
+    from pagedattn.cpu import tuner
+
+    monkeypatch.setenv("PAGEDATTN_CACHE_DIR", str(tmp_path))  # no plan cached
+    monkeypatch.delenv("PAGEDATTN_RETUNE", raising=False)
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("float linear kernels were measured for a model of GGUF blocks")
+
+    monkeypatch.setattr(tuner, "tune_linear", must_not_run)
+    loaded = load_model("smollm2-135m", "float32", "cpu")
+    assert loaded.plan.linear_quant == "gguf" and loaded.plan.linear_decode == "torch"
+    assert "linear torch" in capsys.readouterr().err
+    # Widened to floats, the same file's layers have float kernels to measure.
+    with pytest.raises(AssertionError, match="float linear kernels were measured"):
+        load_model("smollm2-135m", "float32", "cpu", weights="dequantize")
