@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagedattn import envs
@@ -25,6 +24,7 @@ from pagedattn.cpu.quant import QuantizedTensor, has_kernel, type_name
 from pagedattn.disk_cache import cache_root, read_json, write_atomic
 from pagedattn.model.gemma3 import FULL, SLIDING
 from pagedattn.model.gguf_file import GGUFFile
+from pagedattn.model.hf_loader import read_safetensors
 from pagedattn.model.text_config import TextConfig
 from pagedattn.tokenizer import LightTokenizer, TokenizerFormatError
 
@@ -194,9 +194,7 @@ class GGUFCheckpoint:
         path = _weights_cache_path(self.path, dtype)
         if path.is_file():
             try:
-                with safe_open(str(path), framework="pt") as f:
-                    names = list(f.keys())
-                    tensors = [(name, f.get_tensor(name)) for name in names]
+                tensors = list(read_safetensors(path))
             except Exception:  # NOTE: a damaged cache file is rewritten below
                 tensors = None
             if tensors is not None:

@@ -126,3 +126,59 @@ def test_mismatched_shape_raises_weight_load_error(tmp_path: Path) -> None:
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(WeightLoadError, match=r"mlp\..*has shape"):
         load_model(str(path), attn_backend="torch")
+
+
+def _mapped(path_part: str) -> list[str]:
+    with open("/proc/self/maps") as maps:
+        return [line for line in maps if path_part in line]
+
+
+def test_safetensors_are_read_not_mapped(tmp_path: Path) -> None:
+    """An HF model's tensors are read into memory of their own: no weight file stays mapped
+    (a mapped file's pages count in RSS for as long as one adopted tensor of it lives)."""
+    from safetensors import safe_open
+
+    from pagedattn.model.hf_loader import read_safetensors
+
+    path = make_tiny_llama(tmp_path)
+    file = next(path.glob("*.safetensors"))
+    ours = dict(read_safetensors(file))
+    with safe_open(str(file), framework="pt") as f:
+        assert sorted(ours) == sorted(f.keys())
+        for name in f.keys():
+            assert torch.equal(ours[name], f.get_tensor(name)), name
+    loaded = load_model(str(path), "float32", "cpu")
+    assert loaded.model is not None and not _mapped(str(path))
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"\x05", "no valid header"),
+        ((1 << 40).to_bytes(8, "little") + b"{}", "no valid header"),
+        ((4).to_bytes(8, "little") + b"{x:1", "header is not JSON"),
+        (
+            (len(h := b'{"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}')).to_bytes(
+                8, "little"
+            )
+            + h
+            + b"\0" * 8,
+            "ends inside tensor 'w'",
+        ),
+        (
+            (len(h := b'{"w":{"dtype":"C64","shape":[1],"data_offsets":[0,8]}}')).to_bytes(
+                8, "little"
+            )
+            + h
+            + b"\0" * 8,
+            "dtype C64",
+        ),
+    ],
+)
+def test_a_damaged_safetensors_file_is_named(tmp_path: Path, data: bytes, match: str) -> None:
+    from pagedattn.model.hf_loader import SafetensorsFormatError, read_safetensors
+
+    file = tmp_path / "model.safetensors"
+    file.write_bytes(data)
+    with pytest.raises(SafetensorsFormatError, match=match):
+        list(read_safetensors(file))
