@@ -107,6 +107,13 @@ def _decode_linear(ext, layer: PackedLayer):
     packed = layer.decode
     if packed is None:  # never packed: plain F.linear
         return ext.DecodeLinear(0, layer.weight, None, layer.bias, layer.out_features), math.inf
+    if packed.name == "gguf":
+        # NOTE: the QuantLinear Python packed (bias inside); it picks dot kernels or tiles by
+        # rows itself, so a stack of GGUF layers bounds no rows.
+        linear = ext.DecodeLinear(
+            packed.kernel.cpp_id, None, None, None, packed.out_features, quant=packed.a
+        )
+        return linear, math.inf
     linear = ext.DecodeLinear(
         packed.kernel.cpp_id, packed.a, packed.b, packed.bias, packed.out_features
     )
@@ -191,8 +198,7 @@ def build_decode_stack(
     amx_attention: bool,
 ) -> DecodeStack | None:
     """A DecodeStack over ``layers``, or None where it could not match the Python layers exactly
-    (no extension, another dtype or head size, mixed epsilons or scales) or runs a kernel it
-    does not take (GGUF blocks)."""
+    (no extension, another dtype or head size, mixed epsilons or scales)."""
     ext = extension.step_ops()
     if ext is None or not hasattr(ext, "DecodeStack") or not layers:
         return None
@@ -201,9 +207,6 @@ def build_decode_stack(
     first = layers[0]
     if any(layer.eps != first.eps or layer.scale != first.scale for layer in layers):
         return None
-    projections = [p for x in layers for p in (x.qkv, x.o, x.gate_up, x.down)]
-    if any(p.decode is not None and not p.decode.kernel.in_decode_stack for p in projections):
-        return None  # NOTE: GGUF blocks (the gguf kernel) run on the Python layers
     compiled = ext.DecodeStack(
         num_heads,
         num_kv_heads,

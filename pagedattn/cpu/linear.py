@@ -69,8 +69,6 @@ class LinearKernel:
     name: ClassVar[str]
     cpp_id: ClassVar[int]  # the decode stack's number for this kernel (csrc DecodeLinear)
     quantized: ClassVar[bool] = False
-    # Whether the compiled decode stack runs it (csrc/decode_stack_cpu.cpp's DecodeLinear).
-    in_decode_stack: ClassVar[bool] = True
     # Whether its packed form holds the plain weight itself, which F.linear can then run on.
     keeps_weight: ClassVar[bool] = False
 
@@ -302,7 +300,7 @@ GGUF_PREFILL_ROWS = 128
 
 
 class GGUFLinear(LinearKernel):
-    name, cpp_id, quantized, in_decode_stack = "gguf", 8, True, False
+    name, cpp_id, quantized = "gguf", 8, True
 
     def available(self, dtype):
         ext = extension.get_extension()

@@ -12,10 +12,12 @@
 #include <torch/extension.h>
 
 #include "ops_cpu.h"
+#include "quant_linear_cpu.h"
 
 #include <ATen/Parallel.h>
 
 #include <atomic>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -23,7 +25,7 @@ namespace {
 
 // The kernels of pagedattn.model.packed_linear.KERNELS, numbered as in DecodeLinear's docstring.
 enum class Kernel : int64_t {
-  kTorch = 0, kPanels = 1, kMkl = 2, kOnednn = 3, kInt8 = 4, kAmx = 5, kInt8Amx = 6
+  kTorch = 0, kPanels = 1, kMkl = 2, kOnednn = 3, kInt8 = 4, kAmx = 5, kInt8Amx = 6, kGGUF = 8
 };
 
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
@@ -52,12 +54,14 @@ torch::Tensor mkl_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // One linear layer on the kernel the tuner chose, as PackedLinear calls it for a 2-D, contiguous
 // input in the layer's dtype. kernel: 0 torch (a = weight), 1 panels (a = panels), 2 mkl (a =
 // packed, b = weight), 3 onednn (a = packed), 4 int8 (a = int8 weight, b = scales), 5 amx
-// (a = AMX tiles; bias float32), 6 int8_amx (a = int8 AMX tiles, b = float32 scales).
+// (a = AMX tiles; bias float32), 6 int8_amx (a = int8 AMX tiles, b = float32 scales), 8 gguf
+// (quant: the layer's QuantLinear, the very object Python packed; bias inside it).
 struct DecodeLinear {
   int64_t kernel;
   torch::Tensor a, b;
   c10::optional<torch::Tensor> bias;
   int64_t out_features;
+  std::shared_ptr<const pagedattn_quant::QuantLinear> quant;
 
   // warmup: the items of this linear that helper threads fetched (AMX dot-product rows only).
   torch::Tensor operator()(const torch::Tensor& x, DotWarmup* warmup = nullptr) const {
@@ -74,6 +78,8 @@ struct DecodeLinear {
         return linear_amx_warmed(x, a, out_features, bias, c10::nullopt, warmup);
       case Kernel::kInt8Amx:
         return linear_amx(x, a, out_features, bias, b);
+      case Kernel::kGGUF:
+        return quant->forward(x);
       case Kernel::kInt8: {
         auto out = at::_weight_int8pack_mm(x, a, b);
         if (bias.has_value()) out.add_(*bias);
@@ -249,13 +255,19 @@ class DecodeStack {
 void register_decode_stack(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<DecodeLinear>(m, "DecodeLinear")
-      .def(py::init([](int64_t kernel, torch::Tensor a, c10::optional<torch::Tensor> b,
-                       c10::optional<torch::Tensor> bias, int64_t out_features) {
-             return DecodeLinear{kernel, std::move(a), b.value_or(torch::Tensor()),
-                                 std::move(bias), out_features};
+      .def(py::init([](int64_t kernel, c10::optional<torch::Tensor> a,
+                       c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> bias,
+                       int64_t out_features,
+                       std::shared_ptr<pagedattn_quant::QuantLinear> quant) {
+             TORCH_CHECK(a.has_value() || kernel == static_cast<int64_t>(Kernel::kGGUF),
+                         "DecodeLinear: kernel ", kernel, " needs its packed weight a");
+             TORCH_CHECK(quant || kernel != static_cast<int64_t>(Kernel::kGGUF),
+                         "DecodeLinear: the gguf kernel needs its QuantLinear");
+             return DecodeLinear{kernel, a.value_or(torch::Tensor()), b.value_or(torch::Tensor()),
+                                 std::move(bias), out_features, std::move(quant)};
            }),
            py::arg("kernel"), py::arg("a"), py::arg("b"), py::arg("bias"),
-           py::arg("out_features"))
+           py::arg("out_features"), py::arg("quant") = nullptr)
       .def("__call__", [](const DecodeLinear& linear, const torch::Tensor& x) { return linear(x); });
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<int64_t, int64_t, int64_t, double, double, int64_t, bool>(),

@@ -1,5 +1,5 @@
 // Linear layers and embeddings on GGUF weights kept in their stored blocks
-// (quant_blocks_cpu.h): pagedattn/cpu/quant_linear.py holds one QuantLinear per layer.
+// (quant_blocks_cpu.h): pagedattn/cpu/linear.py's GGUFLinear packs one QuantLinear per layer.
 //
 // - Decode (fewer rows than the layer's prefill_rows): each activation row is quantised per
 //   block to int8 (Q8_0 blocks of 32 for the legacy types, Q8_K blocks of 256 for the K types,
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "quant_dot_cpu.h"
+#include "quant_linear_cpu.h"
 #include "vec_cpu.h"
 
 namespace pagedattn_quant {
@@ -208,147 +209,131 @@ void check_blocks(const at::Tensor& data, int type, int64_t K) {
 
 }  // namespace
 
-// One linear layer's weight in GGUF blocks (see the file comment).
-class QuantLinear {
- public:
-  QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> types,
-              std::vector<c10::optional<at::Tensor>> index, int64_t N, int64_t K,
-              c10::optional<at::Tensor> bias, int64_t prefill_rows)
-      : data_(std::move(data)), types_(std::move(types)), N_(N), K_(K),
-        prefill_rows_(prefill_rows) {
-    TORCH_CHECK(data_.size() == types_.size() && index.size() == data_.size(),
-                "QuantLinear: one type and one index per part");
-    int64_t rows = 0;
+QuantLinear::QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> types,
+                         std::vector<c10::optional<at::Tensor>> index, int64_t N, int64_t K,
+                         c10::optional<at::Tensor> bias, int64_t prefill_rows)
+    : data_(std::move(data)), types_(std::move(types)), N_(N), K_(K), prefill_rows_(prefill_rows) {
+  TORCH_CHECK(data_.size() == types_.size() && index.size() == data_.size(),
+              "QuantLinear: one type and one index per part");
+  int64_t rows = 0;
+  for (size_t p = 0; p < data_.size(); ++p) {
+    check_blocks(data_[p], static_cast<int>(types_[p]), K);
+    starts_.push_back(rows);
+    std::vector<int32_t> cols(data_[p].size(0));
+    if (index[p].has_value()) {
+      const at::Tensor idx = index[p]->to(at::kInt).contiguous();
+      TORCH_CHECK(idx.numel() == data_[p].size(0), "QuantLinear: one index per row");
+      std::copy(idx.data_ptr<int32_t>(), idx.data_ptr<int32_t>() + idx.numel(), cols.begin());
+    } else {
+      for (size_t r = 0; r < cols.size(); ++r) cols[r] = static_cast<int32_t>(rows + r);
+    }
+    for (int32_t c : cols) TORCH_CHECK(c >= 0 && c < N, "QuantLinear: column ", c, " >= N=", N);
+    cols_.push_back(std::move(cols));
+    rows += data_[p].size(0);
+    needs_q8_0_ |= !is_k_type(static_cast<int>(types_[p]));
+    needs_q8_k_ |= is_k_type(static_cast<int>(types_[p]));
+  }
+  TORCH_CHECK(rows == N, "QuantLinear: parts hold ", rows, " rows, N=", N);
+  if (bias.has_value()) bias_ = bias->to(at::kFloat).contiguous();
+}
+
+at::Tensor QuantLinear::forward(const at::Tensor& x) const {
+  TORCH_CHECK(x.size(-1) == K_, "QuantLinear: input has ", x.size(-1), " features, K=", K_);
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "QuantLinear: float32 or bfloat16 input");
+  at::Tensor x32 = x.reshape({-1, K_}).to(at::kFloat).contiguous();
+  const int64_t M = x32.size(0);
+  at::Tensor out = at::empty({M, N_}, x32.options());
+  if (M > 0) {
+    if (M >= prefill_rows_) {
+      prefill(x32, out);
+    } else {
+      decode(x32, out);
+    }
+    if (bias_.defined()) out.add_(bias_);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N_;
+  return out.to(dtype).view(shape);
+}
+
+int64_t QuantLinear::nbytes() const {
+  int64_t total = 0;
+  for (const auto& d : data_) total += d.numel();
+  return total;
+}
+
+void QuantLinear::decode(const at::Tensor& x32, at::Tensor& out) const {
+  const int64_t M = x32.size(0), K = K_;
+  const float* x = x32.data_ptr<float>();
+  std::vector<ActQ8_0> a0(needs_q8_0_ ? M * (K / kBlock) : 0);
+  std::vector<ActQ8_K> ak(needs_q8_k_ ? M * (K / kBlockK) : 0);
+  for (int64_t m = 0; m < M; ++m) {
+    if (needs_q8_0_) quantize_row_q8_0(x + m * K, K, a0.data() + m * (K / kBlock));
+    if (needs_q8_k_) quantize_row_q8_k(x + m * K, K, ak.data() + m * (K / kBlockK));
+  }
+  float* y = out.data_ptr<float>();
+  const int64_t N = N_;
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
     for (size_t p = 0; p < data_.size(); ++p) {
-      check_blocks(data_[p], static_cast<int>(types_[p]), K);
-      starts_.push_back(rows);
-      std::vector<int32_t> cols(data_[p].size(0));
-      if (index[p].has_value()) {
-        const at::Tensor idx = index[p]->to(at::kInt).contiguous();
-        TORCH_CHECK(idx.numel() == data_[p].size(0), "QuantLinear: one index per row");
-        std::copy(idx.data_ptr<int32_t>(), idx.data_ptr<int32_t>() + idx.numel(), cols.begin());
-      } else {
-        for (size_t r = 0; r < cols.size(); ++r) cols[r] = static_cast<int32_t>(rows + r);
-      }
-      for (int32_t c : cols) TORCH_CHECK(c >= 0 && c < N, "QuantLinear: column ", c, " >= N=", N);
-      cols_.push_back(std::move(cols));
-      rows += data_[p].size(0);
-      needs_q8_0_ |= !is_k_type(static_cast<int>(types_[p]));
-      needs_q8_k_ |= is_k_type(static_cast<int>(types_[p]));
-    }
-    TORCH_CHECK(rows == N, "QuantLinear: parts hold ", rows, " rows, N=", N);
-    if (bias.has_value()) bias_ = bias->to(at::kFloat).contiguous();
-  }
-
-  at::Tensor forward(const at::Tensor& x) const {
-    TORCH_CHECK(x.size(-1) == K_, "QuantLinear: input has ", x.size(-1), " features, K=", K_);
-    const auto dtype = x.scalar_type();
-    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "QuantLinear: float32 or bfloat16 input");
-    at::Tensor x32 = x.reshape({-1, K_}).to(at::kFloat).contiguous();
-    const int64_t M = x32.size(0);
-    at::Tensor out = at::empty({M, N_}, x32.options());
-    if (M > 0) {
-      if (M >= prefill_rows_) {
-        prefill(x32, out);
-      } else {
-        decode(x32, out);
-      }
-      if (bias_.defined()) out.add_(bias_);
-    }
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = N_;
-    return out.to(dtype).view(shape);
-  }
-
-  int64_t prefill_rows() const { return prefill_rows_; }
-
-  int64_t nbytes() const {
-    int64_t total = 0;
-    for (const auto& d : data_) total += d.numel();
-    return total;
-  }
-
- private:
-  void decode(const at::Tensor& x32, at::Tensor& out) const {
-    const int64_t M = x32.size(0), K = K_;
-    const float* x = x32.data_ptr<float>();
-    std::vector<ActQ8_0> a0(needs_q8_0_ ? M * (K / kBlock) : 0);
-    std::vector<ActQ8_K> ak(needs_q8_k_ ? M * (K / kBlockK) : 0);
-    for (int64_t m = 0; m < M; ++m) {
-      if (needs_q8_0_) quantize_row_q8_0(x + m * K, K, a0.data() + m * (K / kBlock));
-      if (needs_q8_k_) quantize_row_q8_k(x + m * K, K, ak.data() + m * (K / kBlockK));
-    }
-    float* y = out.data_ptr<float>();
-    const int64_t N = N_;
-    at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      for (size_t p = 0; p < data_.size(); ++p) {
-        const int64_t p0 = std::max(begin, starts_[p]);
-        const int64_t p1 = std::min(end, starts_[p] + data_[p].size(0));
-        const int type = static_cast<int>(types_[p]);
-        const uint8_t* base = data_[p].data_ptr<uint8_t>();
-        const int64_t row_bytes = data_[p].size(1);
-        const bool k_type = is_k_type(type);
-        for (int64_t n = p0; n < p1; ++n) {
-          const int64_t r = n - starts_[p];
-          const uint8_t* row = base + r * row_bytes;
-          const int64_t col = cols_[p][r];
-          for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-            const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-            const void* act[kMaxRows];
-            for (int i = 0; i < mb; ++i) {
-              act[i] = k_type ? static_cast<const void*>(ak.data() + (m0 + i) * (K / kBlockK))
-                              : static_cast<const void*>(a0.data() + (m0 + i) * (K / kBlock));
-            }
-            float sums[kMaxRows];
-            switch (mb) {
-              case 1: dot_rows<1>(type, row, K, act, sums); break;
-              case 2: dot_rows<2>(type, row, K, act, sums); break;
-              case 3: dot_rows<3>(type, row, K, act, sums); break;
-              default: dot_rows<4>(type, row, K, act, sums); break;
-            }
-            for (int i = 0; i < mb; ++i) y[(m0 + i) * N + col] = sums[i];
-          }
-        }
-      }
-    });
-  }
-
-  void prefill(const at::Tensor& x32, at::Tensor& out) const {
-    const int64_t K = K_;
-    const int64_t tile_rows = std::max<int64_t>(16, kTileFloats / K);
-    at::Tensor tile = at::empty({tile_rows, K}, x32.options());
-    for (size_t p = 0; p < data_.size(); ++p) {
+      const int64_t p0 = std::max(begin, starts_[p]);
+      const int64_t p1 = std::min(end, starts_[p] + data_[p].size(0));
       const int type = static_cast<int>(types_[p]);
       const uint8_t* base = data_[p].data_ptr<uint8_t>();
-      const int64_t rows = data_[p].size(0), row_bytes = data_[p].size(1);
-      bool contiguous_cols = true;
-      for (int64_t r = 0; r < rows; ++r) contiguous_cols &= cols_[p][r] == cols_[p][0] + r;
-      for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
-        const int64_t t = std::min(tile_rows, rows - r0);
-        float* w = tile.data_ptr<float>();
-        at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
-          for (int64_t i = b; i < e; ++i) dequant_row(type, base + (r0 + i) * row_bytes, K, w + i * K);
-        });
-        at::Tensor part = at::mm(x32, tile.narrow(0, 0, t).t());  // [M, t]
-        if (contiguous_cols) {
-          out.narrow(1, cols_[p][r0], t).copy_(part);
-        } else {
-          at::Tensor idx = at::from_blob(const_cast<int32_t*>(cols_[p].data() + r0), {t},
-                                         at::TensorOptions().dtype(at::kInt)).to(at::kLong);
-          out.index_copy_(1, idx, part);
+      const int64_t row_bytes = data_[p].size(1);
+      const bool k_type = is_k_type(type);
+      for (int64_t n = p0; n < p1; ++n) {
+        const int64_t r = n - starts_[p];
+        const uint8_t* row = base + r * row_bytes;
+        const int64_t col = cols_[p][r];
+        for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+          const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
+          const void* act[kMaxRows];
+          for (int i = 0; i < mb; ++i) {
+            act[i] = k_type ? static_cast<const void*>(ak.data() + (m0 + i) * (K / kBlockK))
+                            : static_cast<const void*>(a0.data() + (m0 + i) * (K / kBlock));
+          }
+          float sums[kMaxRows];
+          switch (mb) {
+            case 1: dot_rows<1>(type, row, K, act, sums); break;
+            case 2: dot_rows<2>(type, row, K, act, sums); break;
+            case 3: dot_rows<3>(type, row, K, act, sums); break;
+            default: dot_rows<4>(type, row, K, act, sums); break;
+          }
+          for (int i = 0; i < mb; ++i) y[(m0 + i) * N + col] = sums[i];
         }
       }
     }
-  }
+  });
+}
 
-  std::vector<at::Tensor> data_;
-  std::vector<int64_t> types_;
-  std::vector<int64_t> starts_;
-  std::vector<std::vector<int32_t>> cols_;
-  int64_t N_, K_, prefill_rows_;
-  at::Tensor bias_;
-  bool needs_q8_0_ = false, needs_q8_k_ = false;
-};
+void QuantLinear::prefill(const at::Tensor& x32, at::Tensor& out) const {
+  const int64_t K = K_;
+  const int64_t tile_rows = std::max<int64_t>(16, kTileFloats / K);
+  at::Tensor tile = at::empty({tile_rows, K}, x32.options());
+  for (size_t p = 0; p < data_.size(); ++p) {
+    const int type = static_cast<int>(types_[p]);
+    const uint8_t* base = data_[p].data_ptr<uint8_t>();
+    const int64_t rows = data_[p].size(0), row_bytes = data_[p].size(1);
+    bool contiguous_cols = true;
+    for (int64_t r = 0; r < rows; ++r) contiguous_cols &= cols_[p][r] == cols_[p][0] + r;
+    for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+      const int64_t t = std::min(tile_rows, rows - r0);
+      float* w = tile.data_ptr<float>();
+      at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) dequant_row(type, base + (r0 + i) * row_bytes, K, w + i * K);
+      });
+      at::Tensor part = at::mm(x32, tile.narrow(0, 0, t).t());  // [M, t]
+      if (contiguous_cols) {
+        out.narrow(1, cols_[p][r0], t).copy_(part);
+      } else {
+        at::Tensor idx = at::from_blob(const_cast<int32_t*>(cols_[p].data() + r0), {t},
+                                       at::TensorOptions().dtype(at::kInt)).to(at::kLong);
+        out.index_copy_(1, idx, part);
+      }
+    }
+  }
+}
 
 // Rows ``ids`` of a [V, K] quantised table, dequantised, in ``dtype``: [T, K].
 at::Tensor quant_embedding(const at::Tensor& data, int64_t type, int64_t K, const at::Tensor& ids,
@@ -398,7 +383,8 @@ std::string quant_kernel_isa() {
 void bind_quant(pybind11::module_& m) {
   namespace py = pybind11;
   using pagedattn_quant::QuantLinear;
-  py::class_<QuantLinear>(m, "QuantLinear")
+  // NOTE: held by shared_ptr: the decode stack (decode_stack_cpu.cpp) calls the same layers.
+  py::class_<QuantLinear, std::shared_ptr<QuantLinear>>(m, "QuantLinear")
       .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<c10::optional<at::Tensor>>, int64_t, int64_t,
                     c10::optional<at::Tensor>, int64_t>(),

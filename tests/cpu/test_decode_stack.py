@@ -12,6 +12,7 @@ from pagedattn.cpu import decode_stack as decode_stack_module
 from pagedattn.cpu import extension as cpu_ext
 from pagedattn.cpu.linear import kernel_available
 from pagedattn.cpu.plan import KernelOptions
+from pagedattn.cpu.quant import QUANTIZE_TYPES
 from pagedattn.model.loader import (
     checkpoint_config,
     choose_model_plan,
@@ -37,6 +38,9 @@ CASES = [
     ("bfloat16", "int8"),
     ("bfloat16", "amx"),
     ("bfloat16", "int8_amx"),
+    # GGUF blocks (--quantization q8_0 ...): the stack calls the layers' own QuantLinear.
+    ("float32", "q8_0"),
+    ("bfloat16", "q4_0"),
 ]
 PROMPT_LENS = (9, 17, 3)  # several blocks of 4, and one sequence shorter than a block
 DECODE_STEPS = 6
@@ -51,8 +55,11 @@ def checkpoints(tmp_path_factory) -> dict:
 
 
 def _load(path, dtype: str, kernel: str, **options):
-    quantization = "int8" if kernel.startswith("int8") else None
-    options = KernelOptions(linear_kernel=kernel, quantization=quantization, **options)
+    if kernel in QUANTIZE_TYPES:  # a GGUF block type: the gguf kernel, whatever runs floats
+        options = KernelOptions(linear_kernel="torch", quantization=kernel, **options)
+    else:
+        quantization = "int8" if kernel.startswith("int8") else None
+        options = KernelOptions(linear_kernel=kernel, quantization=quantization, **options)
     config = checkpoint_config(resolve_checkpoint(str(path)))
     plan = choose_model_plan(config, getattr(torch, dtype), "cpu", options)
     return load_model(str(path), dtype, "cpu", "cpu", plan=plan).model
@@ -73,11 +80,12 @@ def _count_stack_steps(monkeypatch) -> list[int]:
 @pytest.mark.parametrize(("dtype", "kernel"), CASES, ids=[f"{d}-{k}" for d, k in CASES])
 @pytest.mark.parametrize("maker", [make_tiny_llama, make_tiny_qwen2, make_tiny_mistral])
 def test_stack_logits_equal_python_layers(checkpoints, monkeypatch, maker, dtype, kernel) -> None:
-    if not kernel_available(kernel, getattr(torch, dtype)):
+    name = "gguf" if kernel in QUANTIZE_TYPES else kernel
+    if not kernel_available(name, getattr(torch, dtype)):
         pytest.skip(f"{kernel} cannot run {dtype} on this CPU")
     model = _load(checkpoints[maker], dtype, kernel)
     down = model.model.layers[0].mlp.down_proj
-    assert down.decode is None or down.decode.name == kernel
+    assert down.decode is None or down.decode.name == name
     stack = model.decode_stack
     assert stack is not None
     calls = _count_stack_steps(monkeypatch)

@@ -1,0 +1,39 @@
+// QuantLinear: one linear layer on GGUF blocks as stored (quant_cpu.cpp, whose file comment says
+// how decode and prefill run). Declared here so that the compiled decode stack
+// (decode_stack_cpu.cpp) calls the same layers Python packed.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+namespace pagedattn_quant {
+
+class QuantLinear {
+ public:
+  // data[p]: uint8 [rows_p, bytes per row] blocks of ggml type types[p]; index[p]: the output
+  // column of each of its rows (none: rows in order from the part's start); prefill_rows: rows
+  // from which forward dequantises tiles into at::mm instead of the int8 dot kernels.
+  QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> types,
+              std::vector<c10::optional<at::Tensor>> index, int64_t N, int64_t K,
+              c10::optional<at::Tensor> bias, int64_t prefill_rows);
+
+  // y = x @ W^T (+ bias): x float32 or bfloat16 [..., K] -> [..., N] in x's dtype.
+  at::Tensor forward(const at::Tensor& x) const;
+  int64_t prefill_rows() const { return prefill_rows_; }
+  int64_t nbytes() const;
+
+ private:
+  void decode(const at::Tensor& x32, at::Tensor& out) const;
+  void prefill(const at::Tensor& x32, at::Tensor& out) const;
+
+  std::vector<at::Tensor> data_;
+  std::vector<int64_t> types_;
+  std::vector<int64_t> starts_;
+  std::vector<std::vector<int32_t>> cols_;
+  int64_t N_, K_, prefill_rows_;
+  at::Tensor bias_;
+  bool needs_q8_0_ = false, needs_q8_k_ = false;
+};
+
+}  // namespace pagedattn_quant
