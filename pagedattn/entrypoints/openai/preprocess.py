@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from pagedattn.engine.errors import InvalidRequestError
+from pagedattn.entrypoints.openai.control_tokens import control_texts, encode_shielded, shield
 from pagedattn.entrypoints.openai.worker_pool import WorkerPool
 
 DEFAULT_NUM_WORKERS = 2
@@ -92,6 +93,8 @@ class PromptPreprocessor:
             max_prompt_chars = default_max_prompt_chars(tokenizer, max_model_len)
         self.max_prompt_chars = max_prompt_chars
         self._local = threading.local()
+        # Special tokens' text: in a message it is shielded from the template's tokenisation.
+        self.control_texts = control_texts(tokenizer)
         self.pool = WorkerPool("pagedattn-tokenize", num_workers)
         self.small_pool = WorkerPool("pagedattn-tokenize-small", 1)
 
@@ -161,10 +164,15 @@ class PromptPreprocessor:
         tok = self.local_tokenizer()
         if tools is not None:
             kwargs = {**kwargs, "tools": tools}
+        messages, marks = shield(messages, self.control_texts)
         text = tok.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
         # NOTE: the template already holds any BOS token; do not add special tokens again.
+        if marks:
+            return encode_shielded(
+                text, marks, lambda t: self._encode(t, add_special_tokens=False), tok
+            )
         return self._encode(text, add_special_tokens=False)
 
     async def render_chat(
