@@ -156,9 +156,16 @@ class ModelRunner:
         self.model_name = loaded.model_name
         self.eos_token_ids = tuple(loaded.eos_token_ids)
         self.vocab_size = int(loaded.hf_config["vocab_size"])
-        self.max_model_len = min(
-            config.scheduler.max_model_len or loaded.max_model_len, loaded.max_model_len
-        )
+        wanted = config.scheduler.max_model_len
+        if wanted is not None and wanted > loaded.max_model_len:
+            # NOTE: as vLLM does; clamping silently left a caller planning for contexts the
+            # model never serves (the CLI says the same before loading: cli_checks).
+            raise ValueError(
+                f"max_model_len={wanted} is more than {self.model_name}'s "
+                f"{loaded.max_model_len} tokens (its max_position_embeddings): use "
+                f"{loaded.max_model_len} or less, or leave it out"
+            )
+        self.max_model_len = wanted or loaded.max_model_len
         self.block_size = cache.block_size
         self.kv_cache_groups = self.model.kv_cache_groups(cache.block_size)
         self.num_groups = len(self.kv_cache_groups)

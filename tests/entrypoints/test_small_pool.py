@@ -7,6 +7,7 @@ what the pool holds), not rejected as needing max_model_len tokens of blocks.
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from pagedattn import LLM
 from pagedattn.entrypoints.openai.server import build_app
@@ -33,3 +34,13 @@ def test_chat_without_max_tokens_on_a_small_pool(tmp_path):
     finally:
         server.stop()
     assert llm.engine.get_stats().kv_cache_usage == 0
+
+
+def test_max_model_len_past_the_model_is_an_error(tmp_path):
+    """The Python API refuses a context the model cannot serve (it used to clamp it silently),
+    naming the model's own length; its own length and less load."""
+    path = make_model_dir(tmp_path / "tiny")
+    with pytest.raises(ValueError, match=r"max_model_len=257 is more than .* 256 tokens"):
+        LLM(str(path), dtype="float32", num_blocks=6, block_size=16, max_model_len=257)
+    llm = LLM(str(path), dtype="float32", num_blocks=6, block_size=16, max_model_len=128)
+    assert llm.engine.max_model_len == 128
