@@ -296,7 +296,6 @@ def choose_plan(
         linear_quant=GGUF_KERNEL if quant else None,
         quantize_to=options.quantization if options.quantization in QUANTIZE_TYPES else None,
     )
-
     pool = INT8_KERNELS if options.quantization == "int8" else KERNELS
     linear = candidates(dtype, pool) or ["torch"]
     if options.linear_kernel != AUTO:
@@ -358,7 +357,7 @@ def with_quant_rows(plan: KernelPlan, shapes: ModelShapes) -> KernelPlan:
     """``plan`` with its GGUF layers' switch from dot kernels to tiles for ``shapes`` on this
     CPU: cached, or measured (tuner.tune_quant_rows, about a second) and cached. Asked only for
     a model that holds GGUF blocks."""
-    digest = hashlib.sha256(json.dumps(max(shapes.layers)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(json.dumps(shapes.layers).encode()).hexdigest()[:16]
     key = (
         f"quant v{QUANT_PLAN_VERSION}|{features.cpu_signature()}|{digest}|torch "
         f"{torch.__version__}|ext {extension.build_key(features.isa_level())}"
