@@ -332,15 +332,7 @@ def choose_plan(
     disk_cache.update_json(
         path,
         key,
-        {
-            "plan": dataclasses.asdict(plan),
-            "times_ms": {
-                r: {k: round(t * 1e3, 3) for k, t in ts.items()} for r, ts in times.items()
-            },
-            "cpu": features.describe_cpu(),
-            "busy": busy,
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        },
+        _measured_entry(times, plan=dataclasses.asdict(plan), busy=busy),
     )
     line = f"{_dtype_name(dtype)}: {plan.describe()} (measured in {seconds:.1f} s"
     if busy:
@@ -377,14 +369,7 @@ def with_quant_rows(plan: KernelPlan, shapes: ModelShapes) -> KernelPlan:
     disk_cache.update_json(
         path,
         key,
-        {
-            "quant_prefill_rows": rows,
-            "times_ms": {
-                r: {k: round(t * 1e3, 3) for k, t in ts.items()} for r, ts in times.items()
-            },
-            "cpu": features.describe_cpu(),
-            "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
-        },
+        _measured_entry(times, quant_prefill_rows=rows),
     )
     _announced.add(key)
     print(
@@ -393,6 +378,16 @@ def with_quant_rows(plan: KernelPlan, shapes: ModelShapes) -> KernelPlan:
         file=sys.stderr,
     )
     return dataclasses.replace(plan, quant_prefill_rows=rows)
+
+
+def _measured_entry(times: dict[str, dict[str, float]], **fields: object) -> dict:
+    """A cache entry: ``fields``, the seconds measured (as ms), the CPU and when."""
+    return {
+        **fields,
+        "times_ms": {r: {k: round(t * 1e3, 3) for k, t in ts.items()} for r, ts in times.items()},
+        "cpu": features.describe_cpu(),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
 
 
 def _measure(

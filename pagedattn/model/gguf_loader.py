@@ -23,7 +23,7 @@ from pagedattn import envs
 from pagedattn.cpu.quant import QuantizedTensor, has_kernel, type_name
 from pagedattn.disk_cache import cache_root, read_json, write_atomic
 from pagedattn.model.gemma3 import FULL, SLIDING
-from pagedattn.model.gguf_file import GGUFFile
+from pagedattn.model.gguf_file import GGUFFile, TensorInfo
 from pagedattn.model.hf_loader import read_safetensors
 from pagedattn.model.text_config import TextConfig
 from pagedattn.tokenizer import LightTokenizer, TokenizerFormatError
@@ -214,9 +214,7 @@ class GGUFCheckpoint:
 
     def every_matrix_has_kernels(self) -> bool:
         """Whether every 2-D tensor is of a type the gguf kernel runs as stored."""
-        return all(
-            has_kernel(t.tensor_type, t.shape[1]) for t in self.file.tensors if len(t.shape) == 2
-        )
+        return all(_runs_as_stored(t) for t in self.file.tensors if len(t.shape) == 2)
 
     def quantized_weights(
         self, config: TextConfig, dtype: torch.dtype
@@ -234,7 +232,7 @@ class GGUFCheckpoint:
             name = self._hf_name(tensor.name)
             kind = type_name(tensor.tensor_type)
             rows_cols = tensor.shape
-            if len(rows_cols) == 2 and has_kernel(tensor.tensor_type, rows_cols[1]):
+            if _runs_as_stored(tensor):
                 with warnings.catch_warnings():  # NOTE: read-only map: the kernels only read it
                     warnings.simplefilter("ignore", UserWarning)
                     data = torch.from_numpy(self.file.tensor_bytes(tensor))
@@ -334,6 +332,11 @@ class GGUFCheckpoint:
         return AutoTokenizer.from_pretrained(
             str(self.path.parent), gguf_file=self.path.name, local_files_only=True
         )
+
+
+def _runs_as_stored(tensor: TensorInfo) -> bool:
+    """Whether a GGUF tensor is a matrix of a type the gguf kernel runs as stored."""
+    return len(tensor.shape) == 2 and has_kernel(tensor.tensor_type, tensor.shape[1])
 
 
 def _file_key(path: Path) -> str:
