@@ -130,8 +130,8 @@ class CacheConfig:
     )
     calculate_kv_scales: bool = option(
         False,
-        "fp8 KV cache: set each layer's k/v scale from the first prefill's amax (amax / fp8 "
-        "max) instead of 1.0",
+        "fp8 KV cache: set each layer's k/v scale (amax / fp8 max) from a calibration prefill "
+        "of a few hundred built-in tokens at start-up instead of 1.0",
     )
     kv_cache_prefault: bool = option(
         False,

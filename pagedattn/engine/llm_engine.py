@@ -17,6 +17,7 @@ from pagedattn.core.scheduler import RequestRejectedError, Scheduler
 from pagedattn.core.scheduler_output import RunnerOutput, SchedulerOutput
 from pagedattn.engine.errors import EngineFaultError, InvalidRequestError
 from pagedattn.engine.input_processor import InputProcessor
+from pagedattn.engine.kv_scales import MIN_CALIBRATION_TOKENS, calibrate_kv_scales
 from pagedattn.engine.lora_registry import LoRARegistry
 from pagedattn.engine.output_processor import OutputProcessor
 from pagedattn.engine.outputs import RequestOutput
@@ -46,6 +47,14 @@ class LLMEngine:
         self.config = config
         cache = config.cache
         self.runner = runner = make_model_runner(config)
+        if cache.calculate_kv_scales:
+            ran = calibrate_kv_scales(runner, runner.max_model_len)
+            if ran < MIN_CALIBRATION_TOKENS:
+                logger.warning(
+                    "--calculate-kv-scales: the calibration prefill fit only %d tokens "
+                    "(max_model_len or the KV cache is that small): the fp8 scales may clip",
+                    ran,
+                )
         self.model = runner.model
         self.tokenizer = runner.tokenizer
         self.model_name = runner.model_name

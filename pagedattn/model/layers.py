@@ -326,7 +326,7 @@ class PagedAttention(nn.Module):
     """Writes this step's K/V into the layer's paged cache, then attends through the backend.
 
     k_scale / v_scale: the layer's FP8 KV scales (1.0; with calculate_kv_scales, set once from
-    the first step's K/V amax, see attention.fp8).
+    the K/V amax of the engine's calibration prefill, see engine.kv_scales).
     """
 
     def __init__(
@@ -361,7 +361,7 @@ class PagedAttention(nn.Module):
         """query [T, Hq, D], key/value [T, Hkv, D] -> attention output [T, Hq * D]."""
         key_cache, value_cache = kv_cache
         if self.calculate_kv_scales and is_fp8(key_cache.dtype):
-            # NOTE: once, from the first step the engine runs (its first prefill), as vLLM.
+            # NOTE: once, from the first step the engine runs: its calibration prefill.
             num_tokens = metadata.num_actual_tokens
             self.k_scale = compute_scale(key[:num_tokens], key_cache.dtype)
             self.v_scale = compute_scale(value[:num_tokens], key_cache.dtype)

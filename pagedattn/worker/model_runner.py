@@ -198,7 +198,7 @@ class ModelRunner:
             )
             for _ in range(self.model.num_layers)
         ]
-        if cache.calculate_kv_scales:  # FP8 KV: each layer's k/v scale from the first prefill
+        if cache.calculate_kv_scales:  # FP8 KV: scales from the engine's calibration prefill
             for module in self.model.modules():
                 if isinstance(module, PagedAttention):
                     module.calculate_kv_scales = True

@@ -24,22 +24,44 @@ def _layers(llm) -> list[PagedAttention]:
 
 
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_computed_scales_map_first_prefill_amax_to_448(tiny, backend):
+def test_computed_scales_map_calibration_amax_to_448(tiny, backend):
     llm = LLM(
         tiny, dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True,
-        num_blocks=64, block_size=4, attn_backend=backend,
+        num_blocks=256, block_size=4, attn_backend=backend,
     )  # fmt: skip
     runner = llm.engine.runner
     assert runner.kv_cache_dtype == torch.float8_e4m3fn
     assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
-    out = llm.generate(PROMPTS, GREEDY)
-    assert all(len(o.outputs[0].token_ids) == 6 for o in out)
     for layer, (key_cache, value_cache) in zip(_layers(llm), runner.kv_caches, strict=True):
         assert 0 < layer.k_scale != 1.0 and 0 < layer.v_scale != 1.0
-        assert not layer.calculate_kv_scales  # once, from the first prefill
-        # The first prefill's largest |K| and |V| were stored as the format's largest value.
+        assert not layer.calculate_kv_scales  # once, before any request
+        # The calibration prefill's largest |K| and |V| were stored as the format's largest value.
         assert key_cache.float().abs().max() == 448.0
         assert value_cache.float().abs().max() == 448.0
+    pool = llm.engine.kv_cache_manager.block_pool
+    assert pool.get_num_free_blocks() == pool.num_usable_blocks  # the calibration kept none
+    out = llm.generate(PROMPTS, GREEDY)
+    assert all(len(o.outputs[0].token_ids) == 6 for o in out)
+
+
+def test_scales_do_not_depend_on_the_first_request(tiny):
+    """A one-token first prompt used to set the scales from one token's amax (issue 52): now
+    every start calibrates on the same built-in text, so the scales are the same whatever the
+    first request, and span more than one token's values."""
+    scales = []
+    for first in ([7], PROMPTS[0]):
+        llm = LLM(
+            tiny, dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True,
+            num_blocks=256, block_size=4,
+        )  # fmt: skip
+        llm.generate([first], GREEDY)
+        scales.append([(layer.k_scale, layer.v_scale) for layer in _layers(llm)])
+    assert scales[0] == scales[1]
+    one_token = LLM(tiny, dtype="float32", kv_cache_dtype="fp8", num_blocks=256, block_size=4)
+    layer = _layers(one_token)[0]
+    layer.calculate_kv_scales = True
+    one_token.generate([[7]], GREEDY)
+    assert scales[0][0][0] > layer.k_scale  # the old rule: one token's smaller amax
 
 
 def test_compiled_and_reference_backends_agree_on_fp8(tiny):
@@ -49,7 +71,7 @@ def test_compiled_and_reference_backends_agree_on_fp8(tiny):
     for backend in ("cpu", "torch"):
         llm = LLM(
             tiny, dtype="float32", kv_cache_dtype="fp8", calculate_kv_scales=True,
-            num_blocks=64, block_size=4, attn_backend=backend,
+            num_blocks=256, block_size=4, attn_backend=backend,
         )  # fmt: skip
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert outs["cpu"] == outs["torch"]
