@@ -6,7 +6,9 @@
 //   as llama.cpp does) and every weight row is met with up to kMaxRows activation rows at a time
 //   (quant_dot_cpu.h). at::parallel_for splits the output rows over the threads.
 // - Prefill: a tile of weight rows is dequantised to float32 and multiplied by at::mm, tile by
-//   tile, so no whole float copy of the weight ever exists.
+//   tile, so no whole float copy of the weight ever exists; the activations are the decode
+//   path's int8 blocks widened back (as_int8_activations), as llama.cpp quantises them at every
+//   batch size.
 // - A layer is one or more parts (a fused qkv or gate/up projection whose pieces were stored in
 //   different types); row r of a part lands in output column index[r] (llama.cpp's permuted
 //   q/k rows are put back in place this way, without copying the weight).
@@ -27,6 +29,11 @@ namespace {
 
 constexpr int64_t kTileFloats = 1 << 18;  // dequantised floats per prefill tile (1 MiB)
 constexpr int64_t kRowsPerTask = 8;       // output rows per parallel_for grain (decode)
+// Decode: a tile of kTileN weight rows meets kChunkM activation rows at a time, so the int8
+// activations in play stay in L2 however many rows the step has (at 512 rows of a 2048-wide
+// layer they are 1.1 MB: streamed once per weight row, the kernel fell from 98 to 77 GFLOP/s).
+constexpr int64_t kTileN = 16;
+constexpr int64_t kChunkM = 64;
 
 // ---- activations to int8 blocks ----
 
@@ -93,6 +100,32 @@ void quantize_row_q8_k(const float* x, int64_t K, ActQ8_K* out) {
     }
     out[b].d = d;
   }
+}
+
+// The rows of x as the dot kernels see them: each block of values quantised to int8 as for
+// the dot kernels (Q8_K blocks for K types, Q8_0 blocks otherwise), then widened back (d * q).
+// The prefill tiles multiply these, so a token's output does not depend on whether its step
+// had enough rows for tiles: the two paths differ by float rounding, not by int8 activations.
+at::Tensor as_int8_activations(const at::Tensor& x32, bool k_type) {
+  const int64_t M = x32.size(0), K = x32.size(1);
+  at::Tensor out = at::empty_like(x32);
+  const float* x = x32.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, M, 4, [&](int64_t b, int64_t e) {
+    std::vector<ActQ8_0> a0(k_type ? 0 : K / kBlock);
+    std::vector<ActQ8_K> ak(k_type ? K / kBlockK : 0);
+    for (int64_t m = b; m < e; ++m) {
+      float* ym = y + m * K;
+      if (k_type) {
+        quantize_row_q8_k(x + m * K, K, ak.data());
+        for (int64_t i = 0; i < K; ++i) ym[i] = ak[i / kBlockK].d * ak[i / kBlockK].qs[i % kBlockK];
+      } else {
+        quantize_row_q8_0(x + m * K, K, a0.data());
+        for (int64_t i = 0; i < K; ++i) ym[i] = a0[i / kBlock].d * a0[i / kBlock].qs[i % kBlock];
+      }
+    }
+  });
+  return out;
 }
 
 // ---- dequantisation (prefill tiles, embeddings, tests) ----
@@ -282,25 +315,31 @@ void QuantLinear::decode(const at::Tensor& x32, at::Tensor& out) const {
       const uint8_t* base = data_[p].data_ptr<uint8_t>();
       const int64_t row_bytes = data_[p].size(1);
       const bool k_type = is_k_type(type);
-      for (int64_t n = p0; n < p1; ++n) {
-        const int64_t r = n - starts_[p];
-        const uint8_t* row = base + r * row_bytes;
-        const int64_t col = cols_[p][r];
-        for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-          const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, M - m0));
-          const void* act[kMaxRows];
-          for (int i = 0; i < mb; ++i) {
-            act[i] = k_type ? static_cast<const void*>(ak.data() + (m0 + i) * (K / kBlockK))
-                            : static_cast<const void*>(a0.data() + (m0 + i) * (K / kBlock));
+      for (int64_t n0 = p0; n0 < p1; n0 += kTileN) {
+        const int64_t n1 = std::min(p1, n0 + kTileN);
+        for (int64_t c0 = 0; c0 < M; c0 += kChunkM) {
+          const int64_t c1 = std::min(M, c0 + kChunkM);
+          for (int64_t n = n0; n < n1; ++n) {
+            const int64_t r = n - starts_[p];
+            const uint8_t* row = base + r * row_bytes;
+            const int64_t col = cols_[p][r];
+            for (int64_t m0 = c0; m0 < c1; m0 += kMaxRows) {
+              const int mb = static_cast<int>(std::min<int64_t>(kMaxRows, c1 - m0));
+              const void* act[kMaxRows];
+              for (int i = 0; i < mb; ++i) {
+                act[i] = k_type ? static_cast<const void*>(ak.data() + (m0 + i) * (K / kBlockK))
+                                : static_cast<const void*>(a0.data() + (m0 + i) * (K / kBlock));
+              }
+              float sums[kMaxRows];
+              switch (mb) {
+                case 1: dot_rows<1>(type, row, K, act, sums); break;
+                case 2: dot_rows<2>(type, row, K, act, sums); break;
+                case 3: dot_rows<3>(type, row, K, act, sums); break;
+                default: dot_rows<4>(type, row, K, act, sums); break;
+              }
+              for (int i = 0; i < mb; ++i) y[(m0 + i) * N + col] = sums[i];
+            }
           }
-          float sums[kMaxRows];
-          switch (mb) {
-            case 1: dot_rows<1>(type, row, K, act, sums); break;
-            case 2: dot_rows<2>(type, row, K, act, sums); break;
-            case 3: dot_rows<3>(type, row, K, act, sums); break;
-            default: dot_rows<4>(type, row, K, act, sums); break;
-          }
-          for (int i = 0; i < mb; ++i) y[(m0 + i) * N + col] = sums[i];
         }
       }
     }
@@ -311,8 +350,11 @@ void QuantLinear::prefill(const at::Tensor& x32, at::Tensor& out) const {
   const int64_t K = K_;
   const int64_t tile_rows = std::max<int64_t>(16, kTileFloats / K);
   at::Tensor tile = at::empty({tile_rows, K}, x32.options());
+  at::Tensor x_q8_0 = needs_q8_0_ ? as_int8_activations(x32, false) : at::Tensor();
+  at::Tensor x_q8_k = needs_q8_k_ ? as_int8_activations(x32, true) : at::Tensor();
   for (size_t p = 0; p < data_.size(); ++p) {
     const int type = static_cast<int>(types_[p]);
+    const at::Tensor& xq = is_k_type(type) ? x_q8_k : x_q8_0;
     const uint8_t* base = data_[p].data_ptr<uint8_t>();
     const int64_t rows = data_[p].size(0), row_bytes = data_[p].size(1);
     bool contiguous_cols = true;
@@ -323,7 +365,7 @@ void QuantLinear::prefill(const at::Tensor& x32, at::Tensor& out) const {
       at::parallel_for(0, t, 16, [&](int64_t b, int64_t e) {
         for (int64_t i = b; i < e; ++i) dequant_row(type, base + (r0 + i) * row_bytes, K, w + i * K);
       });
-      at::Tensor part = at::mm(x32, tile.narrow(0, 0, t).t());  // [M, t]
+      at::Tensor part = at::mm(xq, tile.narrow(0, 0, t).t());  // [M, t]
       if (contiguous_cols) {
         out.narrow(1, cols_[p][r0], t).copy_(part);
       } else {

@@ -63,14 +63,13 @@ def test_hf_checkpoint_quantised_at_load(tiny_256, kind, weight_error, capsys):
     table = quant.model.model.embed_tokens.quantized
     assert table.name == kind.upper()
     ref.model.model.embed_tokens.weight.data.copy_(table.dequantize())
-    # As long as the plan's switch to dequantised tiles (measured on this machine).
+    # As long as the plan's switch to dequantised tiles (measured on this machine), and short:
+    # both paths multiply int8 activations (as llama.cpp does), so close, not equal.
     prompt = [3 + i % 37 for i in range(max(37, quant.plan.quant_prefill_rows))]
-    a = PagedDriver(quant.model, block_size=16).step([(0, prompt)])[0]  # prefill tiles
-    b = PagedDriver(ref.model, block_size=16).step([(0, prompt)])[0]
-    torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
-    a = PagedDriver(quant.model, block_size=16).step([(0, prompt[:5])])[0]  # int8 rows
-    b = PagedDriver(ref.model, block_size=16).step([(0, prompt[:5])])[0]
-    assert ((a - b).norm() / b.norm()).item() < 0.05
+    for tokens in (prompt, prompt[:5]):
+        a = PagedDriver(quant.model, block_size=16).step([(0, tokens)])[0]
+        b = PagedDriver(ref.model, block_size=16).step([(0, tokens)])[0]
+        assert ((a - b).norm() / b.norm()).item() < 0.05
 
 
 def test_dense_weights_option_conflicts():

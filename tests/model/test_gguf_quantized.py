@@ -85,7 +85,8 @@ def test_packaged_gguf_runs_as_stored(name, types, capsys):
         "is Madrid. The capital of Portugal is Lisbon. The capital of Italy is"
     )
     # Every layer switches to dequantised tiles where the plan measured it; the prompt is long
-    # enough to run them, the decode steps run the int8 dot kernels.
+    # enough to run them, the decode steps run the int8 dot kernels. Both multiply int8
+    # activations (as llama.cpp does), so they are close to the dequantised model, not equal.
     tiles_from = stored.plan.quant_prefill_rows
     assert {m.decode.a.prefill_rows for m in linears} == {tiles_from}
     prompt = stored.tokenizer.encode(text)
@@ -98,7 +99,7 @@ def test_packaged_gguf_runs_as_stored(name, types, capsys):
     )
     ours, ours_decode, ours_tokens = greedy(model, prompt)
     ref, ref_decode, ref_tokens = greedy(dense, prompt)
-    torch.testing.assert_close(ours, ref, atol=2e-3, rtol=2e-3)
+    assert ((ours - ref).norm() / ref.norm()).item() < 0.06  # every prompt position's logits
     for a, b in zip(ours_decode, ref_decode, strict=True):
         assert (a - b).abs().max() < 0.05 * b.abs().max()
     assert ours_tokens == ref_tokens
