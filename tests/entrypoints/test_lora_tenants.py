@@ -73,8 +73,8 @@ def _error(coro) -> APIError:
 
 def test_a_runtime_adapter_is_its_loaders_and_the_admins(loras):
     _run(loras.load(LoadLoRAAdapterRequest(lora_name="mine", lora_path="a"), ONE))
-    assert loras.resolve("mine", ONE).lora_name == "mine"
-    assert loras.resolve("mine", ADMIN).lora_name == "mine"
+    assert loras.resolve("mine", ONE).lora_name.startswith("mine@")
+    assert loras.resolve("mine", ADMIN) is loras.resolve("mine", ONE)
     missing = _error_sync(lambda: loras.resolve("mine", TWO))
     assert missing.status_code == 404 and "mine" not in str(missing).partition("serves")[2]
     assert [c.id for c in loras.cards(512, TWO)] == ["shared"]
@@ -89,6 +89,25 @@ def test_a_runtime_adapter_is_its_loaders_and_the_admins(loras):
     _run(loras.unload(unload, ADMIN))
     _run(loras.unload(shared, ADMIN))
     assert loras.cards(512, ONE) == []
+
+
+def test_two_keys_name_adapters_apart(loras):
+    """A 409 for a name another key holds told a key what the other had loaded (issue 52): each
+    key now names its adapters apart; only its own names and the shared ones are taken."""
+    _run(loras.load(LoadLoRAAdapterRequest(lora_name="a", lora_path="a"), ONE))
+    _run(loras.load(LoadLoRAAdapterRequest(lora_name="a", lora_path="b"), TWO))
+    one, two = loras.resolve("a", ONE), loras.resolve("a", TWO)
+    assert one.lora_path.endswith("/a") and two.lora_path.endswith("/b")
+    engine = loras.engine.engine.loras.loaded
+    assert {one.lora_name, two.lora_name, "shared"} == set(engine) and one.lora_name != "a"
+    assert TWO not in two.lora_name  # a digest of the tenant, not the tenant
+    for name, tenant in (("a", ONE), ("shared", TWO)):
+        taken = _error(loras.load(LoadLoRAAdapterRequest(lora_name=name, lora_path="a"), tenant))
+        assert taken.code == "lora_already_loaded"
+    assert [c.id for c in loras.cards(512, TWO)] == ["shared", "a"]
+    _run(loras.unload(UnloadLoRAAdapterRequest(lora_name="a"), TWO))
+    assert loras.resolve("a", ONE) is one
+    assert _error_sync(lambda: loras.resolve("a", TWO)).code == "model_not_found"
 
 
 def test_every_refused_path_gets_one_message(loras, tmp_path):

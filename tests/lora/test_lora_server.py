@@ -160,13 +160,21 @@ def test_an_adapter_belongs_to_the_key_that_loaded_it(setup):
         assert "mine" not in r.json()["error"]["message"].partition("serves")[2]
         r = post(server, "/v1/unload_lora_adapter", {"lora_name": "mine"}, AUTH2)
         assert r.status_code == 404 and r.json()["error"]["code"] == "lora_not_found"
-        # NOTE: names are one namespace: key 2 cannot load other weights under key 1's name.
+        # NOTE: each key names its adapters apart: key 2's "mine" (other weights) is its own,
+        # and key 1's "mine" still answers as key 1's weights (no 409 tells key 2 it exists).
+        before = complete(server, "mine").json()["choices"][0]["text"]
         r = post(server, "/v1/load_lora_adapter", {"lora_name": "mine", "lora_path": "a8"}, AUTH2)
-        assert r.status_code == 409
+        assert r.status_code == 200, r.text
+        assert complete(server, "mine").json()["choices"][0]["text"] == before
+        theirs = complete(server, "mine", AUTH2).json()["choices"][0]["text"]
+        assert theirs == complete(server, "a8", AUTH2).json()["choices"][0]["text"]
+        r = post(server, "/v1/load_lora_adapter", {"lora_name": "a8", "lora_path": "a8"}, AUTH2)
+        assert r.status_code == 409  # a start-up adapter's name is every key's
         r = post(server, "/v1/unload_lora_adapter", {"lora_name": "a8"}, AUTH2)
         assert r.status_code == 403 and r.json()["error"]["code"] == "lora_forbidden"
-        assert complete(server, "mine").status_code == 200
         assert complete(server, "a8", AUTH2).status_code == 200  # start-up: every key's
+        r = post(server, "/v1/unload_lora_adapter", {"lora_name": "mine"}, AUTH2)
+        assert r.status_code == 200
     finally:
         assert post(server, "/v1/unload_lora_adapter", {"lora_name": "mine"}).status_code == 200
 

@@ -3,14 +3,18 @@
 The load/unload endpoints (vLLM's) exist behind --enable-lora-runtime-updates and the API key.
 Tenancy, with API keys set: an adapter loaded at runtime belongs to the key that loaded it (its
 tenant): only that key, or an admin key, sees, uses and unloads it; `--lora-modules` adapters
-are every key's (only an admin key unloads them). Names are one namespace: loading a name that
-another key holds is a 409. Runtime loads read only under `--lora-root`, and every refused path
-gets one message (no answer tells which server paths exist); `/v1/models` shows no path.
+are every key's (only an admin key unloads them). Each tenant names its adapters in a namespace
+of its own beside the shared one: two keys may both load an adapter `a` (the engine holds them
+as `a@<tenant digest>`), so no answer tells one key what another has loaded; a name the shared
+adapters or the key itself already use is a 409. Runtime loads read only under `--lora-root`,
+and every refused path gets one message (no answer tells which server paths exist);
+`/v1/models` shows no path.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Callable, Sequence
 
 from fastapi import FastAPI, Request
@@ -78,8 +82,9 @@ def parse_lora_modules(specs: Sequence[str]) -> list[tuple[str, str]]:
 
 
 class ServingLoRA:
-    """The server's view of the adapters: name -> LoRARequest and owner, kept in step with the
-    engine. An owner is the tenant (key salt) that loaded the adapter; None: every tenant's."""
+    """The server's view of the adapters, kept in step with the engine: (owner, name) -> the
+    LoRARequest the engine runs. An owner is the tenant (key salt) that loaded the adapter;
+    None: every tenant's (the start-up adapters, and every adapter when no keys are set)."""
 
     def __init__(
         self,
@@ -92,22 +97,32 @@ class ServingLoRA:
         self.base_model = base_model
         self.lora_root = lora_root
         self.is_admin = is_admin
-        self.adapters: dict[str, LoRARequest] = {r.lora_name: r for r in engine.engine.loras.list()}
-        self.owners: dict[str, str | None] = dict.fromkeys(self.adapters)
+        self.adapters: dict[tuple[str | None, str], LoRARequest] = {
+            (None, r.lora_name): r for r in engine.engine.loras.list()
+        }
         self._lock = asyncio.Lock()
 
-    def _visible(self, name: str, tenant: str | None) -> bool:
-        owner = self.owners.get(name)
-        return owner is None or owner == tenant or self.is_admin(tenant)
+    def _find(self, name: str, tenant: str | None) -> tuple[str | None, str] | None:
+        """The key of the adapter ``name`` as ``tenant`` sees it: its own, then the shared one;
+        an admin key also reaches other tenants' (the first held under that name)."""
+        for key in ((tenant, name), (None, name)):
+            if key in self.adapters:
+                return key
+        if self.is_admin(tenant):
+            return next((key for key in self.adapters if key[1] == name), None)
+        return None
+
+    def _visible(self, key: tuple[str | None, str], tenant: str | None) -> bool:
+        return key[0] is None or key[0] == tenant or self.is_admin(tenant)
 
     def resolve(self, model: str, tenant: str | None = None) -> LoRARequest | None:
         """None for the base model, the adapter for an adapter name the tenant may use; else a
         404 (another tenant's adapter is as unknown as a missing one)."""
         if model == self.base_model:
             return None
-        adapter = self.adapters.get(model)
-        if adapter is None or not self._visible(model, tenant):
-            visible = [n for n in self.adapters if self._visible(n, tenant)]
+        key = self._find(model, tenant)
+        if key is None:
+            visible = dict.fromkeys(k[1] for k in self.adapters if self._visible(k, tenant))
             names = ", ".join([repr(self.base_model), *map(repr, visible)])
             raise APIError(
                 f"the model {model!r} does not exist: this server serves {names}",
@@ -115,14 +130,14 @@ class ServingLoRA:
                 param="model",
                 code="model_not_found",
             )
-        return adapter
+        return self.adapters[key]
 
     def cards(self, max_model_len: int, tenant: str | None = None) -> list[ModelCard]:
         # NOTE: no `root` path: a server path tells a client nothing it may use.
         return [
-            ModelCard(id=r.lora_name, parent=self.base_model, max_model_len=max_model_len)
-            for r in self.adapters.values()
-            if self._visible(r.lora_name, tenant)
+            ModelCard(id=name, parent=self.base_model, max_model_len=max_model_len)
+            for (owner, name) in self.adapters
+            if self._visible((owner, name), tenant)
         ]
 
     def _folder(self, given: str) -> str:
@@ -148,12 +163,13 @@ class ServingLoRA:
             )
         folder = self._folder(body.lora_path)
         async with self._lock:
-            if body.lora_name in self.adapters:
+            key = (tenant, body.lora_name)
+            if key in self.adapters or (None, body.lora_name) in self.adapters:
                 raise api_error(
                     LoRAExistsError(f"a LoRA adapter named {body.lora_name!r} is already loaded")
                 )
             int_id = max((r.lora_int_id for r in self.adapters.values()), default=0) + 1
-            request = LoRARequest(body.lora_name, int_id, folder)
+            request = LoRARequest(engine_name(body.lora_name, tenant), int_id, folder)
             registry = self.engine.engine.loras
             try:
                 # NOTE: files are read off the engine thread; the engine only registers them.
@@ -163,19 +179,20 @@ class ServingLoRA:
                 # NOTE: one message for every refused path (missing, not a folder, no config).
                 raise api_error(LoRAPathError(REFUSED_PATH_MESSAGE)) from None
             except LoRAError as exc:
-                # NOTE: the message names the folder as the caller gave it, not its real path.
-                exc.args = (str(exc).replace(folder, body.lora_path),)
+                # NOTE: the message names the folder and the adapter as the caller gave them.
+                message = str(exc).replace(folder, body.lora_path)
+                exc.args = (message.replace(request.lora_name, body.lora_name),)
                 raise api_error(exc) from None
-            self.adapters[request.lora_name] = request
-            self.owners[request.lora_name] = tenant
+            self.adapters[key] = request
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     async def unload(self, body: UnloadLoRAAdapterRequest, tenant: str | None = None) -> str:
         async with self._lock:
             name = body.lora_name
-            if name not in self.adapters or not self._visible(name, tenant):
+            key = self._find(name, tenant)
+            if key is None:
                 raise api_error(LoRANotFoundError(f"no LoRA adapter named {name!r} is loaded"))
-            if self.owners[name] != tenant and not self.is_admin(tenant):
+            if key[0] != tenant and not self.is_admin(tenant):
                 raise APIError(
                     f"the LoRA adapter {name!r} was given at server start: only an admin key "
                     "unloads it",
@@ -184,13 +201,23 @@ class ServingLoRA:
                     param="lora_name",
                     code="lora_forbidden",
                 )
+            engine_name_ = self.adapters[key].lora_name
             try:
-                await self.engine.call(lambda e: e.loras.remove(name))
+                await self.engine.call(lambda e: e.loras.remove(engine_name_))
             except LoRAError as exc:
+                exc.args = (str(exc).replace(engine_name_, name),)
                 raise api_error(exc) from None
-            self.adapters.pop(name, None)
-            self.owners.pop(name, None)
+            self.adapters.pop(key, None)
         return f"Success: LoRA adapter '{name}' removed successfully."
+
+
+def engine_name(name: str, tenant: str | None) -> str:
+    """The engine's name for a tenant's adapter ``name``: unique across tenants (a digest of
+    the tenant, not the tenant), so two keys' adapters of one name never meet in the engine,
+    its prefix cache or the KV store."""
+    if tenant is None:
+        return name
+    return f"{name}@{hashlib.sha256(tenant.encode()).hexdigest()[:12]}"
 
 
 def serving_lora(
