@@ -26,7 +26,6 @@ from tests.entrypoints.server_process import (  # noqa: E402
 )
 from tests.entrypoints.test_server_soak import (  # noqa: E402
     MODEL,
-    NUM_CLIENTS,
     _disconnect,
     _invalid,
     _rss_bytes,
@@ -34,6 +33,7 @@ from tests.entrypoints.test_server_soak import (  # noqa: E402
 )
 
 SOAK_SECONDS = 15.0
+NUM_CLIENTS = 64  # as the single server's front-door soak (issue 52: this one ran 8)
 NUM_REPLICAS = 2
 SETTLE_TIMEOUT_S = 60.0
 
