@@ -335,7 +335,11 @@ void QuantLinear::decode(const at::Tensor& x32, at::Tensor& out) const {
                 case 1: dot_rows<1>(type, row, K, act, sums); break;
                 case 2: dot_rows<2>(type, row, K, act, sums); break;
                 case 3: dot_rows<3>(type, row, K, act, sums); break;
-                default: dot_rows<4>(type, row, K, act, sums); break;
+                case 4: dot_rows<4>(type, row, K, act, sums); break;
+                case 5: dot_rows<5>(type, row, K, act, sums); break;
+                case 6: dot_rows<6>(type, row, K, act, sums); break;
+                case 7: dot_rows<7>(type, row, K, act, sums); break;
+                default: dot_rows<8>(type, row, K, act, sums); break;
               }
               for (int i = 0; i < mb; ++i) y[(m0 + i) * N + col] = sums[i];
             }

@@ -23,7 +23,7 @@
 
 namespace pagedattn_quant {
 
-constexpr int kMaxRows = 4;  // activation rows met with one unpacked weight block
+constexpr int kMaxRows = 8;  // activation rows met with one unpacked weight block
 
 // The offset each legacy type's unsigned values carry (x = d * (q - offset)); 0: a minimum m.
 template <int T>
