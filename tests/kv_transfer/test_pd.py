@@ -196,8 +196,12 @@ def test_the_shared_store_is_the_fallback_when_the_pull_fails(model_dir, single,
 
 
 def test_default_model_continues_token_for_token():
+    # NOTE: dequantised: the decode side computes the prompt's last token apart from the rest,
+    # and int8 activations (the blocks as stored) can turn that float rounding into a flipped
+    # close greedy token, as a prefix-cached rerun can (docs/memory.md, "Does a cached rerun
+    # answer the same?"). Float32 weights keep it to rounding.
     def engine():
-        return LLM(dtype="float32", num_blocks=64, block_size=16).engine
+        return LLM(dtype="float32", num_blocks=64, block_size=16, weights="dequantize").engine
 
     single = engine()
     text = single.apply_chat_template(
