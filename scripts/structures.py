@@ -33,7 +33,10 @@ def main() -> int:
         "- `attention_amx_u8_cpu.h`: the u8 cache's AMX-INT8 tile kernel.",
         "- `bindings_cpu.cpp`: the extension's Python module: every kernel's bindings.",
         "- `quant_cpu.cpp`: linear layers and embeddings on GGUF weights kept in their stored"
-        " blocks (int8 activations per block for decode rows, dequantised tiles for prefill).",
+        " blocks (int8 activations per block; dot kernels for decode rows, dequantised tiles"
+        " for prefill).",
+        "- `quant_linear_cpu.h`: the QuantLinear class, declared for the decode stack to call the"
+        " layers Python packed.",
         "- `quant_blocks_cpu.h`: the GGUF block formats as stored, and the int8 forms activations"
         " take to meet them (Q8_0, Q8_K).",
         "- `quant_dot_cpu.h`: dot products of GGUF weight blocks with int8 activation blocks"
