@@ -185,9 +185,21 @@ inline void dot_q45_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act,
     const uint8_t* qh = five ? reinterpret_cast<const BlockQ5_K*>(blk)->qh : nullptr;
     const uint8_t* qs = five ? reinterpret_cast<const BlockQ5_K*>(blk)->qs : head->qs;
     const float d = half_to_float(head->d), dmin = half_to_float(head->dmin);
-    uint8_t sc[8], mn[8];
-    for (int j = 0; j < 8; ++j) scale_min_k4(j, head->scales, &sc[j], &mn[j]);
 #ifdef PAGEDATTN_QUANT_X86
+    // The 8 six-bit scales and mins unpacked with four 32-bit masks (llama.cpp's way), not 8
+    // scale_min_k4 calls: at one activation row this per-block work is not shared.
+    uint32_t u[4];
+    std::memcpy(u, head->scales, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const uint32_t u1 = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = u1;
+    u[0] &= 0x3f3f3f3fu;
+    // bytes 0..7: the scales, 8..15: the minimums
+    const __m128i packed = _mm_set_epi32(static_cast<int>(u[3]), static_cast<int>(u[2]),
+                                         static_cast<int>(u[1]), static_cast<int>(u[0]));
+    const __m128i sc16 = _mm_cvtepu8_epi16(packed);
+    const __m256i scales = _mm256_set_m128i(sc16, sc16);
     __m256i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
     const __m256i m4 = _mm256_set1_epi8(0x0F);
@@ -204,8 +216,11 @@ inline void dot_q45_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act,
         lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
       }
-      const __m256i s_lo = _mm256_set1_epi16(sc[2 * j]);
-      const __m256i s_hi = _mm256_set1_epi16(sc[2 * j + 1]);
+      // int16 lane 2j (2j + 1) of the scales in every lane: bytes 4j, 4j + 1 (4j + 2, 4j + 3).
+      const __m256i s_lo = _mm256_shuffle_epi8(
+          scales, _mm256_set1_epi16(static_cast<short>(((4 * j + 1) << 8) | (4 * j))));
+      const __m256i s_hi = _mm256_shuffle_epi8(
+          scales, _mm256_set1_epi16(static_cast<short>(((4 * j + 3) << 8) | (4 * j + 2))));
       for (int m = 0; m < MB; ++m) {
         const int8_t* y = act[m][b].qs + 64 * j;
         const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y));
@@ -216,9 +231,8 @@ inline void dot_q45_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act,
     }
     // The minimums: mn[j] against the sums of sub-block j's two 16-value activation groups,
     // 16 int16 products summed in pairs by one madd per row (each min stands at 2j and 2j + 1).
-    uint8_t mn2[16];
-    for (int j = 0; j < 8; ++j) mn2[2 * j] = mn2[2 * j + 1] = mn[j];
-    const __m256i mins = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn2)));
+    const __m128i mn8 = _mm_unpackhi_epi64(packed, packed);
+    const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn8, mn8));
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
       const __m256i bs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.bsums));
@@ -227,6 +241,8 @@ inline void dot_q45_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act,
                                _mm256_set1_ps(-dmin * a.d), acc[m]);
     }
 #else
+    uint8_t sc[8], mn[8];
+    for (int j = 0; j < 8; ++j) scale_min_k4(j, head->scales, &sc[j], &mn[j]);
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
       int mins = 0;
@@ -277,7 +293,10 @@ inline void dot_q6_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act, 
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
     for (int h = 0; h < 2; ++h) {
       const uint8_t* ql = blk->ql + 64 * h;
-      const int8_t* sc = blk->scales + 8 * h;
+      // This half's 8 scales as int16, in both 128-bit lanes (shuffled out per group below).
+      const __m128i sc16 =
+          _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk->scales + 8 * h)));
+      const __m256i sc_h = _mm256_set_m128i(sc16, sc16);
       const __m256i qa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql));
       const __m256i qb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ql + 32));
       const __m256i qhv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk->qh + 32 * h));
@@ -292,7 +311,10 @@ inline void dot_q6_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act, 
           _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
           _mm256_srli_epi16(_mm256_and_si256(qhv, _mm256_set1_epi8(static_cast<char>(0xC0))), 2));
       for (int t = 0; t < 4; ++t) {
-        const __m256i s = _mm256_set_m128i(_mm_set1_epi16(sc[2 * t + 1]), _mm_set1_epi16(sc[2 * t]));
+        // low lane: scale 2t (bytes 4t, 4t + 1); high lane: scale 2t + 1 (bytes 4t + 2, 4t + 3)
+        const __m256i s = _mm256_shuffle_epi8(
+            sc_h, _mm256_set_m128i(_mm_set1_epi16(static_cast<short>(((4 * t + 3) << 8) | (4 * t + 2))),
+                                   _mm_set1_epi16(static_cast<short>(((4 * t + 1) << 8) | (4 * t)))));
         for (int m = 0; m < MB; ++m) {
           const int8_t* y = act[m][b].qs + 128 * h + 32 * t;
           const __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y));
