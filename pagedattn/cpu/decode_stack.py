@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 import torch
 
 from pagedattn.cpu import extension
-from pagedattn.cpu.linear import PackedLinear
+from pagedattn.cpu.linear import PackedLinear, compiled_linear
 
 
 class PackedLayer(Protocol):
@@ -107,16 +107,11 @@ def _decode_linear(ext, layer: PackedLayer):
     packed = layer.decode
     if packed is None:  # never packed: plain F.linear
         return ext.DecodeLinear(0, layer.weight, None, layer.bias, layer.out_features), math.inf
+    linear = compiled_linear(ext, packed)
     if packed.name == "gguf":
-        # NOTE: the QuantLinear Python packed (bias inside); it picks dot kernels or tiles by
-        # rows itself, so a stack of GGUF layers bounds no rows.
-        linear = ext.DecodeLinear(
-            packed.kernel.cpp_id, None, None, None, packed.out_features, quant=packed.a
-        )
+        # NOTE: the QuantLinear picks dot kernels or tiles by rows itself, so a stack of GGUF
+        # layers bounds no rows.
         return linear, math.inf
-    linear = ext.DecodeLinear(
-        packed.kernel.cpp_id, packed.a, packed.b, packed.bias, packed.out_features
-    )
     return linear, layer.prefill_rows
 
 

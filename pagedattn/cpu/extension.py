@@ -2,7 +2,8 @@
 
 One library holds every compiled kernel: paged decode attention (paged_attention_cpu.cpp), the
 panel and AMX GEMMs (linear_cpu.cpp, linear_amx_cpu.cpp), the per-layer step ops
-(step_ops_cpu.cpp: cache write, rotary, RMSNorm, SwiGLU/GeGLU, argmax) and the decode stack. The
+(step_ops_cpu.cpp: cache write, rotary, RMSNorm, SwiGLU/GeGLU, argmax), the decode stack and the
+fused MoE block (moe_cpu.cpp). The
 sources are written over ATen's ``at::vec::Vectorized`` and compiled for one ISA level
 (``BUILD_FLAGS``): ``avx2`` (x86-64-v3), ``avx512`` (x86-64-v4), ``native`` (-march=native, AMX
 where the CPU has it) or ``scalar``; the level is ``features.isa_level()``, i.e. the CPU's own
@@ -42,6 +43,7 @@ SOURCES = (
     CSRC / "linear_amx_cpu.cpp",
     CSRC / "step_ops_cpu.cpp",
     CSRC / "decode_stack_cpu.cpp",
+    CSRC / "moe_cpu.cpp",
     CSRC / "kv_gather_cpu.cpp",
     CSRC / "shm_collectives_cpu.cpp",
     CSRC / "lora_cpu.cpp",

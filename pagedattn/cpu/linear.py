@@ -342,6 +342,19 @@ def pack_quantized(
     return LINEAR_KERNELS["gguf"].pack(weight, bias, prefill_rows)
 
 
+def compiled_linear(ext, packed: PackedLinear):
+    """``packed`` as the extension's DecodeLinear (``ext``): the same kernel on the same tensors,
+    called from C++ (the decode stack, the fused MoE block)."""
+    if packed.name == "gguf":
+        # NOTE: the QuantLinear Python packed (bias inside): the C++ side calls that object.
+        return ext.DecodeLinear(
+            packed.kernel.cpp_id, None, None, None, packed.out_features, quant=packed.a
+        )
+    return ext.DecodeLinear(
+        packed.kernel.cpp_id, packed.a, packed.b, packed.bias, packed.out_features
+    )
+
+
 def _columns(part: QuantizedTensor, start: int) -> torch.Tensor:
     order = part.row_order
     rows = torch.arange(part.shape[0]) if order is None else order.long()

@@ -48,6 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("y"), py::arg("x"), py::arg("slots"), py::arg("a"), py::arg("b"),
         py::arg("max_loras"), py::arg("max_rank"));
   register_decode_stack(m);
+  register_moe(m);
   register_shm_collectives(m);
   bind_quant(m);
 }

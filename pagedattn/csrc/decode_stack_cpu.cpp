@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 
 #include "ops_cpu.h"
+#include "decode_linear_cpu.h"
 #include "quant_linear_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -20,75 +21,6 @@
 #include <memory>
 #include <utility>
 #include <vector>
-
-namespace {
-
-// The kernels of pagedattn.model.packed_linear.KERNELS, numbered as in DecodeLinear's docstring.
-enum class Kernel : int64_t {
-  kTorch = 0, kPanels = 1, kMkl = 2, kOnednn = 3, kInt8 = 4, kAmx = 5, kInt8Amx = 6, kGGUF = 8
-};
-
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                            const c10::optional<torch::Tensor>& bias) {
-  static auto op =
-      c10::Dispatcher::singleton()
-          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
-          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-                            c10::string_view, c10::List<std::optional<at::Scalar>>,
-                            std::optional<c10::string_view>)>();
-  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(),
-                 c10::string_view(""));
-}
-
-torch::Tensor mkl_linear(const torch::Tensor& x, const torch::Tensor& packed,
-                         const torch::Tensor& weight, const c10::optional<torch::Tensor>& bias) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("mkl::_mkl_linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const std::optional<at::Tensor>&, int64_t)>();
-  return op.call(x, packed, weight, bias, x.size(0));
-}
-
-}  // namespace
-
-// One linear layer on the kernel the tuner chose, as PackedLinear calls it for a 2-D, contiguous
-// input in the layer's dtype. kernel: 0 torch (a = weight), 1 panels (a = panels), 2 mkl (a =
-// packed, b = weight), 3 onednn (a = packed), 4 int8 (a = int8 weight, b = scales), 5 amx
-// (a = AMX tiles; bias float32), 6 int8_amx (a = int8 AMX tiles, b = float32 scales), 8 gguf
-// (quant: the layer's QuantLinear, the very object Python packed; bias inside it).
-struct DecodeLinear {
-  int64_t kernel;
-  torch::Tensor a, b;
-  c10::optional<torch::Tensor> bias;
-  int64_t out_features;
-  std::shared_ptr<const pagedattn_quant::QuantLinear> quant;
-
-  // warmup: the items of this linear that helper threads fetched (AMX dot-product rows only).
-  torch::Tensor operator()(const torch::Tensor& x, DotWarmup* warmup = nullptr) const {
-    switch (static_cast<Kernel>(kernel)) {
-      case Kernel::kTorch:
-        return at::linear(x, a, bias);
-      case Kernel::kPanels:
-        return linear_packed(x, a, out_features, bias);
-      case Kernel::kMkl:
-        return mkl_linear(x, a, b, bias);
-      case Kernel::kOnednn:
-        return onednn_linear(x, a, bias);
-      case Kernel::kAmx:
-        return linear_amx_warmed(x, a, out_features, bias, c10::nullopt, warmup);
-      case Kernel::kInt8Amx:
-        return linear_amx(x, a, out_features, bias, b);
-      case Kernel::kGGUF:
-        return quant->forward(x);
-      case Kernel::kInt8: {
-        auto out = at::_weight_int8pack_mm(x, a, b);
-        if (bias.has_value()) out.add_(*bias);
-        return out;
-      }
-    }
-    TORCH_CHECK(false, "unknown linear kernel ", kernel);
-  }
-};
 
 // One projection's LoRA slots (pagedattn.lora.layers.LoRALinear's buffers, shared): A [in,
 // S * L * R] and each output slice's B [L * R, out_i]; undefined a: no LoRA on it.
@@ -224,7 +156,7 @@ class DecodeStack {
   bool overlap(const DecodeLinear& next, int64_t rows, DotWarmup& warmup, const Fn& fn) const {
     const int64_t threads = at::get_num_threads();
     if (!warm_ahead_ || threads < 2 || at::in_parallel_region() ||
-        static_cast<Kernel>(next.kernel) != Kernel::kAmx || !linear_amx_dot_rows(rows)) {
+        static_cast<pagedattn_linear::Kernel>(next.kernel) != pagedattn_linear::Kernel::kAmx || !linear_amx_dot_rows(rows)) {
       fn();
       return false;
     }
@@ -259,9 +191,9 @@ void register_decode_stack(pybind11::module& m) {
                        c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> bias,
                        int64_t out_features,
                        std::shared_ptr<pagedattn_quant::QuantLinear> quant) {
-             TORCH_CHECK(a.has_value() || kernel == static_cast<int64_t>(Kernel::kGGUF),
+             TORCH_CHECK(a.has_value() || kernel == static_cast<int64_t>(pagedattn_linear::Kernel::kGGUF),
                          "DecodeLinear: kernel ", kernel, " needs its packed weight a");
-             TORCH_CHECK(quant || kernel != static_cast<int64_t>(Kernel::kGGUF),
+             TORCH_CHECK(quant || kernel != static_cast<int64_t>(pagedattn_linear::Kernel::kGGUF),
                          "DecodeLinear: the gguf kernel needs its QuantLinear");
              return DecodeLinear{kernel, a.value_or(torch::Tensor()), b.value_or(torch::Tensor()),
                                  std::move(bias), out_features, std::move(quant)};

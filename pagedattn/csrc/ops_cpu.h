@@ -63,6 +63,7 @@ torch::Tensor gelu_tanh_and_mul(torch::Tensor gate_up);
 torch::Tensor argmax_last_dim(torch::Tensor logits);
 // decode_stack_cpu.cpp
 void register_decode_stack(pybind11::module& m);
+void register_moe(pybind11::module& m);
 // shm_collectives_cpu.cpp
 void register_shm_collectives(pybind11::module& m);
 // lora_cpu.cpp

@@ -1,9 +1,12 @@
 """The sparse mixture-of-experts block: a softmax top-k router over SwiGLU experts.
 
-Experts are held stacked, ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], and computed
-grouped: the (token, expert) pairs are sorted by expert, each active expert runs one GEMM pair on
-its rows, and the weighted rows are scattered back into the output. A step reads only the weights
-of the experts its tokens chose (at batch 1, top-k of them).
+Experts are loaded stacked, ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I] (or as GGUF
+blocks per expert, kept as stored), then packed per expert for the plan's linear kernel and
+computed grouped: the (token, expert) pairs are sorted by expert, each active expert runs one
+GEMM pair on its rows, and the weighted rows are added into the output. With the extension this
+runs as one fused C++ call (csrc/moe_cpu.cpp, ``MoEExperts``); ``grouped_moe`` is the same
+computation in PyTorch (the reference, and the path without the extension). A step reads only
+the weights of the experts its tokens chose (at batch 1, top-k of them).
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedattn.config import ConfigError
-from pagedattn.cpu.linear import PackedLinear, pack_weight
+from pagedattn.cpu import extension
+from pagedattn.cpu.linear import (
+    GGUF_PREFILL_ROWS,
+    PackedLinear,
+    QuantizedParts,
+    compiled_linear,
+    pack_quantized,
+    pack_weight,
+)
 from pagedattn.cpu.quant import QuantizedTensor
 from pagedattn.model.base import WeightLoadError
 from pagedattn.model.layers import silu_and_mul
@@ -196,42 +207,97 @@ class SparseMoEBlock(nn.Module):
     """Router, top-k, grouped experts, weighted sum: hidden [T, H] -> [T, H]."""
 
     def __init__(
-        self, hidden_size: int, spec: MoESpec, step_ops: bool = True, kernel: str | None = None
+        self,
+        hidden_size: int,
+        spec: MoESpec,
+        step_ops: bool = True,
+        kernel: str | None = None,
+        quant_rows: int = GGUF_PREFILL_ROWS,
     ) -> None:
         """kernel: the linear kernel each expert's projections are packed for after loading
-        (the plan's decode kernel); None: F.linear on the stacked weights."""
+        (the plan's decode kernel); None: F.linear on the stacked weights. quant_rows: rows
+        from which experts stored as GGUF blocks dequantise tiles (the plan's)."""
         super().__init__()
         self.spec = spec
         self.step_ops = step_ops
         self.kernel = kernel
+        self.quant_rows = quant_rows
         self.gate = MoERouter(hidden_size, spec.num_experts)
         self.experts = MoEExperts(hidden_size, spec)
+        # GGUF blocks of experts' projections (ExpertLoader): (parameter, expert, shard) -> blocks.
+        self.quantized: dict[tuple[str, int, int | None], QuantizedTensor] = {}
         self.packed: tuple[list[PackedLinear], list[PackedLinear]] | None = None
         self.router: PackedLinear | None = None  # the router's weight packed for ``kernel``
+        self.fused = None  # the extension's MoEExperts over ``packed``
 
     def process_weights_after_loading(self) -> None:
         """Pack the router and each expert's gate/up and down weights for ``kernel`` (where it
-        takes them); the stacked parameters then hold no memory of their own."""
+        takes them; experts stored as GGUF blocks for the gguf kernel as they are), and build
+        the fused block over them; the stacked parameters then hold no memory of their own."""
         experts = self.experts
-        if self.kernel is None or experts.gate_up_proj.device.type != "cpu":
+        if experts.gate_up_proj.device.type != "cpu":
+            return
+        ext = extension.load_extension() if self.kernel is not None else None
+        quantized = self.quantized
+        whole = len(quantized) == 3 * self.spec.num_experts  # every expert's three projections
+        if quantized and (not whole or ext is None or not hasattr(ext, "QuantLinear")):
+            # NOTE: no gguf kernel here, or float experts beside quantised ones: all run as floats.
+            self._widen_quantized()
+            quantized = {}
+        if self.kernel is None:
             return
         # NOTE: F.linear on bf16 without native bf16 instructions is ~30x slower than packed.
         router = pack_weight(self.kernel, self.gate.weight.detach())
         self.router = None if router.name == "torch" else router
-        gate_up = [pack_weight(self.kernel, w) for w in experts.gate_up_proj.detach()]
-        down = [pack_weight(self.kernel, w) for w in experts.down_proj.detach()]
-        if gate_up[0].name == "torch":
-            return
+        if quantized:
+            gate_up, down = self._pack_quantized()
+        else:
+            gate_up = [pack_weight(self.kernel, w) for w in experts.gate_up_proj.detach()]
+            down = [pack_weight(self.kernel, w) for w in experts.down_proj.detach()]
+            if gate_up[0].name == "torch":
+                return
         self.packed = (gate_up, down)
         # NOTE: the packed copies are the weights now: free the stacked ones.
         experts.gate_up_proj.data = experts.gate_up_proj.data.new_empty(0)
         experts.down_proj.data = experts.down_proj.data.new_empty(0)
+        if self.step_ops and ext is not None and hasattr(ext, "MoEExperts"):
+            self.fused = ext.MoEExperts(
+                [compiled_linear(ext, p) for p in gate_up], [compiled_linear(ext, p) for p in down]
+            )
+
+    def _pack_quantized(self) -> tuple[list[PackedLinear], list[PackedLinear]]:
+        """Each expert's GGUF blocks packed for the gguf kernel (gate and up as one layer)."""
+        spec, hidden = self.spec, self.gate.weight.shape[1]
+        size = spec.intermediate_size
+        gate_up, down = [], []
+        for e in range(spec.num_experts):
+            parts = (self.quantized[("gate_up_proj", e, 0)], self.quantized[("gate_up_proj", e, 1)])
+            fused = QuantizedParts(parts, (0, size), 2 * size, hidden)
+            gate_up.append(pack_quantized(fused, None, self.quant_rows))
+            blocks = self.quantized[("down_proj", e, None)]
+            down.append(
+                pack_quantized(QuantizedParts((blocks,), (0,), hidden, size), None, self.quant_rows)
+            )
+        self.quantized = {}
+        return gate_up, down
+
+    def _widen_quantized(self) -> None:
+        """Dequantise the experts' GGUF blocks into the stacked float parameters."""
+        size = self.spec.intermediate_size
+        for (param, expert, shard), blocks in self.quantized.items():
+            target = getattr(self.experts, param).data[expert]
+            if shard is not None:
+                target = target.narrow(0, shard * size, size)
+            target.copy_(blocks.dequantize())
+        self.quantized = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
         router = self.router
         logits = F.linear(x, self.gate.weight) if router is None else router(x)  # [T, E]
         weights, ids = route(logits, self.spec.top_k, self.spec.renormalize)
+        if self.fused is not None:
+            return self.fused.forward(x, weights, ids)
         if self.packed is not None:
             return grouped_moe(x, *self.packed, weights, ids, self.step_ops)
         experts = self.experts
@@ -286,11 +352,6 @@ class ExpertLoader:
                 f"checkpoint tensor {name!r}: experts have no projection {proj!r} here (expected "
                 f"{', '.join(self.projections)})"
             )
-        if isinstance(tensor, QuantizedTensor):
-            raise UnsupportedMoEError(
-                f"checkpoint tensor {name!r} is quantised: MoE experts run float weights only; "
-                "load the model with weights='dequantize' and no quantization"
-            )
         moe = self.blocks[block]
         if expert >= moe.spec.num_experts:
             raise MissingExpertError(
@@ -307,7 +368,12 @@ class ExpertLoader:
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)} but the expert "
                 f"expects {tuple(target.shape)}: check num_experts and the expert FFN size"
             )
-        target.copy_(tensor)
+        if isinstance(tensor, QuantizedTensor):
+            if tensor.row_order is not None:
+                raise UnsupportedMoEError(f"checkpoint tensor {name!r}: expert rows permuted")
+            moe.quantized[(param, expert, shard)] = tensor  # NOTE: kept as stored, not copied
+        else:
+            target.copy_(tensor)
         self.loaded.add((block, expert, proj))
 
     def check_complete(self) -> None:

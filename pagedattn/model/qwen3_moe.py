@@ -56,7 +56,9 @@ class MoECausalLM(LlamaForCausalLM):
         for i, layer in enumerate(self.model.layers):
             if self.is_sparse(config, i):
                 kernel = plan.linear_decode
-                layer.mlp = SparseMoEBlock(config.hidden_size, spec, plan.step_ops, kernel)
+                layer.mlp = SparseMoEBlock(
+                    config.hidden_size, spec, plan.step_ops, kernel, plan.quant_prefill_rows
+                )
         self._experts: ExpertLoader | None = None
 
     def moe_spec(self, config: TextConfig) -> MoESpec:

@@ -22,7 +22,7 @@ from pagedattn.cpu import features
 
 ROOT = Path(__file__).resolve().parents[2]
 # Paged decode (GQA, sliding window, soft-cap, fp32/bf16, fp8 and u8 caches, partitions), the
-# step ops, the panel GEMM, the LoRA kernel and the GGUF block kernels.
+# step ops, the panel GEMM, the LoRA kernel, the GGUF block kernels and the fused MoE block.
 KERNEL_TESTS = (
     "tests/cpu/test_extension.py",
     "tests/cpu/test_extension_fp8.py",
@@ -31,6 +31,7 @@ KERNEL_TESTS = (
     "tests/cpu/test_panel_gemm.py",
     "tests/cpu/test_lora_kernel.py",
     "tests/cpu/test_quant_kernels.py",
+    "tests/cpu/test_moe_kernel.py",
 )
 DEFAULT_LEVELS = ("avx2", "avx512")
 # The vector ISA each level's build reports (ext.isa()).

@@ -86,6 +86,7 @@ def test_moe_packed_experts_keep_tokens(tiny_moe):
     llm = LLM(path, dtype="float32", num_blocks=256, linear_kernel="panels")
     blocks = [m for m in llm.engine.runner.model.modules() if isinstance(m, SparseMoEBlock)]
     assert blocks and all(b.packed is not None and b.router is not None for b in blocks)
+    assert all(b.fused is not None for b in blocks)  # the fused C++ block runs them
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)] == expected
 
 
