@@ -36,8 +36,11 @@ GGUF_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
 }
+# A "llama" file with experts (expert_count > 0) is Mixtral.
+_MIXTRAL = ("mixtral", "MixtralForCausalLM")
 
 # llama.cpp per-layer tensor -> HF name inside ``model.layers.{i}.``.
 _LAYER_TENSORS = {
@@ -53,7 +56,16 @@ _LAYER_TENSORS = {
     "ffn_down": "mlp.down_proj",
     "post_attention_norm": "post_attention_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate_inp": "mlp.gate",
 }
+# llama.cpp's stacked expert tensors [E, rows, cols] -> each expert's HF projection (Qwen3-MoE's
+# names; Mixtral's are w1/w3/w2).
+_EXPERT_TENSORS = {
+    "ffn_gate_exps": "gate_proj",
+    "ffn_up_exps": "up_proj",
+    "ffn_down_exps": "down_proj",
+}
+_MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 # ffn_norm is the norm before the MLP: Llama calls it post_attention_layernorm, Gemma 3 pre_ffn.
 _FFN_NORM = {"gemma3": "pre_feedforward_layernorm"}
 _GLOBAL_TENSORS = {
@@ -125,7 +137,8 @@ class GGUFCheckpoint:
         from transformers import AutoConfig
 
         arch = self.arch
-        model_type, architecture = GGUF_ARCHITECTURES[arch]
+        model_type, architecture = self._architecture()
+        num_experts = self.field(f"{arch}.expert_count", 0)
         if "rope_freqs.weight" in self.tensor_names:
             raise GGUFFormatError(
                 f"{self.path} carries per-dimension rope frequency factors (Llama 3.1 style), "
@@ -157,6 +170,19 @@ class GGUFCheckpoint:
             kwargs["rope_scaling"] = {"rope_type": scaling, "factor": factor}
         if arch == "qwen2":
             kwargs["use_sliding_window"] = False
+        if num_experts:
+            used = self.field(f"{arch}.expert_used_count")
+            kwargs |= {"num_experts_per_tok": used}
+            if model_type == "mixtral":
+                kwargs["num_local_experts"] = num_experts
+            else:  # NOTE: llama.cpp runs every qwen3moe layer sparse, top-k renormalised
+                kwargs |= {
+                    "num_experts": num_experts,
+                    "moe_intermediate_size": self.field(f"{arch}.expert_feed_forward_length"),
+                    "norm_topk_prob": True,
+                    "decoder_sparse_step": 1,
+                    "mlp_only_layers": [],
+                }
         if arch == "gemma3":
             num_layers = kwargs["num_hidden_layers"]
             scalar = hidden_size // num_heads if num_layers == _GEMMA3_27B_NUM_LAYERS else head_dim
@@ -213,8 +239,9 @@ class GGUFCheckpoint:
             tmp.unlink(missing_ok=True)
 
     def every_matrix_has_kernels(self) -> bool:
-        """Whether every 2-D tensor is of a type the gguf kernel runs as stored."""
-        return all(_runs_as_stored(t) for t in self.file.tensors if len(t.shape) == 2)
+        """Whether every matrix (and stack of experts' matrices) is of a type the gguf kernel
+        runs as stored."""
+        return all(_runs_as_stored(t) for t in self.file.tensors if len(t.shape) >= 2)
 
     def quantized_weights(
         self, config: TextConfig, dtype: torch.dtype
@@ -231,7 +258,7 @@ class GGUFCheckpoint:
         for tensor in self.file.tensors:
             name = self._hf_name(tensor.name)
             kind = type_name(tensor.tensor_type)
-            rows_cols = tensor.shape
+            rows_cols, cols = tensor.shape, tensor.shape[-1]
             if _runs_as_stored(tensor):
                 with warnings.catch_warnings():  # NOTE: read-only map: the kernels only read it
                     warnings.simplefilter("ignore", UserWarning)
@@ -246,18 +273,23 @@ class GGUFCheckpoint:
                 entry[0] += 1
                 entry[1] += tensor.num_bytes
                 entry[2] += tensor.num_bytes
-                yield name, QuantizedTensor(tensor.tensor_type, data, rows_cols[1], order)
+                if data.dim() == 3:  # stacked experts: each expert's rows, a view of them
+                    names = self._expert_names(name, data.shape[0])
+                    for expert, expert_name in enumerate(names):
+                        yield expert_name, QuantizedTensor(tensor.tensor_type, data[expert], cols)
+                    continue
+                yield name, QuantizedTensor(tensor.tensor_type, data, cols, order)
                 continue
             raw = self.file.tensor_bytes(tensor)
             w = dequantize(raw, GGMLQuantizationType(tensor.tensor_type)).reshape(tensor.shape)
             w = torch.from_numpy(np.ascontiguousarray(self._converted(name, w, config)))
             w = w.to(dtype)
-            held = "dequantised" if len(rows_cols) == 2 else "float"
+            held = "dequantised" if len(rows_cols) >= 2 else "float"
             entry = summary[(kind, f"{held} to {str(dtype).removeprefix('torch.')}")]
             entry[0] += 1
             entry[1] += tensor.num_bytes
             entry[2] += w.numel() * w.element_size()
-            yield name, w
+            yield from self._split_experts(name, w)
         for (kind, held), (count, stored, total) in summary.items():
             extra = ""
             if held.startswith("dequantised"):
@@ -288,7 +320,30 @@ class GGUFCheckpoint:
             name = self._hf_name(tensor.name)
             w = dequantize(self.file.tensor_bytes(tensor), GGMLQuantizationType(tensor.tensor_type))
             w = self._converted(name, w.reshape(tensor.shape), config)  # [out, in] (numpy order)
-            yield name, torch.from_numpy(w if w.flags.writeable else w.copy())
+            yield from self._split_experts(
+                name, torch.from_numpy(w if w.flags.writeable else w.copy())
+            )
+
+    def _split_experts(self, name: str, w: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, w), or for stacked experts [E, rows, cols] each expert's (name, rows)."""
+        if w.dim() != 3:
+            yield name, w
+            return
+        yield from zip(self._expert_names(name, w.shape[0]), w.unbind(0), strict=True)
+
+    def _expert_names(self, name: str, num_experts: int) -> list[str]:
+        """The HF names of each expert's projection of a stacked ``...mlp.experts.<proj>`` name."""
+        block, _, rest = name.partition(".experts.")
+        proj, _, kind = rest.partition(".")
+        if self._architecture() == _MIXTRAL:
+            proj = _MIXTRAL_EXPERTS[proj]
+        return [f"{block}.experts.{e}.{proj}.{kind}" for e in range(num_experts)]
+
+    def _architecture(self) -> tuple[str, str]:
+        """(HF model_type, HF architecture) of the file: a "llama" file with experts is Mixtral."""
+        if self.arch == "llama" and self.field("llama.expert_count", 0):
+            return _MIXTRAL
+        return GGUF_ARCHITECTURES[self.arch]
 
     def _hf_name(self, gguf_name: str) -> str:
         match = _LAYER_RE.fullmatch(gguf_name)
@@ -296,6 +351,8 @@ class GGUFCheckpoint:
             layer, part, kind = match.groups()
             hf_part = _FFN_NORM.get(self.arch, "post_attention_layernorm")
             hf_part = hf_part if part == "ffn_norm" else _LAYER_TENSORS.get(part)
+            if part in _EXPERT_TENSORS:
+                hf_part = f"mlp.experts.{_EXPERT_TENSORS[part]}"
             if hf_part is not None:
                 return f"model.layers.{layer}.{hf_part}.{kind}"
         else:
@@ -335,8 +392,9 @@ class GGUFCheckpoint:
 
 
 def _runs_as_stored(tensor: TensorInfo) -> bool:
-    """Whether a GGUF tensor is a matrix of a type the gguf kernel runs as stored."""
-    return len(tensor.shape) == 2 and has_kernel(tensor.tensor_type, tensor.shape[1])
+    """Whether a GGUF tensor is a matrix (or a stack of experts' matrices) of a type the gguf
+    kernel runs as stored."""
+    return len(tensor.shape) in (2, 3) and has_kernel(tensor.tensor_type, tensor.shape[-1])
 
 
 def _file_key(path: Path) -> str:
@@ -358,8 +416,16 @@ def _weights_cache_path(path: Path, dtype: torch.dtype) -> Path:
     return cache_root() / "gguf_weights" / f"{digest}.safetensors"
 
 
-# HF tensors --quantization turns into GGUF blocks: the projections, the LM head, the embedding.
-_QUANTIZED_SUFFIXES = ("_proj.weight", "lm_head.weight", "embed_tokens.weight")
+# HF tensors --quantization turns into GGUF blocks: the projections (experts' too: Mixtral's are
+# w1/w2/w3), the LM head, the embedding. The MoE router (mlp.gate) stays float, as in llama.cpp.
+_QUANTIZED_SUFFIXES = (
+    "_proj.weight",
+    ".w1.weight",
+    ".w2.weight",
+    ".w3.weight",
+    "lm_head.weight",
+    "embed_tokens.weight",
+)
 
 
 def quantize_checkpoint(

@@ -1,11 +1,13 @@
-"""Write a tiny HF checkpoint as an F32 GGUF file the way llama.cpp's converter does."""
+"""Write a tiny HF checkpoint as an F32 (or Q8_0) GGUF file the way llama.cpp's converter does."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
 from safetensors.numpy import load_file
 from transformers import AutoConfig
 
@@ -25,7 +27,15 @@ _LAYER_NAMES = {
     "post_attention_layernorm": "post_attention_norm",
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
+    "mlp.gate": "ffn_gate_inp",
 }
+# An expert's projection -> llama.cpp's stacked tensor of all experts' (Qwen3-MoE's names).
+_EXPERT_NAMES = {
+    "gate_proj": "ffn_gate_exps",
+    "up_proj": "ffn_up_exps",
+    "down_proj": "ffn_down_exps",
+}
+_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
 _LLAMA_LAYER_NAMES = _LAYER_NAMES | {"post_attention_layernorm": "ffn_norm"}
 _GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
@@ -74,8 +84,25 @@ def _gguf_name(hf_name: str, arch: str) -> str:
     return f"blk.{layer}.{names[part]}.{kind}"
 
 
-def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
-    """Convert ``hf_dir`` (arch "llama" or "gemma3") into an F32 GGUF file at ``out``."""
+def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF per-expert tensors replaced by llama.cpp's stacked [E, rows, cols] ones."""
+    out, experts = {}, {}
+    for name, w in tensors.items():
+        match = _EXPERT_RE.fullmatch(name)
+        if match is None:
+            out[name] = w
+            continue
+        layer, expert, proj = match.groups()
+        experts.setdefault((layer, proj), {})[int(expert)] = w
+    for (layer, proj), by_expert in experts.items():
+        stacked = np.stack([by_expert[e] for e in range(len(by_expert))])
+        out[f"blk.{layer}.{_EXPERT_NAMES[proj]}.weight"] = stacked
+    return out
+
+
+def write_gguf(hf_dir: Path, out: Path, arch: str, q8_0: bool = False) -> Path:
+    """Convert ``hf_dir`` (arch "llama", "gemma3" or "qwen3moe") into an F32 GGUF file at
+    ``out``; q8_0: matrices (experts' too, not the router) as Q8_0 blocks."""
     config = AutoConfig.from_pretrained(hf_dir)
     writer = GGUFWriter(str(out), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -91,6 +118,10 @@ def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
     writer.add_rope_freq_base((rope["full_attention"] if arch == "gemma3" else rope)["rope_theta"])
     if arch == "gemma3":
         writer.add_sliding_window(config.sliding_window)
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
     writer.add_tokenizer_model("gpt2")
     tokens, merges = byte_level_vocab()
     writer.add_token_list(tokens)
@@ -98,6 +129,7 @@ def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
     writer.add_chat_template(CHAT_TEMPLATE)
     writer.add_bos_token_id(config.bos_token_id)
     writer.add_eos_token_id(config.eos_token_id)
+    tensors = {}
     for name, w in load_file(str(hf_dir / "model.safetensors")).items():
         if arch == "llama" and name.endswith("q_proj.weight"):
             w = llama_cpp_permute(w, config.num_attention_heads)
@@ -105,7 +137,14 @@ def write_gguf(hf_dir: Path, out: Path, arch: str) -> Path:
             w = llama_cpp_permute(w, config.num_key_value_heads)
         if arch == "gemma3" and name.endswith("norm.weight"):
             w = w + 1.0
-        writer.add_tensor(_gguf_name(name, arch), np.ascontiguousarray(w, dtype=np.float32))
+        tensors[name] = np.ascontiguousarray(w, dtype=np.float32)
+    for name, w in _stack_experts(tensors).items():
+        gguf_name = name if name.startswith("blk.") else _gguf_name(name, arch)
+        if q8_0 and w.ndim >= 2 and "ffn_gate_inp" not in gguf_name and w.shape[-1] % 32 == 0:
+            blocks = quantize(w, GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(gguf_name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
