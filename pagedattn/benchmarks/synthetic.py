@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from pagedattn import envs
-from pagedattn.benchmarks.synthetic_moe import moe_config, moe_layer_specs
+from pagedattn.benchmarks.synthetic_moe import expert_stacks, moe_config, moe_layer_specs
 
 # What a synthetic checkpoint's files are called: "hf" is the bf16 safetensors folder.
 FILE_KINDS = ("hf", "f16", "q8_0", "q4_k_m")
@@ -249,15 +249,28 @@ def write_hf_folder(dest: Path, shape: SyntheticShape, seed: int) -> None:
     tmp.rename(dest)
 
 
+def gguf_tensors(
+    shape: SyntheticShape, specs: list[tuple[str, str, tuple[int, ...]]]
+) -> list[tuple[str, tuple[int, ...], list[str]]]:
+    """(GGUF name, shape, the HF tensors it holds) of every GGUF tensor: one HF tensor each, but
+    an MoE layer's experts, stacked per projection."""
+    tensors = [(gguf_name, dims, [hf_name]) for hf_name, gguf_name, dims in specs if gguf_name]
+    for layer in range(shape.num_layers if shape.num_experts else 0):
+        tensors += expert_stacks(shape, layer)
+    return tensors
+
+
 def write_f16_gguf(dest: Path, hf_dir: Path, shape: SyntheticShape, name: str) -> None:
-    """The HF folder's numbers as a llama-architecture F16 GGUF (norms F32), tensor by tensor."""
+    """The HF folder's numbers as an F16 GGUF (norms and the MoE router F32), tensor by tensor:
+    llama architecture, or qwen3moe for an MoE shape."""
     import gguf
     from safetensors import safe_open
 
     source = gguf.GGUFReader(str(_tokenizer_source().path))
     specs = tensor_specs(shape, len(source.fields["tokenizer.ggml.tokens"].contents()))
+    arch = "qwen3moe" if shape.num_experts else "llama"
     tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
+    writer = gguf.GGUFWriter(str(tmp), arch)
     writer.add_name(name)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     writer.add_context_length(shape.max_position_embeddings)
@@ -272,30 +285,39 @@ def write_f16_gguf(dest: Path, hf_dir: Path, shape: SyntheticShape, name: str) -
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_layer_norm_rms_eps(shape.rms_norm_eps)
     writer.add_vocab_size(specs[0][2][0])
+    if shape.num_experts:
+        writer.add_expert_count(shape.num_experts)
+        writer.add_expert_used_count(shape.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(shape.moe_intermediate_size)
     for field in source.fields.values():
         if field.name.startswith("tokenizer."):
             val_type = field.types[0]
             sub_type = field.types[-1] if val_type == gguf.GGUFValueType.ARRAY else None
             writer.add_key_value(field.name, field.contents(), val_type, sub_type=sub_type)
-    for _, gguf_name, dims in specs:
-        dtype = np.float32 if len(dims) == 1 else np.float16
-        writer.add_tensor_info(
-            gguf_name, dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize
-        )
+    tensors = gguf_tensors(shape, specs)
+
+    def stored_dtype(gguf_name: str, dims: tuple[int, ...]) -> type:
+        # NOTE: llama.cpp's converter keeps norms and the router in F32 (its quantizer too).
+        return np.float32 if len(dims) == 1 or "ffn_gate_inp" in gguf_name else np.float16
+
+    for gguf_name, dims, _ in tensors:
+        dtype = np.dtype(stored_dtype(gguf_name, dims))
+        writer.add_tensor_info(gguf_name, dims, dtype, int(np.prod(dims)) * dtype.itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     weight_map = json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"]
-    for hf_name, gguf_name, dims in specs:
-        with safe_open(str(hf_dir / weight_map[hf_name]), framework="pt") as f:
-            w = f.get_tensor(hf_name).float().numpy()
-        if gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+    for gguf_name, dims, hf_names in tensors:
+        parts = []
+        for hf_name in hf_names:
+            with safe_open(str(hf_dir / weight_map[hf_name]), framework="pt") as f:
+                parts.append(f.get_tensor(hf_name).float().numpy())
+        w = parts[0] if len(parts) == 1 else np.stack(parts)
+        if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = shape.num_heads if "attn_q" in gguf_name else shape.num_kv_heads
             w = permute_qk(w, heads)
-        writer.write_tensor_data(
-            np.ascontiguousarray(w, dtype=np.float32 if len(dims) == 1 else np.float16)
-        )
-        del w
+        writer.write_tensor_data(np.ascontiguousarray(w, dtype=stored_dtype(gguf_name, dims)))
+        del w, parts
     writer.close()
     os.replace(tmp, dest)
 
@@ -340,8 +362,6 @@ def synthetic_checkpoint(
         if name not in SHAPES:
             raise ValueError(f"no synthetic model {name!r}: choose from {', '.join(SHAPES)}")
         shape = SHAPES[name]
-    if shape.num_experts and set(kinds) - {"hf"}:
-        raise ValueError(f"synthetic {name} is an MoE shape: it has an HF folder only (hf)")
     root = (
         cache_dir or envs.PAGEDATTN_CACHE_DIR / "synthetic"
     ) / f"{name}-seed{seed}-v{BUILD_VERSION}"
@@ -367,11 +387,6 @@ def benchmark_files(name: str, kind: str, threads: int = 2) -> tuple[str, str, s
     """(what pagedattn runs, the HF folder, the GGUF llama.cpp runs) of synthetic ``name`` with
     ``kind`` (hf: the HF folder, and for llama.cpp the F16 GGUF of the same numbers)."""
     gguf_kind = "f16" if kind == "hf" else kind
-    if SHAPES[name].num_experts:  # NOTE: MoE shapes have an HF folder only (no llama.cpp peer)
-        if kind != "hf":
-            raise ValueError(f"synthetic {name} has an HF folder only: --synthetic-file hf")
-        hf_dir = str(synthetic_checkpoint(name, ("hf",), threads=threads).hf_dir)
-        return hf_dir, hf_dir, ""
     ckpt = synthetic_checkpoint(name, ("hf", gguf_kind), threads=threads)
     return str(ckpt.path(kind)), str(ckpt.hf_dir), str(ckpt.gguf(gguf_kind))
 

@@ -1,5 +1,6 @@
 """The MoE part of synthetic checkpoints: a Qwen3-MoE layout (router, per-expert SwiGLU, q/k
-norm) for shapes with ``num_experts`` (synthetic.py builds them; HF folder only, no GGUF)."""
+norm) for shapes with ``num_experts`` (synthetic.py builds them), and llama.cpp's qwen3moe layout
+of the same numbers for the GGUF files (each projection's experts stacked into one tensor)."""
 
 from __future__ import annotations
 
@@ -10,12 +11,14 @@ if TYPE_CHECKING:
 
 
 def moe_layer_specs(shape: SyntheticShape, layer: int) -> list[tuple[str, str, tuple[int, ...]]]:
-    """(HF name, GGUF name or "", shape) of layer ``layer``'s q/k norms, router and experts."""
+    """(HF name, GGUF name or "" for an expert's, shape) of layer ``layer``'s q/k norms, router
+    and experts."""
     hf, h, inter = f"model.layers.{layer}.", shape.hidden_size, shape.moe_intermediate_size
+    gg = f"blk.{layer}."
     specs = [
-        (hf + "self_attn.q_norm.weight", "", (shape.head_dim,)),
-        (hf + "self_attn.k_norm.weight", "", (shape.head_dim,)),
-        (hf + "mlp.gate.weight", "", (shape.num_experts, h)),
+        (hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight", (shape.head_dim,)),
+        (hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight", (shape.head_dim,)),
+        (hf + "mlp.gate.weight", gg + "ffn_gate_inp.weight", (shape.num_experts, h)),
     ]
     for e in range(shape.num_experts):
         expert = f"{hf}mlp.experts.{e}."
@@ -25,6 +28,23 @@ def moe_layer_specs(shape: SyntheticShape, layer: int) -> list[tuple[str, str, t
             (expert + "down_proj.weight", "", (h, inter)),
         ]
     return specs
+
+
+def expert_stacks(
+    shape: SyntheticShape, layer: int
+) -> list[tuple[str, tuple[int, ...], list[str]]]:
+    """(GGUF name, shape [E, out, in], the experts' HF names) of layer ``layer``'s stacked
+    expert tensors, as llama.cpp's qwen3moe stores them."""
+    hf, h, inter = f"model.layers.{layer}.", shape.hidden_size, shape.moe_intermediate_size
+    stacks = []
+    for proj, gguf_name, dims in (
+        ("gate_proj", "ffn_gate_exps", (inter, h)),
+        ("up_proj", "ffn_up_exps", (inter, h)),
+        ("down_proj", "ffn_down_exps", (h, inter)),
+    ):
+        names = [f"{hf}mlp.experts.{e}.{proj}.weight" for e in range(shape.num_experts)]
+        stacks.append((f"blk.{layer}.{gguf_name}.weight", (shape.num_experts, *dims), names))
+    return stacks
 
 
 def moe_config(shape: SyntheticShape, config: dict) -> dict:

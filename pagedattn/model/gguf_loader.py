@@ -282,8 +282,9 @@ class GGUFCheckpoint:
                 continue
             raw = self.file.tensor_bytes(tensor)
             w = dequantize(raw, GGMLQuantizationType(tensor.tensor_type)).reshape(tensor.shape)
-            w = torch.from_numpy(np.ascontiguousarray(self._converted(name, w, config)))
-            w = w.to(dtype)
+            w = np.ascontiguousarray(self._converted(name, w, config))
+            # NOTE: an F32 tensor is a view of the read-only map: the loader copies it.
+            w = torch.from_numpy(w if w.flags.writeable else w.copy()).to(dtype)
             held = "dequantised" if len(rows_cols) >= 2 else "float"
             entry = summary[(kind, f"{held} to {str(dtype).removeprefix('torch.')}")]
             entry[0] += 1

@@ -106,3 +106,55 @@ def test_llama_cpp_reads_the_gguf_as_the_same_model_and_q8_0_loads(tiny):
     q_logits = SequenceRunner(quant, 64).forward(PROMPT, 0)
     assert torch.isfinite(q_logits).all()
     assert abs(pagedattn_nll(quant, tokens) - ours) < 0.05 * ours
+
+
+# A tiny Qwen3-MoE shape: 4 experts, top-2 (the qwen3-moe-scaled code path: qwen3moe GGUF).
+TINY_MOE = SyntheticShape(
+    64,
+    2,
+    4,
+    2,
+    128,
+    weight_std=0.25,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    kinds = ("hf", "f16", "q8_0") if HAS_LLAMA_CPP else ("hf", "f16")
+    root = tmp_path_factory.mktemp("synthetic-moe")
+    return synthetic_checkpoint("tiny-moe", kinds, shape=TINY_MOE, cache_dir=root)
+
+
+def test_moe_gguf_stacks_the_experts_and_runs_as_the_folder(tiny_moe):
+    reader = gguf.GGUFReader(str(tiny_moe.gguf("f16")))
+    assert reader.fields["general.architecture"].contents() == "qwen3moe"
+    assert reader.fields["qwen3moe.expert_count"].contents() == 4
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    assert tuple(reversed(tensors["blk.1.ffn_down_exps.weight"].shape.tolist())) == (4, 64, 64)
+    logits, greedy = [], []
+    for path in (tiny_moe.hf_dir, tiny_moe.gguf("f16")):
+        model = load_model(str(path), "float32", "cpu").model
+        runner = SequenceRunner(model, 64)
+        logits.append(runner.forward(PROMPT, 0))
+        greedy.append(runner.greedy(PROMPT, 12)[0])
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    assert greedy[0] == greedy[1] and len(set(greedy[0])) > 1
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason=NEEDS_LLAMA_CPP)
+def test_llama_cpp_reads_the_moe_gguf_as_the_same_model(tiny_moe):
+    from pagedattn.benchmarks.llama_cpp_peer import run_isolated
+
+    tokens = PROMPT * 4
+    ours = pagedattn_nll(load_model(str(tiny_moe.hf_dir), "float32", "cpu").model, tokens)
+    for kind, tol in (("f16", 0.01), ("q8_0", 0.05)):
+        job = {"gguf": str(tiny_moe.gguf(kind)), "tokens": tokens, "threads": 2}
+        theirs = run_isolated("nll", job)["nll"]
+        assert np.isfinite(theirs) and abs(theirs - ours) < tol * ours, (kind, theirs, ours)
+    quant = load_model(str(tiny_moe.gguf("q8_0")), "float32", "cpu").model
+    assert abs(pagedattn_nll(quant, tokens) - ours) < 0.05 * ours
