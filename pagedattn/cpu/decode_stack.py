@@ -1,5 +1,8 @@
 """Decode steps of a Llama-family model in one compiled call (csrc/decode_stack_cpu.cpp).
 
+Qwen3's per-head q/k norms and sparse MoE layers (router, softmax top-k, the fused experts of
+csrc/moe_cpu.cpp) run in it too.
+
 The compiled DecodeStack runs the kernels the Python decoder layers call, in the same order and
 on the same packed linear kernels, so its hidden states are bit-identical to the Python layers';
 it saves the interpreter between ~25 small calls per layer. The model builds it once, after its
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -34,6 +37,15 @@ class PackedLayer(Protocol):
     prefill_rows: float
 
 
+class MoEBlock(Protocol):
+    """A sparse MoE block as the stack reads it (pagedattn.model.moe.SparseMoEBlock)."""
+
+    fused: Any  # the extension's MoEExperts over the packed experts, or None
+    router: PackedLinear | None  # None: F.linear on gate.weight
+    gate: Any  # .weight [E, H]
+    spec: Any  # .num_experts, .top_k, .renormalize
+
+
 class StackLayer(NamedTuple):
     """One decoder layer's weights and settings, as the compiled stack takes them."""
 
@@ -42,11 +54,13 @@ class StackLayer(NamedTuple):
     eps: float
     qkv: PackedLayer
     o: PackedLayer
-    gate_up: PackedLayer
-    down: PackedLayer
+    gate_up: PackedLayer | None  # the dense MLP's (None where moe is set)
+    down: PackedLayer | None
     group: int  # KV cache group of the layer
     sliding_window: int | None
     scale: float
+    qk_norm: tuple[torch.Tensor, torch.Tensor] | None = None  # per-head norm weights (Qwen3)
+    moe: MoEBlock | None = None  # the sparse block that replaces the dense MLP
 
 
 class LoRASlots(Protocol):
@@ -91,7 +105,9 @@ class _VerifyLinear(NamedTuple):
 def verify_layer(layer: StackLayer) -> StackLayer:
     """``layer`` with each projection's verify kernel (Linear.verify) as its decode kernel."""
 
-    def swap(linear) -> _VerifyLinear:
+    def swap(linear) -> _VerifyLinear | None:
+        if linear is None:  # an MoE layer's MLP: its experts have no verify kernel
+            return None
         packed = linear.verify if linear.verify is not None else linear.decode
         return _VerifyLinear(
             linear.weight, linear.bias, linear.out_features, packed, linear.prefill_rows
@@ -212,9 +228,12 @@ def build_decode_stack(
         amx_attention,
     )
     max_rows = math.inf
-    for layer in layers:
+    for index, layer in enumerate(layers):
         linears = []
         for packed in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            if packed is None:  # an MoE layer's MLP
+                linears.append(None)
+                continue
             linear, rows = _decode_linear(ext, packed)
             linears.append(linear)
             max_rows = min(max_rows, rows)
@@ -225,4 +244,16 @@ def build_decode_stack(
             layer.group,
             layer.sliding_window or extension.NO_SLIDING_WINDOW,
         )
+        if layer.qk_norm is not None:
+            compiled.set_qk_norm(index, *layer.qk_norm)
+        moe = layer.moe
+        if moe is not None:
+            if moe.fused is None:  # NOTE: experts not packed for a compiled kernel
+                return None
+            router = moe.router
+            if router is None:
+                router = ext.DecodeLinear(0, moe.gate.weight, None, None, moe.spec.num_experts)
+            else:
+                router = compiled_linear(ext, router)
+            compiled.set_moe(index, router, moe.fused, moe.spec.top_k, moe.spec.renormalize)
     return DecodeStack(compiled, max_rows, dtype)

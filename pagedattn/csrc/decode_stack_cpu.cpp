@@ -1,4 +1,5 @@
-// A Llama-family decoder stack run for decode steps in one C++ call.
+// A Llama-family decoder stack (Qwen3's q/k norms and sparse MoE layers included) run for
+// decode steps in one C++ call.
 //
 // At batch 32 a SmolLM2 decode step spent ~10 ms of ~48 ms in the Python between its kernels
 // (module calls, views, checks: ~25 small calls per layer, 30 layers); at batch 1 that is half of
@@ -13,6 +14,7 @@
 
 #include "ops_cpu.h"
 #include "decode_linear_cpu.h"
+#include "moe_cpu.h"
 #include "quant_linear_cpu.h"
 
 #include <ATen/Parallel.h>
@@ -35,12 +37,22 @@ struct LoRASlots {
   }
 };
 
+// A sparse layer's MLP: the router's linear, the fused experts and the routing rule.
+struct DecodeMoE {
+  DecodeLinear router;
+  MoEExperts experts;
+  int64_t top_k;
+  bool renormalize;
+};
+
 struct DecodeLayer {
   torch::Tensor input_norm, post_norm;
-  DecodeLinear qkv, o, gate_up, down;
+  DecodeLinear qkv, o, gate_up, down;  // gate_up, down: unused where moe is set
   int64_t group;           // KV cache group (index into the per-group step inputs)
   int64_t sliding_window;  // 0: none
   LoRASlots lora[4];       // qkv, o, gate_up, down
+  torch::Tensor q_norm, k_norm;    // per-head RMSNorm weights (Qwen3); undefined: none
+  std::shared_ptr<DecodeMoE> moe;  // the MLP is a sparse MoE block; null: the dense MLP
 };
 
 class DecodeStack {
@@ -55,11 +67,32 @@ class DecodeStack {
         partition_size_(partition_size),
         amx_attention_(amx_attention) {}
 
+  // gate_up and down: the dense MLP's; None for a layer whose MLP set_moe gives.
   void add_layer(torch::Tensor input_norm, torch::Tensor post_norm, DecodeLinear qkv,
-                 DecodeLinear o, DecodeLinear gate_up, DecodeLinear down, int64_t group,
-                 int64_t sliding_window) {
-    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o),
-                       std::move(gate_up), std::move(down), group, sliding_window, {}});
+                 DecodeLinear o, c10::optional<DecodeLinear> gate_up,
+                 c10::optional<DecodeLinear> down, int64_t group, int64_t sliding_window) {
+    DecodeLayer layer{std::move(input_norm), std::move(post_norm), std::move(qkv), std::move(o)};
+    if (gate_up.has_value()) layer.gate_up = std::move(*gate_up);
+    if (down.has_value()) layer.down = std::move(*down);
+    layer.group = group;
+    layer.sliding_window = sliding_window;
+    layers_.push_back(std::move(layer));
+  }
+
+  // Layer `layer` normalises each query and key head (Qwen3's q_norm/k_norm weights) before
+  // the rotation.
+  void set_qk_norm(int64_t layer, torch::Tensor q_norm, torch::Tensor k_norm) {
+    TORCH_CHECK(0 <= layer && layer < num_layers(), "set_qk_norm: no layer ", layer);
+    layers_[layer].q_norm = std::move(q_norm);
+    layers_[layer].k_norm = std::move(k_norm);
+  }
+
+  // Layer `layer`'s MLP is a sparse MoE block: router logits, softmax top-k, the fused experts.
+  void set_moe(int64_t layer, DecodeLinear router, const MoEExperts& experts, int64_t top_k,
+               bool renormalize) {
+    TORCH_CHECK(0 <= layer && layer < num_layers(), "set_moe: no layer ", layer);
+    layers_[layer].moe = std::make_shared<DecodeMoE>(
+        DecodeMoE{std::move(router), experts, top_k, renormalize});
   }
 
   // The LoRA slots of one projection (0 qkv, 1 o, 2 gate_up, 3 down) of layer `layer`.
@@ -121,9 +154,22 @@ class DecodeStack {
       const double v_scale = kv_scales.empty() ? 1.0 : kv_scales[i].second;
       torch::Tensor q, attn;
       warm = overlap(layer.o, T, warmup, [&] {
-        rotary_inplace(qkv.narrow(1, 0, q_size + kv_size).view({T, -1, head_size_}), cos, sin);
-        q = qkv.narrow(1, 0, q_size).view({T, num_heads_, head_size_});
-        auto k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads_, head_size_});
+        torch::Tensor k;
+        if (layer.q_norm.defined()) {
+          // NOTE: as LlamaAttention with q/k norm: heads as rows, normalised, then rotated.
+          q = rms_norm(qkv.narrow(1, 0, q_size).reshape({-1, head_size_}), layer.q_norm, eps_,
+                       c10::nullopt)
+                  .view({T, num_heads_, head_size_});
+          k = rms_norm(qkv.narrow(1, q_size, kv_size).reshape({-1, head_size_}), layer.k_norm,
+                       eps_, c10::nullopt)
+                  .view({T, num_kv_heads_, head_size_});
+          rotary_inplace(q, cos, sin);
+          rotary_inplace(k, cos, sin);
+        } else {
+          rotary_inplace(qkv.narrow(1, 0, q_size + kv_size).view({T, -1, head_size_}), cos, sin);
+          q = qkv.narrow(1, 0, q_size).view({T, num_heads_, head_size_});
+          k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads_, head_size_});
+        }
         auto v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads_, head_size_});
         cache_write(k, v, key_cache, value_cache, slot_mappings[g], k_scale, v_scale);
         q = q.contiguous();
@@ -134,6 +180,13 @@ class DecodeStack {
       const auto attn_rows = attn.view({T, q_size});
       h = layer.o(attn_rows, warm ? &warmup : nullptr);
       if (lora) layer.lora[1].apply(h, attn_rows, *lora_slots);
+      if (layer.moe) {
+        const DecodeMoE& moe = *layer.moe;
+        h = rms_norm(h, layer.post_norm, eps_, residual);
+        auto [weights, ids] = moe_route(moe.router(h), moe.top_k, moe.renormalize);
+        hidden = moe.experts.forward(h, weights, ids);
+        continue;
+      }
       warm = overlap(layer.gate_up, T, warmup,
                      [&] { h = rms_norm(h, layer.post_norm, eps_, residual); });
       auto gate_up = layer.gate_up(h, warm ? &warmup : nullptr);  // [T, 2 * I]
@@ -191,7 +244,8 @@ void register_decode_stack(pybind11::module& m) {
                        c10::optional<torch::Tensor> b, c10::optional<torch::Tensor> bias,
                        int64_t out_features,
                        std::shared_ptr<pagedattn_quant::QuantLinear> quant) {
-             TORCH_CHECK(a.has_value() || kernel == static_cast<int64_t>(pagedattn_linear::Kernel::kGGUF),
+             TORCH_CHECK(a.has_value() ||
+                             kernel == static_cast<int64_t>(pagedattn_linear::Kernel::kGGUF),
                          "DecodeLinear: kernel ", kernel, " needs its packed weight a");
              TORCH_CHECK(quant || kernel != static_cast<int64_t>(pagedattn_linear::Kernel::kGGUF),
                          "DecodeLinear: the gguf kernel needs its QuantLinear");
@@ -206,6 +260,10 @@ void register_decode_stack(pybind11::module& m) {
            py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"), py::arg("eps"),
            py::arg("scale"), py::arg("partition_size"), py::arg("amx_attention"))
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_qk_norm", &DecodeStack::set_qk_norm, py::arg("layer"), py::arg("q_norm"),
+           py::arg("k_norm"))
+      .def("set_moe", &DecodeStack::set_moe, py::arg("layer"), py::arg("router"),
+           py::arg("experts"), py::arg("top_k"), py::arg("renormalize"))
       .def("set_lora", &DecodeStack::set_lora, py::arg("layer"), py::arg("projection"),
            py::arg("a"), py::arg("b"), py::arg("max_loras"), py::arg("max_rank"))
       .def_property_readonly("num_layers", &DecodeStack::num_layers)

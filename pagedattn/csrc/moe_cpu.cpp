@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "decode_linear_cpu.h"
+#include "moe_cpu.h"
 #include "ops_cpu.h"
 
 namespace {
@@ -45,109 +46,108 @@ void add_weighted(T* out, const std::vector<const T*>& rows, const std::vector<i
   });
 }
 
-class MoEExperts {
- public:
-  MoEExperts(std::vector<DecodeLinear> gate_up, std::vector<DecodeLinear> down)
-      : gate_up_(std::move(gate_up)), down_(std::move(down)) {
-    TORCH_CHECK(!gate_up_.empty() && gate_up_.size() == down_.size(),
-                "MoEExperts needs one gate/up and one down linear per expert, got ",
-                gate_up_.size(), " and ", down_.size());
+// The row pointers of the experts' outputs, in sorted-pair order.
+template <typename T>
+std::vector<const T*> row_pointers(std::vector<torch::Tensor>& outputs) {
+  std::vector<const T*> rows;
+  for (auto& y : outputs) {
+    y = y.contiguous();
+    TORCH_CHECK(y.scalar_type() == c10::CppTypeToScalarType<T>::value,
+                "an expert's down linear returned ", y.scalar_type());
+    const T* base = y.data_ptr<T>();
+    for (int64_t r = 0; r < y.size(0); ++r) rows.push_back(base + r * y.size(1));
   }
-
-  int64_t num_experts() const { return static_cast<int64_t>(gate_up_.size()); }
-
-  // x [T, H] float32/bfloat16; weights [T, k] float32; ids [T, k] int64 -> [T, H] in x's dtype.
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& weights,
-                        const torch::Tensor& ids) const {
-    TORCH_CHECK(x.dim() == 2, "x must be [T, H]");
-    TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == torch::kInt64,
-                "ids must be int64 [T, k]");
-    TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat32,
-                "weights must be float32 [T, k]");
-    const auto x_rows = x.contiguous();
-    const auto ids_c = ids.contiguous();
-    const auto weights_c = weights.contiguous();
-    const int64_t T = x.size(0), k = ids.size(1), H = x.size(1), E = num_experts();
-    const int64_t pairs = T * k;
-    const int64_t* id = ids_c.data_ptr<int64_t>();
-    const float* w = weights_c.data_ptr<float>();
-
-    // Counting sort of the pairs by expert, stable.
-    std::vector<int64_t> start(E + 1, 0);
-    for (int64_t p = 0; p < pairs; ++p) {
-      TORCH_CHECK(0 <= id[p] && id[p] < E, "expert id ", id[p], " out of range [0, ", E, ")");
-      ++start[id[p] + 1];
-    }
-    for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
-    std::vector<int64_t> fill(start.begin(), start.end() - 1);
-    auto token_of = torch::empty({pairs}, torch::kInt64);  // the token of each sorted pair
-    int64_t* token = token_of.data_ptr<int64_t>();
-    std::vector<float> pair_weight(pairs);
-    for (int64_t p = 0; p < pairs; ++p) {
-      const int64_t slot = fill[id[p]]++;
-      token[slot] = p / k;
-      pair_weight[slot] = w[p];
-    }
-    const auto rows = x_rows.index_select(0, token_of);  // [pairs, H], grouped by expert
-
-    std::vector<int64_t> active;
-    int64_t most_rows = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t count = start[e + 1] - start[e];
-      if (count == 0) continue;
-      active.push_back(e);
-      most_rows = std::max(most_rows, count);
-    }
-    std::vector<torch::Tensor> outputs(active.size());  // each active expert's [count, H]
-    auto run = [&](size_t i) {
-      const int64_t e = active[i];
-      const auto expert_rows = rows.narrow(0, start[e], start[e + 1] - start[e]);
-      outputs[i] = down_[e](silu_and_mul(gate_up_[e](expert_rows)));
-    };
-    const int64_t threads = at::get_num_threads();
-    const auto num_active = static_cast<int64_t>(active.size());
-    if (threads > 1 && !at::in_parallel_region() && most_rows <= kExpertParallelRows &&
-        num_active >= threads) {
-      // NOTE: the kernels called inside a parallel region run on the calling thread.
-      at::parallel_for(0, num_active, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t i = begin; i < end; ++i) run(static_cast<size_t>(i));
-      });
-    } else {
-      for (size_t i = 0; i < active.size(); ++i) run(i);
-    }
-
-    auto out = torch::zeros_like(x_rows);
-    std::vector<int64_t> pair_token(token, token + pairs);
-    if (x.scalar_type() == torch::kFloat32) {
-      add_weighted<float>(out.data_ptr<float>(), row_pointers<float>(outputs), pair_token,
-                          pair_weight, H);
-    } else {
-      TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "MoEExperts: float32 or bfloat16 rows");
-      add_weighted<c10::BFloat16>(out.data_ptr<c10::BFloat16>(),
-                                  row_pointers<c10::BFloat16>(outputs), pair_token, pair_weight, H);
-    }
-    return out;
-  }
-
- private:
-  // The row pointers of the experts' outputs, in sorted-pair order.
-  template <typename T>
-  static std::vector<const T*> row_pointers(std::vector<torch::Tensor>& outputs) {
-    std::vector<const T*> rows;
-    for (auto& y : outputs) {
-      y = y.contiguous();
-      TORCH_CHECK(y.scalar_type() == c10::CppTypeToScalarType<T>::value,
-                  "an expert's down linear returned ", y.scalar_type());
-      const T* base = y.data_ptr<T>();
-      for (int64_t r = 0; r < y.size(0); ++r) rows.push_back(base + r * y.size(1));
-    }
-    return rows;
-  }
-
-  std::vector<DecodeLinear> gate_up_, down_;
-};
+  return rows;
+}
 
 }  // namespace
+
+MoEExperts::MoEExperts(std::vector<DecodeLinear> gate_up, std::vector<DecodeLinear> down)
+    : gate_up_(std::move(gate_up)), down_(std::move(down)) {
+  TORCH_CHECK(!gate_up_.empty() && gate_up_.size() == down_.size(),
+              "MoEExperts needs one gate/up and one down linear per expert, got ",
+              gate_up_.size(), " and ", down_.size());
+}
+
+torch::Tensor MoEExperts::forward(const torch::Tensor& x, const torch::Tensor& weights,
+                                  const torch::Tensor& ids) const {
+  TORCH_CHECK(x.dim() == 2, "x must be [T, H]");
+  TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == torch::kInt64,
+              "ids must be int64 [T, k]");
+  TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat32,
+              "weights must be float32 [T, k]");
+  const auto x_rows = x.contiguous();
+  const auto ids_c = ids.contiguous();
+  const auto weights_c = weights.contiguous();
+  const int64_t T = x.size(0), k = ids.size(1), H = x.size(1), E = num_experts();
+  const int64_t pairs = T * k;
+  const int64_t* id = ids_c.data_ptr<int64_t>();
+  const float* w = weights_c.data_ptr<float>();
+
+  // Counting sort of the pairs by expert, stable.
+  std::vector<int64_t> start(E + 1, 0);
+  for (int64_t p = 0; p < pairs; ++p) {
+    TORCH_CHECK(0 <= id[p] && id[p] < E, "expert id ", id[p], " out of range [0, ", E, ")");
+    ++start[id[p] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) start[e + 1] += start[e];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  auto token_of = torch::empty({pairs}, torch::kInt64);  // the token of each sorted pair
+  int64_t* token = token_of.data_ptr<int64_t>();
+  std::vector<float> pair_weight(pairs);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const int64_t slot = fill[id[p]]++;
+    token[slot] = p / k;
+    pair_weight[slot] = w[p];
+  }
+  const auto rows = x_rows.index_select(0, token_of);  // [pairs, H], grouped by expert
+
+  std::vector<int64_t> active;
+  int64_t most_rows = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t count = start[e + 1] - start[e];
+    if (count == 0) continue;
+    active.push_back(e);
+    most_rows = std::max(most_rows, count);
+  }
+  std::vector<torch::Tensor> outputs(active.size());  // each active expert's [count, H]
+  auto run = [&](size_t i) {
+    const int64_t e = active[i];
+    const auto expert_rows = rows.narrow(0, start[e], start[e + 1] - start[e]);
+    outputs[i] = down_[e](silu_and_mul(gate_up_[e](expert_rows)));
+  };
+  const int64_t threads = at::get_num_threads();
+  const auto num_active = static_cast<int64_t>(active.size());
+  if (threads > 1 && !at::in_parallel_region() && most_rows <= kExpertParallelRows &&
+      num_active >= threads) {
+    // NOTE: the kernels called inside a parallel region run on the calling thread.
+    at::parallel_for(0, num_active, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) run(static_cast<size_t>(i));
+    });
+  } else {
+    for (size_t i = 0; i < active.size(); ++i) run(i);
+  }
+
+  auto out = torch::zeros_like(x_rows);
+  std::vector<int64_t> pair_token(token, token + pairs);
+  if (x.scalar_type() == torch::kFloat32) {
+    add_weighted<float>(out.data_ptr<float>(), row_pointers<float>(outputs), pair_token,
+                        pair_weight, H);
+  } else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "MoEExperts: float32 or bfloat16 rows");
+    add_weighted<c10::BFloat16>(out.data_ptr<c10::BFloat16>(),
+                                row_pointers<c10::BFloat16>(outputs), pair_token, pair_weight, H);
+  }
+  return out;
+}
+
+std::pair<torch::Tensor, torch::Tensor> moe_route(const torch::Tensor& logits, int64_t top_k,
+                                                  bool renormalize) {
+  auto probs = at::softmax(logits, -1, at::kFloat);  // [T, E]
+  auto [weights, ids] = at::topk(probs, top_k, -1);  // [T, k] each
+  if (renormalize) weights = weights / weights.sum(-1, true);
+  return {weights, ids};
+}
 
 void register_moe(pybind11::module& m) {
   namespace py = pybind11;

@@ -252,10 +252,9 @@ class SparseMoEBlock(nn.Module):
         if quantized:
             gate_up, down = self._pack_quantized()
         else:
+            # NOTE: the torch kernel keeps views of the stacked weights (which stay alive).
             gate_up = [pack_weight(self.kernel, w) for w in experts.gate_up_proj.detach()]
             down = [pack_weight(self.kernel, w) for w in experts.down_proj.detach()]
-            if gate_up[0].name == "torch":
-                return
         self.packed = (gate_up, down)
         # NOTE: the packed copies are the weights now: free the stacked ones.
         experts.gate_up_proj.data = experts.gate_up_proj.data.new_empty(0)

@@ -4,7 +4,10 @@ vLLM's layout: QKV and gate/up are column-parallel (each rank computes its heads
 the intermediate size, no communication), o_proj and down_proj are row-parallel (each rank
 multiplies its input slice by its slice of the weight's columns, then one all-reduce sums the
 partial outputs), the embedding and LM head are vocab-parallel (each rank holds a range of rows;
-the embedding all-reduces its masked lookups, the LM head gathers its logits on rank 0).
+the embedding all-reduces its masked lookups, the LM head gathers its logits on rank 0). MoE
+experts are split the same way inside each expert: every rank holds every expert's slice of the
+expert FFN size (gate/up rows, down columns) and the router whole, runs the block on its slices
+and all-reduces the block's output once (vLLM's tensor-parallel fused MoE).
 
 A rank's model is the ordinary model class built from a config with the rank's head counts,
 intermediate size and vocab rows, with o_proj/down_proj/embed_tokens swapped for the parallel
@@ -25,6 +28,7 @@ from torch import nn
 
 from pagedattn.model.base import PagedCausalLM
 from pagedattn.model.layers import Linear
+from pagedattn.model.moe import MoETextConfig, SparseMoEBlock
 from pagedattn.model.text_config import TextConfig
 
 if TYPE_CHECKING:
@@ -48,13 +52,15 @@ def partition(total: int, parts: int, index: int) -> tuple[int, int]:
 
 
 class TPShard(NamedTuple):
-    """Which heads, intermediate columns and vocab rows one rank holds (start, count each)."""
+    """Which heads, intermediate columns, expert FFN columns and vocab rows one rank holds
+    (start, count each)."""
 
     rank: int
     world_size: int
     q_heads: tuple[int, int]
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
+    expert_ffn: tuple[int, int]  # of each MoE expert (Qwen3-MoE: moe_intermediate_size)
     vocab: tuple[int, int]  # the real rows; the rank's tables have vocab_per_rank rows
     vocab_per_rank: int
     head_dim: int
@@ -82,10 +88,13 @@ class TPShard(NamedTuple):
                 f"with {num_kv} KV heads: with fewer KV heads than ranks, the ranks must be a "
                 "multiple of the KV heads and divide the attention heads; use a size that does"
             )
-        if config.intermediate_size < world_size:
+        expert_ffn = config.intermediate_size
+        if isinstance(config, MoETextConfig) and config.moe_intermediate_size:
+            expert_ffn = config.moe_intermediate_size
+        if min(config.intermediate_size, expert_ffn) < world_size:
             raise ShardingError(
                 f"tensor_parallel_size={world_size} exceeds intermediate_size="
-                f"{config.intermediate_size}"
+                f"{config.intermediate_size} or the expert FFN size {expert_ffn}"
             )
         per_rank = -(-config.vocab_size // world_size)
         vocab_start = rank * per_rank
@@ -96,6 +105,7 @@ class TPShard(NamedTuple):
             q_heads,
             (kv_start, kv_count),
             partition(config.intermediate_size, world_size, rank),
+            partition(expert_ffn, world_size, rank),
             (vocab_start, vocab_count),
             per_rank,
             config.head_dim,
@@ -103,8 +113,9 @@ class TPShard(NamedTuple):
         )
 
     def text_config(self, config: TextConfig) -> TextConfig:
-        """``config`` with this rank's head counts, intermediate size and vocab rows."""
-        return dataclasses.replace(
+        """``config`` with this rank's head counts, intermediate and expert FFN sizes and vocab
+        rows."""
+        sharded = dataclasses.replace(
             config,
             num_attention_heads=self.q_heads[1],
             num_key_value_heads=self.kv_heads[1],
@@ -112,11 +123,18 @@ class TPShard(NamedTuple):
             vocab_size=self.vocab_per_rank,
             head_dim=config.head_dim,
         )
+        if isinstance(config, MoETextConfig) and config.moe_intermediate_size:
+            sharded = dataclasses.replace(sharded, moe_intermediate_size=self.expert_ffn[1])
+        return sharded
 
     def slice_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's part of the checkpoint tensor ``name`` (HF names), a contiguous copy."""
         d = self.head_dim
         rows = None
+        if ".experts." in name:  # an expert's gate/up (Mixtral: w1/w3) rows, down (w2) columns
+            if name.endswith((".down_proj.weight", ".w2.weight")):
+                return tensor.narrow(1, *self.expert_ffn).contiguous()
+            return tensor.narrow(0, *self.expert_ffn).contiguous()
         if ".q_proj." in name:
             rows = (self.q_heads[0] * d, self.q_heads[1] * d)
         elif ".k_proj." in name or ".v_proj." in name:
@@ -150,6 +168,19 @@ class RowParallelLinear(Linear):
         super().__init__(
             linear.in_features, linear.out_features, linear.bias is not None, linear.kernels
         )
+        self.tp_group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp_group.all_reduce(super().forward(x))
+
+
+class RowParallelMoEBlock(SparseMoEBlock):
+    """A SparseMoEBlock over this rank's slice of each expert; the ranks' outputs are
+    all-reduced."""
+
+    def __init__(self, block: SparseMoEBlock, group: TensorParallelGroup) -> None:
+        hidden = block.gate.weight.shape[1]
+        super().__init__(hidden, block.spec, block.step_ops, block.kernel, block.quant_rows)
         self.tp_group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -230,7 +261,10 @@ def build_parallel_model(
     for layer in net.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         attn.o_proj = RowParallelLinear(attn.o_proj, group)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
+        if isinstance(mlp, SparseMoEBlock):
+            layer.mlp = RowParallelMoEBlock(mlp, group)
+        else:
+            mlp.down_proj = RowParallelLinear(mlp.down_proj, group)
     embed = net.model.embed_tokens
     net.model.embed_tokens = VocabParallelEmbedding(
         embed.num_embeddings, embed.embedding_dim, *shard.vocab, group

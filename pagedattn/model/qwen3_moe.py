@@ -9,16 +9,13 @@ from torch import nn
 
 from pagedattn.attention.backends.base import AttentionBackend
 from pagedattn.cpu.plan import KernelPlan
-from pagedattn.model.base import PagedCausalLM
 from pagedattn.model.llama import LlamaForCausalLM
 from pagedattn.model.moe import (
     ExpertLoader,
     MoESpec,
     MoETextConfig,
     SparseMoEBlock,
-    UnsupportedMoEError,
 )
-from pagedattn.model.parallel_layers import TensorParallelMixin
 from pagedattn.model.text_config import TextConfig
 
 
@@ -44,11 +41,6 @@ class MoECausalLM(LlamaForCausalLM):
         architecture: str,
         plan: KernelPlan = KernelPlan(),
     ) -> None:
-        if isinstance(self, TensorParallelMixin):
-            raise UnsupportedMoEError(
-                f"{architecture}: tensor_parallel_size > 1 does not shard MoE experts yet; run "
-                "MoE models with tensor_parallel_size=1"
-            )
         spec = self.moe_spec(config)
         super().__init__(config, backend, self.attention_architecture, plan)
         self.architecture = architecture
@@ -74,11 +66,12 @@ class MoECausalLM(LlamaForCausalLM):
         return hf_name
 
     def process_weights_after_loading(self) -> None:
-        """Pack the dense projections. NOTE: no compiled decode stack: it runs dense MLPs."""
-        PagedCausalLM.process_weights_after_loading(self)
+        """Pack the experts (the fused blocks), then the dense projections and the compiled
+        decode stack over both (LlamaForCausalLM)."""
         for module in self.modules():
             if isinstance(module, SparseMoEBlock):
                 module.process_weights_after_loading()
+        super().process_weights_after_loading()
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Experts' tensors into the stacked [E, ...] parameters, the rest as the dense model."""

@@ -19,7 +19,9 @@ from pagedattn.model.loader import (
     load_model,
     resolve_checkpoint,
 )
+from pagedattn.model.moe import SparseMoEBlock
 from tests.model.paged_driver import PagedDriver
+from tests.model.test_moe_parity import make_tiny_mixtral, make_tiny_qwen3_moe
 from tests.model.tiny import make_tiny_llama, make_tiny_mistral, make_tiny_qwen2, make_tiny_qwen3
 
 pytestmark = pytest.mark.skipif(
@@ -42,6 +44,16 @@ CASES = [
     ("float32", "q8_0"),
     ("bfloat16", "q4_0"),
 ]
+# Qwen3: per-head q/k norms; Qwen3-MoE (a dense layer among sparse ones) and Mixtral: the fused
+# experts in the stack.
+MAKERS = [
+    make_tiny_llama,
+    make_tiny_qwen2,
+    make_tiny_mistral,
+    make_tiny_qwen3,
+    make_tiny_qwen3_moe,
+    make_tiny_mixtral,
+]
 PROMPT_LENS = (9, 17, 3)  # several blocks of 4, and one sequence shorter than a block
 DECODE_STEPS = 6
 
@@ -50,8 +62,7 @@ DECODE_STEPS = 6
 def checkpoints(tmp_path_factory) -> dict:
     """One tiny checkpoint per architecture for the whole module (saving one takes seconds)."""
     root = tmp_path_factory.mktemp("decode-stack")
-    makers = (make_tiny_llama, make_tiny_qwen2, make_tiny_mistral, make_tiny_qwen3)
-    return {maker: maker(root) for maker in makers}
+    return {maker: maker(root) for maker in MAKERS}
 
 
 def _load(path, dtype: str, kernel: str, **options):
@@ -78,14 +89,17 @@ def _count_stack_steps(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize(("dtype", "kernel"), CASES, ids=[f"{d}-{k}" for d, k in CASES])
-@pytest.mark.parametrize("maker", [make_tiny_llama, make_tiny_qwen2, make_tiny_mistral])
+@pytest.mark.parametrize("maker", MAKERS)
 def test_stack_logits_equal_python_layers(checkpoints, monkeypatch, maker, dtype, kernel) -> None:
     name = "gguf" if kernel in QUANTIZE_TYPES else kernel
     if not kernel_available(name, getattr(torch, dtype)):
         pytest.skip(f"{kernel} cannot run {dtype} on this CPU")
     model = _load(checkpoints[maker], dtype, kernel)
-    down = model.model.layers[0].mlp.down_proj
-    assert down.decode is None or down.decode.name == name
+    mlp = model.model.layers[0].mlp
+    if isinstance(mlp, SparseMoEBlock):  # the fused experts, on the same kernel
+        assert mlp.fused is not None and mlp.packed[1][0].name == name
+    else:
+        assert mlp.down_proj.decode is None or mlp.down_proj.decode.name == name
     stack = model.decode_stack
     assert stack is not None
     calls = _count_stack_steps(monkeypatch)
@@ -118,8 +132,6 @@ def test_prefill_rows_and_wide_batches_stay_on_python_layers(checkpoints, monkey
 
 def test_no_stack_where_it_could_not_match(checkpoints, monkeypatch) -> None:
     llama = checkpoints[make_tiny_llama]
-    # q/k norm (Qwen3) is not in the compiled layer.
-    assert _load(checkpoints[make_tiny_qwen3], "float32", "torch").decode_stack is None
     assert _load(llama, "float32", "torch").decode_stack is not None
     assert _load(llama, "float32", "torch", decode_stack=False).decode_stack is None
     assert _load(llama, "float32", "torch", step_ops=False).decode_stack is None

@@ -78,3 +78,26 @@ def test_slices_follow_the_column_and_row_parallel_layout():
     assert not shard.slice_weight("model.layers.0.mlp.down_proj.bias", bias).any()
     norm = torch.randn(32)
     assert shard.slice_weight("model.layers.0.input_layernorm.weight", norm) is norm
+
+
+def test_experts_split_their_own_ffn_size_and_the_router_is_whole():
+    """Qwen3-MoE: every expert's gate/up rows and down columns of moe_intermediate_size (not the
+    dense intermediate_size) per rank; Mixtral's w1/w3/w2 alike; the router replicated."""
+    import dataclasses
+
+    from pagedattn.model.moe import MoETextConfig
+
+    base = dataclasses.asdict(_config(4, 2))
+    config = MoETextConfig(**base | {"model_type": "qwen3_moe"}, moe_intermediate_size=40)
+    shard = TPShard.plan(config, 1, 2)
+    assert shard.intermediate == (48, 48) and shard.expert_ffn == (20, 20)
+    assert shard.text_config(config).moe_intermediate_size == 20
+    gate, down = torch.randn(40, 32), torch.randn(32, 40)
+    prefix = "model.layers.0.mlp.experts.3."
+    assert torch.equal(shard.slice_weight(prefix + "gate_proj.weight", gate), gate[20:])
+    assert torch.equal(shard.slice_weight(prefix + "down_proj.weight", down), down[:, 20:])
+    w2 = torch.randn(32, 40)
+    mixtral = "model.layers.0.block_sparse_moe.experts.0.w2.weight"
+    assert torch.equal(shard.slice_weight(mixtral, w2), w2[:, 20:])
+    router = torch.randn(8, 32)
+    assert shard.slice_weight("model.layers.0.mlp.gate.weight", router) is router

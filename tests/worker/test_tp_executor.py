@@ -48,10 +48,16 @@ def tiny_llama(tmp_path_factory):
     return make_tiny_llama(tmp_path_factory.mktemp("tp-llama"))
 
 
-@pytest.mark.parametrize("model", ["llama", "gemma3-one-kv-head"])
+@pytest.mark.parametrize("model", ["llama", "gemma3-one-kv-head", "qwen3-moe", "mixtral"])
 def test_greedy_output_matches_one_rank(model, tiny_llama, tmp_path):
+    from tests.model.test_moe_parity import make_tiny_mixtral, make_tiny_qwen3_moe
+
     if model == "llama":
         path = tiny_llama
+    elif model == "qwen3-moe":  # NOTE: each expert's FFN split over the ranks, a dense layer too
+        path = make_tiny_qwen3_moe(tmp_path)
+    elif model == "mixtral":
+        path = make_tiny_mixtral(tmp_path)
     else:  # NOTE: one KV head on 2 ranks: the KV head is replicated on both
         path = make_tiny_gemma3(tmp_path, num_key_value_heads=1)
     prompts = _prompts()
