@@ -7,9 +7,10 @@
 // tiles or GGUF blocks as stored), and the weighted rows are added into the output in expert
 // order: out[t] += round(y * w), the order and roundings of transformers' loop over experts and
 // of pagedattn.model.moe.grouped_moe, the Python reference. Only the chosen experts' weights are
-// read. Where every active expert has few rows (decode) and there are at least as many experts
-// as threads, the threads take whole experts (one parallel region per block, not three per
-// expert); otherwise each expert's kernels split their output columns across the threads.
+// read. Where there are at least as many active experts as threads, the threads take whole
+// experts, balanced by rows: one parallel region per block, not three per expert (a Q4_K block
+// of 32 experts, top-4, at 32 tokens: 6.2 -> 4.8 ms on 2 AMD Zen 2 cores). With fewer active
+// experts than threads, each expert's kernels split their output columns across the threads.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -23,9 +24,6 @@
 #include "ops_cpu.h"
 
 namespace {
-
-// Rows per expert up to which threads take whole experts rather than splitting each linear.
-constexpr int64_t kExpertParallelRows = 4;
 
 // out [T, H] += w * y for each sorted pair: y the expert output row of the pair, token[p] its
 // token, weight[p] its routing weight; columns split across threads, pairs in order per column.
@@ -103,12 +101,8 @@ torch::Tensor MoEExperts::forward(const torch::Tensor& x, const torch::Tensor& w
   const auto rows = x_rows.index_select(0, token_of);  // [pairs, H], grouped by expert
 
   std::vector<int64_t> active;
-  int64_t most_rows = 0;
   for (int64_t e = 0; e < E; ++e) {
-    const int64_t count = start[e + 1] - start[e];
-    if (count == 0) continue;
-    active.push_back(e);
-    most_rows = std::max(most_rows, count);
+    if (start[e + 1] > start[e]) active.push_back(e);
   }
   std::vector<torch::Tensor> outputs(active.size());  // each active expert's [count, H]
   auto run = [&](size_t i) {
@@ -117,12 +111,26 @@ torch::Tensor MoEExperts::forward(const torch::Tensor& x, const torch::Tensor& w
     outputs[i] = down_[e](silu_and_mul(gate_up_[e](expert_rows)));
   };
   const int64_t threads = at::get_num_threads();
-  const auto num_active = static_cast<int64_t>(active.size());
-  if (threads > 1 && !at::in_parallel_region() && most_rows <= kExpertParallelRows &&
-      num_active >= threads) {
-    // NOTE: the kernels called inside a parallel region run on the calling thread.
-    at::parallel_for(0, num_active, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) run(static_cast<size_t>(i));
+  if (threads > 1 && !at::in_parallel_region() &&
+      static_cast<int64_t>(active.size()) >= threads) {
+    // Each thread takes whole experts, the most rows first to the least loaded thread; the
+    // kernels called inside the parallel region run on the calling thread.
+    std::vector<size_t> order(active.size());
+    for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+    auto rows_of = [&](size_t i) { return start[active[i] + 1] - start[active[i]]; };
+    std::stable_sort(order.begin(), order.end(),
+                     [&](size_t a, size_t b) { return rows_of(a) > rows_of(b); });
+    std::vector<std::vector<size_t>> share(threads);
+    std::vector<int64_t> load(threads, 0);
+    for (size_t i : order) {
+      const auto t = std::min_element(load.begin(), load.end()) - load.begin();
+      share[t].push_back(i);
+      load[t] += rows_of(i);
+    }
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (size_t i : share[t]) run(i);
+      }
     });
   } else {
     for (size_t i = 0; i < active.size(); ++i) run(i);

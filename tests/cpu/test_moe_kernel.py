@@ -135,3 +135,15 @@ def test_bad_ids_are_refused():
         block.fused.forward(x, torch.ones(1, 1), torch.tensor([[EXPERTS]]))
     with pytest.raises(RuntimeError, match="float32"):
         block.fused.forward(x, torch.ones(1, 1, dtype=torch.float64), torch.tensor([[0]]))
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_one_busy_expert_splits_its_own_linears(dtype, tol):
+    """Every row on one expert (fewer active experts than threads): that expert's linears split
+    across the threads instead, with the same result."""
+    block, gate_up, down = _block(dtype)
+    x, _, _ = _inputs(50, dtype)
+    ids, weights = torch.full((50, 1), 5), torch.full((50, 1), 0.5)
+    out = block.fused.forward(x, weights, ids)
+    ref = _reference(x, gate_up, down, weights, ids)
+    assert float((out.float() - ref).norm() / ref.norm()) < tol
