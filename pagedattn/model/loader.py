@@ -22,12 +22,14 @@ from pagedattn.attention.backends.base import (
 from pagedattn.attention.backends.cpu import time_decode_attention
 from pagedattn.cpu.plan import (
     AUTO,
+    DEQUANTIZE,
     KernelOptions,
     KernelPlan,
     choose_plan,
     model_shapes,
     with_quant_rows,
 )
+from pagedattn.cpu.quant import QUANTIZE_TYPES
 from pagedattn.model.base import PagedCausalLM
 from pagedattn.model.gguf_loader import GGUFCheckpoint, quantize_checkpoint
 from pagedattn.model.hf_loader import HFCheckpoint
@@ -191,6 +193,14 @@ def choose_model_plan(
         and checkpoint.every_matrix_has_kernels()
     ):
         options = dataclasses.replace(options, float_weights=False)
+    if (
+        isinstance(checkpoint, HFCheckpoint)
+        and options.weights == AUTO
+        and options.quantization not in QUANTIZE_TYPES
+    ):
+        # NOTE: a float checkpoint holds no GGUF blocks: its plan (and [kernels] line) has no
+        # gguf kernel.
+        options = dataclasses.replace(options, weights=DEQUANTIZE)
     shapes = model_shapes(config)
     measure = functools.partial(
         time_decode_attention,

@@ -28,14 +28,21 @@ _LAYER_NAMES = {
     "pre_feedforward_layernorm": "ffn_norm",
     "post_feedforward_layernorm": "post_ffw_norm",
     "mlp.gate": "ffn_gate_inp",
+    "block_sparse_moe.gate": "ffn_gate_inp",
 }
-# An expert's projection -> llama.cpp's stacked tensor of all experts' (Qwen3-MoE's names).
+# An expert's projection (Qwen3-MoE's names, Mixtral's) -> llama.cpp's stacked tensor of all
+# experts'.
 _EXPERT_NAMES = {
     "gate_proj": "ffn_gate_exps",
     "up_proj": "ffn_up_exps",
     "down_proj": "ffn_down_exps",
+    "w1": "ffn_gate_exps",
+    "w3": "ffn_up_exps",
+    "w2": "ffn_down_exps",
 }
-_EXPERT_RE = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_RE = re.compile(
+    r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight"
+)
 _LLAMA_LAYER_NAMES = _LAYER_NAMES | {"post_attention_layernorm": "ffn_norm"}
 _GLOBAL_NAMES = {
     "model.embed_tokens": "token_embd",
@@ -101,8 +108,8 @@ def _stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def write_gguf(hf_dir: Path, out: Path, arch: str, q8_0: bool = False) -> Path:
-    """Convert ``hf_dir`` (arch "llama", "gemma3" or "qwen3moe") into an F32 GGUF file at
-    ``out``; q8_0: matrices (experts' too, not the router) as Q8_0 blocks."""
+    """Convert ``hf_dir`` (arch "llama", Mixtral's too, "gemma3" or "qwen3moe") into an F32 GGUF
+    file at ``out``; q8_0: matrices (experts' too, not the router) as Q8_0 blocks."""
     config = AutoConfig.from_pretrained(hf_dir)
     writer = GGUFWriter(str(out), arch)
     writer.add_block_count(config.num_hidden_layers)
@@ -122,6 +129,9 @@ def write_gguf(hf_dir: Path, out: Path, arch: str, q8_0: bool = False) -> Path:
         writer.add_expert_count(config.num_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)
         writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if getattr(config, "num_local_experts", None):  # Mixtral: a llama file with experts
+        writer.add_expert_count(config.num_local_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
     writer.add_tokenizer_model("gpt2")
     tokens, merges = byte_level_vocab()
     writer.add_token_list(tokens)

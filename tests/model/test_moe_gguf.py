@@ -12,7 +12,7 @@ from pagedattn.model.moe import SparseMoEBlock
 from tests.engine.test_greedy_parity import GREEDY, _prompts, hf_greedy
 from tests.model.gguf_writer import write_gguf
 from tests.model.paged_driver import PagedDriver
-from tests.model.test_moe_parity import make_tiny_qwen3_moe
+from tests.model.test_moe_parity import make_tiny_mixtral, make_tiny_qwen3_moe
 from tests.model.tiny import TINY_VOCAB_SIZE
 
 
@@ -35,6 +35,17 @@ def test_f32_gguf_greedy_matches_hf(tiny):
     assert llm.engine.runner.model.architecture == "Qwen3MoeForCausalLM"
     outs = llm.generate(prompts, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def test_mixtral_gguf_greedy_matches_hf(tmp_path):
+    """A llama GGUF with experts is Mixtral: Q/K rows in llama.cpp's order, w1/w3/w2 stacks."""
+    hf_dir = make_tiny_mixtral(tmp_path)
+    f32 = write_gguf(hf_dir, tmp_path / "tiny-mixtral.F32.gguf", "llama")
+    prompts = _prompts(TINY_VOCAB_SIZE)
+    llm = LLM(str(f32), dtype="float32", num_blocks=256)
+    assert llm.engine.runner.model.architecture == "MixtralForCausalLM"
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(hf_dir, prompts, 8)
 
 
 @pytest.mark.skipif(extension.get_extension() is None, reason="the gguf kernel is compiled")
