@@ -38,6 +38,15 @@ class ConfigError(ValueError):
     """A configuration value is out of range; the message names the value and what is allowed."""
 
 
+def context_error(option: str, wanted: int, model: str, limit: int, sep: str = " ") -> str:
+    """What is wrong with asking ``option`` ``wanted`` tokens of a ``model`` whose context is
+    ``limit`` (the CLI before loading and the engine after say the same)."""
+    return (
+        f"{option}{sep}{wanted} is more than {model}'s {limit} tokens (its "
+        f"max_position_embeddings): use {option}{sep}{limit} or less, or leave it out"
+    )
+
+
 def parse_size(text: str | int) -> int:
     """Parse a byte size such as ``2GiB``, ``512MiB``, ``1.5GB`` or ``1048576`` into bytes."""
     if isinstance(text, int):

@@ -48,7 +48,13 @@ def main() -> int:
         "- `step_ops_cpu.cpp`: per-layer step ops: cache write, rotary, RMSNorm(+residual),"
         " Gemma RMSNorm, SwiGLU, GeGLU, greedy argmax.",
         "- `decode_stack_cpu.cpp`: DecodeStack, a Llama-family decode step's layers in one call"
-        " (the same kernels, in order, as the Python layers), plus each row's LoRA delta.",
+        " (the same kernels, in order, as the Python layers; Qwen3's q/k norms and sparse MoE"
+        " layers too), plus each row's LoRA delta.",
+        "- `decode_linear_cpu.h`: DecodeLinear, one packed linear layer on the kernel the tuner"
+        " chose, as the decode stack and the fused MoE block call it.",
+        "- `moe_cpu.cpp`: the fused sparse MoE block: (token, expert) pairs sorted by expert, each"
+        " active expert's gate/up, SwiGLU and down on its kernel, the weighted sum in expert order.",
+        "- `moe_cpu.h`: the MoEExperts class and the router's top-k, declared for the decode stack.",
         "- `lora_cpu.cpp`: batched LoRA for decode-sized steps: each row's own slot's shrink and"
         " expand, the rows of a slot in blocks sharing each weight load.",
         "- `kv_gather_cpu.cpp`: whole blocks of an fp8 or u8 KV cache gathered through a block"

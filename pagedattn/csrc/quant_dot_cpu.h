@@ -90,6 +90,13 @@ inline int hsum_epi32(__m256i v) {
   return _mm_cvtsi128_si32(s);
 }
 
+// The _mm256_shuffle_epi8 control that fills every int16 lane of the low 128-bit lane with its
+// int16 lane `low`, and of the high 128-bit lane with its lane `high` (a scale per sub-block).
+inline __m256i int16_lanes(int low, int high) {
+  auto lane = [](int i) { return _mm_set1_epi16(static_cast<short>(((2 * i + 1) << 8) | (2 * i))); };
+  return _mm256_set_m128i(lane(high), lane(low));
+}
+
 // 32 bits -> 32 bytes, 0xFF where the bit is set (byte j from bit j).
 inline __m256i bits_to_bytes(const uint8_t* bits) {
   uint32_t x;
@@ -216,11 +223,9 @@ inline void dot_q45_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act,
         lo = _mm256_or_si256(lo, _mm256_slli_epi16(b0, 4));
         hi = _mm256_or_si256(hi, _mm256_slli_epi16(b1, 4));
       }
-      // int16 lane 2j (2j + 1) of the scales in every lane: bytes 4j, 4j + 1 (4j + 2, 4j + 3).
-      const __m256i s_lo = _mm256_shuffle_epi8(
-          scales, _mm256_set1_epi16(static_cast<short>(((4 * j + 1) << 8) | (4 * j))));
-      const __m256i s_hi = _mm256_shuffle_epi8(
-          scales, _mm256_set1_epi16(static_cast<short>(((4 * j + 3) << 8) | (4 * j + 2))));
+      // scale 2j (2j + 1) in every lane
+      const __m256i s_lo = _mm256_shuffle_epi8(scales, int16_lanes(2 * j, 2 * j));
+      const __m256i s_hi = _mm256_shuffle_epi8(scales, int16_lanes(2 * j + 1, 2 * j + 1));
       for (int m = 0; m < MB; ++m) {
         const int8_t* y = act[m][b].qs + 64 * j;
         const __m256i y0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y));
@@ -311,10 +316,8 @@ inline void dot_q6_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act, 
           _mm256_and_si256(_mm256_srli_epi16(qb, 4), m4),
           _mm256_srli_epi16(_mm256_and_si256(qhv, _mm256_set1_epi8(static_cast<char>(0xC0))), 2));
       for (int t = 0; t < 4; ++t) {
-        // low lane: scale 2t (bytes 4t, 4t + 1); high lane: scale 2t + 1 (bytes 4t + 2, 4t + 3)
-        const __m256i s = _mm256_shuffle_epi8(
-            sc_h, _mm256_set_m128i(_mm_set1_epi16(static_cast<short>(((4 * t + 3) << 8) | (4 * t + 2))),
-                                   _mm_set1_epi16(static_cast<short>(((4 * t + 1) << 8) | (4 * t)))));
+        // low lane: scale 2t; high lane: scale 2t + 1
+        const __m256i s = _mm256_shuffle_epi8(sc_h, int16_lanes(2 * t, 2 * t + 1));
         for (int m = 0; m < MB; ++m) {
           const int8_t* y = act[m][b].qs + 128 * h + 32 * t;
           const __m256i yv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(y));

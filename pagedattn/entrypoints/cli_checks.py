@@ -11,6 +11,8 @@ import argparse
 import socket
 from dataclasses import dataclass
 
+from pagedattn.config import context_error
+
 # How long `--ray-address` may take to accept a TCP connection before the head is called absent.
 RAY_CONNECT_TIMEOUT_S = 5.0
 _MAX_PORT = 65535
@@ -70,11 +72,7 @@ def check_model(args: argparse.Namespace) -> CheckedModel:
         raise CliError(str(exc)) from None
     wanted = getattr(args, "max_model_len", None)
     if wanted is not None and facts.max_model_len is not None and wanted > facts.max_model_len:
-        raise CliError(
-            f"--max-model-len {wanted} is longer than {facts.name}'s context of "
-            f"{facts.max_model_len} tokens (its max_position_embeddings): use --max-model-len "
-            f"{facts.max_model_len} or less, or leave it out"
-        )
+        raise CliError(context_error("--max-model-len", wanted, facts.name, facts.max_model_len))
     return CheckedModel(facts.name, facts.max_model_len, facts.has_chat_template)
 
 

@@ -12,7 +12,7 @@ import torch
 
 from pagedattn.attention.backends.base import get_attn_backend
 from pagedattn.attention.ops import copy_blocks
-from pagedattn.config import EngineConfig
+from pagedattn.config import EngineConfig, context_error
 from pagedattn.core.scheduler_output import (
     KVLoad,
     RunnerOutput,
@@ -161,9 +161,7 @@ class ModelRunner:
             # NOTE: as vLLM does; clamping silently left a caller planning for contexts the
             # model never serves (the CLI says the same before loading: cli_checks).
             raise ValueError(
-                f"max_model_len={wanted} is more than {self.model_name}'s "
-                f"{loaded.max_model_len} tokens (its max_position_embeddings): use "
-                f"{loaded.max_model_len} or less, or leave it out"
+                context_error("max_model_len", wanted, self.model_name, loaded.max_model_len, "=")
             )
         self.max_model_len = wanted or loaded.max_model_len
         self.block_size = cache.block_size

@@ -135,9 +135,9 @@ class ServingLoRA:
     def cards(self, max_model_len: int, tenant: str | None = None) -> list[ModelCard]:
         # NOTE: no `root` path: a server path tells a client nothing it may use.
         return [
-            ModelCard(id=name, parent=self.base_model, max_model_len=max_model_len)
-            for (owner, name) in self.adapters
-            if self._visible((owner, name), tenant)
+            ModelCard(id=key[1], parent=self.base_model, max_model_len=max_model_len)
+            for key in self.adapters
+            if self._visible(key, tenant)
         ]
 
     def _folder(self, given: str) -> str:
