@@ -56,7 +56,7 @@ SKIPPED = {
 }
 # Snippets run only with -m slow (a minute of CPU or more on 2 cores), with the reason.
 SLOW = {
-    "README.md:147": "two LLM loads, n=4 sampling and beam search of width 4 (~80 s of CPU)",
+    "README.md:149": "two LLM loads, n=4 sampling and beam search of width 4 (~80 s of CPU)",
 }
 
 

@@ -62,6 +62,19 @@ ROUTING_PREFIX_CHARS = 8192
 HEALTH_TIMEOUT_S = 10.0
 
 
+async def _answer(call, raw: Request) -> Response:
+    """A replica call's (status, body) as a response; the call is cancelled if the client
+    leaves first."""
+    answered, _ = await until_disconnect(_await(call), raw, on_disconnect=call.cancel)
+    if not answered:
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
+    try:
+        result = await call
+    except Exception as exc:
+        result = _replica_failed(exc)
+    return JSONResponse(result["body"], status_code=result["status"])
+
+
 def _replica_failed(exc: BaseException) -> dict[str, Any]:
     # NOTE: Ray's exception text names the actor id, pid and node address: log it, never send it.
     message = internal_error(exc, "the engine replica serving this request failed")
@@ -207,25 +220,14 @@ class OpenAIIngress:
         if body.stream:
             return await self._stream(kind, payload, salt, hashes, owner)
         call = self.engine.generate.remote(kind, payload, salt, routing_hashes=hashes, owner=owner)
-        return await self._answer(call, raw)
+        return await _answer(call, raw)
 
     async def forward(self, kind: str, body, raw: Request) -> Response:
         """An agent-API request (agent_routes: tokenize, detokenize, embeddings) to a replica."""
         owner = tenant_of(raw)
         salt = self.auth.cache_salt(owner, getattr(body, "cache_salt", None))
         call = self.engine.generate.remote(kind, await raw.json(), salt, owner=owner)
-        return await self._answer(call, raw)
-
-    async def _answer(self, call, raw: Request) -> Response:
-        """The replica call's (status, body) as a response; cancelled if the client leaves."""
-        answered, _ = await until_disconnect(_await(call), raw, on_disconnect=call.cancel)
-        if not answered:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        try:
-            result = await call
-        except Exception as exc:
-            result = _replica_failed(exc)
-        return JSONResponse(result["body"], status_code=result["status"])
+        return await _answer(call, raw)
 
     async def chat_backend(self, payload: dict, raw: Request):
         """/v1/responses' chat handler: a chat body (or its events) from a replica; errors raise."""
