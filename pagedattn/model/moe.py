@@ -282,13 +282,18 @@ class SparseMoEBlock(nn.Module):
 
     def _widen_quantized(self) -> None:
         """Dequantise the experts' GGUF blocks into the stacked float parameters."""
-        size = self.spec.intermediate_size
-        for (param, expert, shard), blocks in self.quantized.items():
-            target = getattr(self.experts, param).data[expert]
-            if shard is not None:
-                target = target.narrow(0, shard * size, size)
-            target.copy_(blocks.dequantize())
+        for key, blocks in self.quantized.items():
+            self.expert_rows(*key).copy_(blocks.dequantize())
         self.quantized = {}
+
+    def expert_rows(self, param: str, expert: int, shard: int | None) -> torch.Tensor:
+        """The stacked parameter ``param``'s rows of one expert: [2I, H] or [H, I], or the gate
+        (shard 0) or up (shard 1) half [I, H] of gate_up_proj."""
+        target = getattr(self.experts, param).data[expert]
+        if shard is None:
+            return target
+        size = self.spec.intermediate_size
+        return target.narrow(0, shard * size, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
@@ -358,10 +363,7 @@ class ExpertLoader:
                 f"{moe.spec.num_experts} experts"
             )
         param, shard = self.projections[proj]
-        target = getattr(moe.experts, param).data[expert]  # [2I, H] or [H, I]
-        if shard is not None:
-            size = moe.spec.intermediate_size
-            target = target.narrow(0, shard * size, size)
+        target = moe.expert_rows(param, expert, shard)
         if target.shape != tensor.shape:
             raise MissingExpertError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)} but the expert "

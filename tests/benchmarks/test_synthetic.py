@@ -69,13 +69,18 @@ def test_f16_gguf_holds_the_hf_folders_numbers(tiny):
         np.testing.assert_array_equal(theirs, ours.float().numpy())  # exactly, not rounded
 
 
-def test_pagedattn_runs_the_folder_and_the_gguf_as_one_model(tiny):
+def _folder_and_gguf(ckpt) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """pagedattn's prompt logits and 12 greedy tokens from the HF folder, then the F16 GGUF."""
     logits, greedy = [], []
-    for path in (tiny.hf_dir, tiny.gguf("f16")):
-        model = load_model(str(path), "float32", "cpu").model
-        runner = SequenceRunner(model, 64)
+    for path in (ckpt.hf_dir, ckpt.gguf("f16")):
+        runner = SequenceRunner(load_model(str(path), "float32", "cpu").model, 64)
         logits.append(runner.forward(PROMPT, 0))
         greedy.append(runner.greedy(PROMPT, 12)[0])
+    return logits, greedy
+
+
+def test_pagedattn_runs_the_folder_and_the_gguf_as_one_model(tiny):
+    logits, greedy = _folder_and_gguf(tiny)
     assert torch.isfinite(logits[0]).all()
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     assert greedy[0] == greedy[1]
@@ -136,12 +141,7 @@ def test_moe_gguf_stacks_the_experts_and_runs_as_the_folder(tiny_moe):
     tensors = {t.name: t for t in reader.tensors}
     assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == gguf.GGMLQuantizationType.F32
     assert tuple(reversed(tensors["blk.1.ffn_down_exps.weight"].shape.tolist())) == (4, 64, 64)
-    logits, greedy = [], []
-    for path in (tiny_moe.hf_dir, tiny_moe.gguf("f16")):
-        model = load_model(str(path), "float32", "cpu").model
-        runner = SequenceRunner(model, 64)
-        logits.append(runner.forward(PROMPT, 0))
-        greedy.append(runner.greedy(PROMPT, 12)[0])
+    logits, greedy = _folder_and_gguf(tiny_moe)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     assert greedy[0] == greedy[1] and len(set(greedy[0])) > 1
 
