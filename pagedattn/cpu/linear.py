@@ -309,7 +309,13 @@ class GGUFLinear(LinearKernel):
     def fits(self, weight):
         return isinstance(weight, QuantizedParts)
 
-    def pack(self, weight: QuantizedParts, bias, prefill_rows: int = GGUF_PREFILL_ROWS):
+    def pack(
+        self,
+        weight: QuantizedParts,
+        bias,
+        prefill_rows: int = GGUF_PREFILL_ROWS,
+        interleave: bool = True,
+    ):
         ext = extension.load_extension()
         index = []
         for part, start in zip(weight.parts, weight.starts, strict=True):
@@ -324,8 +330,10 @@ class GGUFLinear(LinearKernel):
             weight.in_features,
             fp32_bias,
             prefill_rows,
+            interleave,
         )
-        # NOTE: ``b`` keeps the parts (their blocks are the compiled layer's too: no copy).
+        # NOTE: ``b`` keeps the parts: the blocks the compiled layer did not repack are its own
+        # (no copy), and tools dequantise the layer from them.
         return PackedLinear(
             self, weight.out_features, weight.in_features, compiled, weight, fp32_bias
         )
@@ -335,11 +343,16 @@ class GGUFLinear(LinearKernel):
 
 
 def pack_quantized(
-    weight: QuantizedParts, bias: torch.Tensor | None, prefill_rows: int
+    weight: QuantizedParts,
+    bias: torch.Tensor | None,
+    prefill_rows: int,
+    interleave: bool = True,
 ) -> PackedLinear:
     """``weight``'s blocks packed for the gguf kernel, which dequantises tiles into at::mm from
-    ``prefill_rows`` rows and runs its int8 dot kernels below."""
-    return LINEAR_KERNELS["gguf"].pack(weight, bias, prefill_rows)
+    ``prefill_rows`` rows and runs its int8 dot kernels below. Q4_K parts of 8n rows are
+    repacked 8 rows interleaved (their own kernel at every row count) unless ``interleave`` is
+    off: a tied embedding's table, whose lookups need the rows as stored."""
+    return LINEAR_KERNELS["gguf"].pack(weight, bias, prefill_rows, interleave)
 
 
 def compiled_linear(ext, packed: PackedLinear):

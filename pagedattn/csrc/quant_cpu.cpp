@@ -9,6 +9,9 @@
 //   tile, so no whole float copy of the weight ever exists; the activations are the decode
 //   path's int8 blocks widened back (as_int8_activations), as llama.cpp quantises them at every
 //   batch size.
+// - Q4_K parts whose rows come in eights are repacked at load into rows interleaved 8 at a time
+//   (quant_x8_cpu.h) and multiplied by that kernel at every row count, prefill included: the
+//   part is held once, in that layout (the Q4_K rows are not kept).
 // - A layer is one or more parts (a fused qkv or gate/up projection whose pieces were stored in
 //   different types); row r of a part lands in output column index[r] (llama.cpp's permuted
 //   q/k rows are put back in place this way, without copying the weight).
@@ -22,6 +25,7 @@
 
 #include "quant_dot_cpu.h"
 #include "quant_linear_cpu.h"
+#include "quant_x8_cpu.h"
 #include "vec_cpu.h"
 
 namespace pagedattn_quant {
@@ -229,6 +233,30 @@ void dot_rows(int type, const uint8_t* row, int64_t K, const void* const* act, f
   }
 }
 
+// A Q4_K tensor [rows, bytes] (rows a multiple of 8) as [rows / 8, superblocks * 1184] x8 blocks.
+at::Tensor interleave_q4_k(const at::Tensor& data, int64_t K) {
+  const int64_t groups = data.size(0) / 8, nb = K / kBlockK, row_bytes = data.size(1);
+  at::Tensor out = at::empty({groups, nb * static_cast<int64_t>(sizeof(BlockQ4_Kx8))}, data.options());
+  const uint8_t* src = data.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 16, [&](int64_t b, int64_t e) {
+    for (int64_t g = b; g < e; ++g) {
+      repack_q4_k_x8(src + g * 8 * row_bytes, nb,
+                     reinterpret_cast<BlockQ4_Kx8*>(dst + g * out.size(1)));
+    }
+  });
+  return out;
+}
+
+// Every row of x [M, K] as Q8_K blocks (M * K / 256), on the threads.
+std::vector<ActQ8_K> quantize_rows_q8_k(const float* x, int64_t M, int64_t K) {
+  std::vector<ActQ8_K> out(M * (K / kBlockK));
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) quantize_row_q8_k(x + m * K, K, out.data() + m * (K / kBlockK));
+  });
+  return out;
+}
+
 void check_blocks(const at::Tensor& data, int type, int64_t K) {
   TORCH_CHECK(is_supported(type), "ggml type ", type, " has no quantised kernel");
   TORCH_CHECK(K % block_values(type) == 0, "K=", K, " is not a whole number of ", block_values(type),
@@ -244,7 +272,7 @@ void check_blocks(const at::Tensor& data, int type, int64_t K) {
 
 QuantLinear::QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> types,
                          std::vector<c10::optional<at::Tensor>> index, int64_t N, int64_t K,
-                         c10::optional<at::Tensor> bias, int64_t prefill_rows)
+                         c10::optional<at::Tensor> bias, int64_t prefill_rows, bool interleave)
     : data_(std::move(data)), types_(std::move(types)), N_(N), K_(K), prefill_rows_(prefill_rows) {
   TORCH_CHECK(data_.size() == types_.size() && index.size() == data_.size(),
               "QuantLinear: one type and one index per part");
@@ -265,6 +293,9 @@ QuantLinear::QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> type
     rows += data_[p].size(0);
     needs_q8_0_ |= !is_k_type(static_cast<int>(types_[p]));
     needs_q8_k_ |= is_k_type(static_cast<int>(types_[p]));
+    const bool x8 = interleave && types_[p] == kQ4_K && data_[p].size(0) % 8 == 0;
+    x8_.push_back(x8);
+    if (x8) data_[p] = interleave_q4_k(data_[p], K);
   }
   TORCH_CHECK(rows == N, "QuantLinear: parts hold ", rows, " rows, N=", N);
   if (bias.has_value()) bias_ = bias->to(at::kFloat).contiguous();
@@ -290,6 +321,12 @@ at::Tensor QuantLinear::forward(const at::Tensor& x) const {
   return out.to(dtype).view(shape);
 }
 
+std::vector<std::string> QuantLinear::layouts() const {
+  std::vector<std::string> out;
+  for (bool x8 : x8_) out.emplace_back(x8 ? "x8" : "rows");
+  return out;
+}
+
 int64_t QuantLinear::nbytes() const {
   int64_t total = 0;
   for (const auto& d : data_) total += d.numel();
@@ -300,17 +337,21 @@ void QuantLinear::decode(const at::Tensor& x32, at::Tensor& out) const {
   const int64_t M = x32.size(0), K = K_;
   const float* x = x32.data_ptr<float>();
   std::vector<ActQ8_0> a0(needs_q8_0_ ? M * (K / kBlock) : 0);
-  std::vector<ActQ8_K> ak(needs_q8_k_ ? M * (K / kBlockK) : 0);
-  for (int64_t m = 0; m < M; ++m) {
-    if (needs_q8_0_) quantize_row_q8_0(x + m * K, K, a0.data() + m * (K / kBlock));
-    if (needs_q8_k_) quantize_row_q8_k(x + m * K, K, ak.data() + m * (K / kBlockK));
+  if (needs_q8_0_) {
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t m = b; m < e; ++m) quantize_row_q8_0(x + m * K, K, a0.data() + m * (K / kBlock));
+    });
   }
+  const std::vector<ActQ8_K> ak = needs_q8_k_ ? quantize_rows_q8_k(x, M, K) : std::vector<ActQ8_K>();
+  run_x8(ak, M, out);
+  if (std::all_of(x8_.begin(), x8_.end(), [](bool b) { return b; })) return;
   float* y = out.data_ptr<float>();
   const int64_t N = N_;
-  at::parallel_for(0, N, kRowsPerTask, [&](int64_t begin, int64_t end) {
-    for (size_t p = 0; p < data_.size(); ++p) {
-      const int64_t p0 = std::max(begin, starts_[p]);
-      const int64_t p1 = std::min(end, starts_[p] + data_[p].size(0));
+  // NOTE: part by part, so each one's rows are shared out over all threads (a fused layer's
+  // x8 parts are done by then).
+  for (size_t p = 0; p < data_.size(); ++p) {
+    if (x8_[p]) continue;
+    at::parallel_for(starts_[p], starts_[p] + data_[p].size(0), kRowsPerTask, [&](int64_t p0, int64_t p1) {
       const int type = static_cast<int>(types_[p]);
       const uint8_t* base = data_[p].data_ptr<uint8_t>();
       const int64_t row_bytes = data_[p].size(1);
@@ -346,8 +387,46 @@ void QuantLinear::decode(const at::Tensor& x32, at::Tensor& out) const {
           }
         }
       }
-    }
-  });
+    });
+  }
+}
+
+// The interleaved parts: each thread takes whole groups of 8 rows; activation rows are met in
+// chunks that stay in L2 (kChunkBytes), 4 at a time (1..3 for the last).
+void QuantLinear::run_x8(const std::vector<ActQ8_K>& ak, int64_t M, at::Tensor& out) const {
+  constexpr int64_t kChunkBytes = 256 << 10;
+  if (std::none_of(x8_.begin(), x8_.end(), [](bool b) { return b; })) return;
+  const int64_t nb = K_ / kBlockK, N = N_;
+  const int64_t chunk = std::max<int64_t>(4, kChunkBytes / (nb * static_cast<int64_t>(sizeof(ActQ8_K))) / 4 * 4);
+  float* y = out.data_ptr<float>();
+  for (size_t p = 0; p < data_.size(); ++p) {
+    if (!x8_[p]) continue;
+    const auto* blocks = reinterpret_cast<const BlockQ4_Kx8*>(data_[p].data_ptr<uint8_t>());
+    const std::vector<int32_t>& cols = cols_[p];
+    at::parallel_for(0, data_[p].size(0), 1, [&](int64_t g0, int64_t g1) {
+      float tmp[4 * 8];
+      for (int64_t c0 = 0; c0 < M; c0 += chunk) {
+        const int64_t c1 = std::min(M, c0 + chunk);
+        for (int64_t g = g0; g < g1; ++g) {
+          const BlockQ4_Kx8* grp = blocks + g * nb;
+          for (int64_t m0 = c0; m0 < c1; m0 += 4) {
+            const int mb = static_cast<int>(std::min<int64_t>(4, c1 - m0));
+            const ActQ8_K* act[4];
+            for (int i = 0; i < mb; ++i) act[i] = ak.data() + (m0 + i) * nb;
+            switch (mb) {
+              case 1: gemm_q4_k_x8<1>(grp, nb, act, tmp, 8); break;
+              case 2: gemm_q4_k_x8<2>(grp, nb, act, tmp, 8); break;
+              case 3: gemm_q4_k_x8<3>(grp, nb, act, tmp, 8); break;
+              default: gemm_q4_k_x8<4>(grp, nb, act, tmp, 8); break;
+            }
+            for (int i = 0; i < mb; ++i) {
+              for (int r = 0; r < 8; ++r) y[(m0 + i) * N + cols[8 * g + r]] = tmp[8 * i + r];
+            }
+          }
+        }
+      }
+    });
+  }
 }
 
 void QuantLinear::prefill(const at::Tensor& x32, at::Tensor& out) const {
@@ -355,8 +434,14 @@ void QuantLinear::prefill(const at::Tensor& x32, at::Tensor& out) const {
   const int64_t tile_rows = std::max<int64_t>(16, kTileFloats / K);
   at::Tensor tile = at::empty({tile_rows, K}, x32.options());
   at::Tensor x_q8_0 = needs_q8_0_ ? as_int8_activations(x32, false) : at::Tensor();
-  at::Tensor x_q8_k = needs_q8_k_ ? as_int8_activations(x32, true) : at::Tensor();
+  bool tiles_need_q8_k = false;
+  for (size_t p = 0; p < data_.size(); ++p) tiles_need_q8_k |= !x8_[p] && is_k_type(static_cast<int>(types_[p]));
+  at::Tensor x_q8_k = tiles_need_q8_k ? as_int8_activations(x32, true) : at::Tensor();
+  if (std::any_of(x8_.begin(), x8_.end(), [](bool b) { return b; })) {
+    run_x8(quantize_rows_q8_k(x32.data_ptr<float>(), x32.size(0), K), x32.size(0), out);
+  }
   for (size_t p = 0; p < data_.size(); ++p) {
+    if (x8_[p]) continue;
     const int type = static_cast<int>(types_[p]);
     const at::Tensor& xq = is_k_type(type) ? x_q8_k : x_q8_0;
     const uint8_t* base = data_[p].data_ptr<uint8_t>();
@@ -433,11 +518,13 @@ void bind_quant(pybind11::module_& m) {
   py::class_<QuantLinear, std::shared_ptr<QuantLinear>>(m, "QuantLinear")
       .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<c10::optional<at::Tensor>>, int64_t, int64_t,
-                    c10::optional<at::Tensor>, int64_t>(),
+                    c10::optional<at::Tensor>, int64_t, bool>(),
            py::arg("data"), py::arg("types"), py::arg("index"), py::arg("N"), py::arg("K"),
-           py::arg("bias"), py::arg("prefill_rows"))
+           py::arg("bias"), py::arg("prefill_rows"), py::arg("interleave") = true)
       .def("forward", &QuantLinear::forward, "y = x @ W^T (+ bias), W in GGUF blocks")
       .def("nbytes", &QuantLinear::nbytes, "Bytes of the stored blocks")
+      .def("layouts", &QuantLinear::layouts,
+           "Per part: 'x8' (rows interleaved 8 at a time) or 'rows' (blocks as stored)")
       .def_property_readonly("prefill_rows", &QuantLinear::prefill_rows,
                              "Rows from which forward dequantises tiles (below: int8 dot kernels)");
   m.def("quant_embedding", &pagedattn_quant::quant_embedding,

@@ -5,7 +5,10 @@
 
 #include <torch/extension.h>
 
+#include <string>
 #include <vector>
+
+#include "quant_blocks_cpu.h"
 
 namespace pagedattn_quant {
 
@@ -13,22 +16,27 @@ class QuantLinear {
  public:
   // data[p]: uint8 [rows_p, bytes per row] blocks of ggml type types[p]; index[p]: the output
   // column of each of its rows (none: rows in order from the part's start); prefill_rows: rows
-  // from which forward dequantises tiles into at::mm instead of the int8 dot kernels.
+  // from which forward dequantises tiles into at::mm instead of the int8 dot kernels;
+  // interleave: repack Q4_K parts of 8n rows (quant_x8_cpu.h), which then run that kernel at
+  // every row count (off where the blocks must stay as stored: a tied embedding's table).
   QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> types,
               std::vector<c10::optional<at::Tensor>> index, int64_t N, int64_t K,
-              c10::optional<at::Tensor> bias, int64_t prefill_rows);
+              c10::optional<at::Tensor> bias, int64_t prefill_rows, bool interleave);
 
   // y = x @ W^T (+ bias): x float32 or bfloat16 [..., K] -> [..., N] in x's dtype.
   at::Tensor forward(const at::Tensor& x) const;
   int64_t prefill_rows() const { return prefill_rows_; }
   int64_t nbytes() const;
+  std::vector<std::string> layouts() const;
 
  private:
   void decode(const at::Tensor& x32, at::Tensor& out) const;
   void prefill(const at::Tensor& x32, at::Tensor& out) const;
+  void run_x8(const std::vector<ActQ8_K>& ak, int64_t M, at::Tensor& out) const;
 
   std::vector<at::Tensor> data_;
   std::vector<int64_t> types_;
+  std::vector<bool> x8_;  // part p repacked by quant_x8_cpu.h
   std::vector<int64_t> starts_;
   std::vector<std::vector<int32_t>> cols_;
   int64_t N_, K_, prefill_rows_;

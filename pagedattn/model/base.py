@@ -141,7 +141,9 @@ class PagedCausalLM(nn.Module):
             # NOTE: the LM head computes on the embedding's own blocks (no second copy).
             h = table.cols
             parts = QuantizedParts((table,), (0,), table.shape[0], h)
-            self.tied_head = pack_quantized(parts, None, self.plan.quant_prefill_rows)
+            self.tied_head = pack_quantized(
+                parts, None, self.plan.quant_prefill_rows, interleave=False
+            )
             return
         weight = self.model.embed_tokens.weight
         if self.tie_word_embeddings and weight.device.type == "cpu":

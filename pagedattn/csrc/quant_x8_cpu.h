@@ -1,0 +1,143 @@
+// Q4_K weights interleaved 8 rows at a time (llama.cpp's block_q4_Kx8 idea, our own layout):
+// QuantLinear (quant_cpu.cpp) repacks a Q4_K part whose row count is a multiple of 8 into this
+// form once, at load, and multiplies it at every row count, so the layer is held once.
+//
+// One BlockQ4_Kx8 holds superblock b of 8 rows: their d and dmin (fp16), their 6-bit scales and
+// mins unpacked to bytes, sub-block by sub-block, and their nibbles so that one 32-byte load
+// holds 4 consecutive bytes of each row (row r at bytes 4r..4r+3). One maddubs meets that load
+// with 4 activation bytes broadcast to all rows, and the int16 sums of a whole 32-value sub-block
+// add up over 8 maddubs (8 * 2 * 15 * 127 < 2^15) before one madd applies the 8 rows' scales:
+// the row-major kernel (quant_dot_cpu.h) follows every maddubs with a madd. 1,184 bytes per 8
+// rows and superblock: 148 B per row against Q4_K's 144 (the scales held as bytes, +2.8%).
+//
+// Standalone measurement: scripts/q4k_interleave_probe.cpp. Elsewhere than x86 the same integer
+// sums in plain C++.
+#pragma once
+
+#include "quant_dot_cpu.h"
+
+namespace pagedattn_quant {
+
+#pragma pack(push, 1)
+struct BlockQ4_Kx8 {
+  uint16_t d[8];
+  uint16_t dmin[8];
+  uint8_t sc[8][8];  // [sub-block][row]
+  uint8_t mn[8][8];  // [sub-block][row]
+  uint8_t qs[4][8][32];  // [64-value chunk][4-byte column][row r: bytes 4r..4r+3]
+};
+#pragma pack(pop)
+static_assert(sizeof(BlockQ4_Kx8) == 1184, "Q4_K x8 block size");
+
+// Rows [8g, 8g + 8) of a row-major Q4_K tensor (nb superblocks per row) as nb x8 blocks.
+inline void repack_q4_k_x8(const uint8_t* rows, int64_t nb, BlockQ4_Kx8* out) {
+  const BlockQ4_K* w = reinterpret_cast<const BlockQ4_K*>(rows);
+  for (int64_t b = 0; b < nb; ++b) {
+    BlockQ4_Kx8& o = out[b];
+    for (int r = 0; r < 8; ++r) {
+      const BlockQ4_K& blk = w[r * nb + b];
+      o.d[r] = blk.d;
+      o.dmin[r] = blk.dmin;
+      for (int j = 0; j < 8; ++j) scale_min_k4(j, blk.scales, &o.sc[j][r], &o.mn[j][r]);
+      for (int i = 0; i < 4; ++i) {
+        for (int c = 0; c < 8; ++c) std::memcpy(&o.qs[i][c][4 * r], blk.qs + 32 * i + 4 * c, 4);
+      }
+    }
+  }
+}
+
+// out[m * ldo + r] = row r of the group . activation row m, for MB activation rows (act[m]:
+// its nb Q8_K blocks). Each row's sum does not depend on MB (bit-identical at any row count).
+template <int MB>
+inline void gemm_q4_k_x8(const BlockQ4_Kx8* grp, int64_t nb, const ActQ8_K* const* act,
+                         float* out, int64_t ldo) {
+#ifdef PAGEDATTN_QUANT_X86
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ4_Kx8& w = grp[b];
+    __m256i isum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      __m256i lo16[MB], hi16[MB];
+      for (int m = 0; m < MB; ++m) lo16[m] = hi16[m] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[i][c]));
+        const __m256i lo = _mm256_and_si256(q, m4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* y = act[m][b].qs + 64 * i + 4 * c;
+          int32_t ylo, yhi;
+          std::memcpy(&ylo, y, 4);
+          std::memcpy(&yhi, y + 32, 4);
+          lo16[m] = _mm256_add_epi16(lo16[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(ylo)));
+          hi16[m] = _mm256_add_epi16(hi16[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(yhi)));
+        }
+      }
+      // row r's scale in int16 lanes 2r and 2r + 1 (the pair one maddubs lane summed)
+      const __m128i s0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[2 * i]));
+      const __m128i s1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[2 * i + 1]));
+      const __m256i s_lo = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s0, s0));
+      const __m256i s_hi = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s1, s1));
+      for (int m = 0; m < MB; ++m) {
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(lo16[m], s_lo));
+        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(hi16[m], s_hi));
+      }
+    }
+    // The minimums: row r's mins of sub-blocks 2p, 2p + 1 in int16 lanes 2r, 2r + 1, met by one
+    // madd with the two sub-blocks' activation sums.
+    __m256i mins[4];
+    for (int p = 0; p < 4; ++p) {
+      const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn[2 * p]));
+      const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn[2 * p + 1]));
+      mins[p] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, c));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
+    const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dmin)));
+    for (int m = 0; m < MB; ++m) {
+      const ActQ8_K& a = act[m][b];
+      __m256i msum = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) {
+        const int16_t lo = static_cast<int16_t>(a.bsums[4 * p] + a.bsums[4 * p + 1]);
+        const int16_t hi = static_cast<int16_t>(a.bsums[4 * p + 2] + a.bsums[4 * p + 3]);
+        const __m256i bs = _mm256_set1_epi32(static_cast<int>(
+            (static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16) | static_cast<uint16_t>(lo)));
+        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[p], bs));
+      }
+      const __m256 ad = _mm256_set1_ps(a.d);
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, ad), acc[m]);
+      acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
+#else
+  float acc[MB][8] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ4_Kx8& w = grp[b];
+    for (int m = 0; m < MB; ++m) {
+      const ActQ8_K& a = act[m][b];
+      for (int r = 0; r < 8; ++r) {
+        int isum = 0, msum = 0;
+        for (int j = 0; j < 8; ++j) {
+          const int i = j / 2, shift = 4 * (j % 2);
+          int s = 0;
+          for (int l = 0; l < 32; ++l) {
+            const int q = (w.qs[i][l / 4][4 * r + l % 4] >> shift) & 0xF;
+            s += q * a.qs[32 * j + l];
+          }
+          isum += w.sc[j][r] * s;
+          msum += w.mn[j][r] * (a.bsums[2 * j] + a.bsums[2 * j + 1]);
+        }
+        acc[m][r] += half_to_float(w.d[r]) * a.d * static_cast<float>(isum) -
+                     half_to_float(w.dmin[r]) * a.d * static_cast<float>(msum);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int r = 0; r < 8; ++r) out[m * ldo + r] = acc[m][r];
+  }
+#endif
+}
+
+}  // namespace pagedattn_quant
