@@ -9,7 +9,7 @@
 //   tile, so no whole float copy of the weight ever exists; the activations are the decode
 //   path's int8 blocks widened back (as_int8_activations), as llama.cpp quantises them at every
 //   batch size.
-// - Q4_K parts whose rows come in eights are repacked at load into rows interleaved 8 at a time
+// - Q4_K and Q6_K parts whose rows come in eights are repacked at load into rows interleaved 8 at a time
 //   (quant_x8_cpu.h) and multiplied by that kernel at every row count, prefill included: the
 //   part is held once, in that layout (the Q4_K rows are not kept).
 // - A layer is one or more parts (a fused qkv or gate/up projection whose pieces were stored in
@@ -233,19 +233,34 @@ void dot_rows(int type, const uint8_t* row, int64_t K, const void* const* act, f
   }
 }
 
-// A Q4_K tensor [rows, bytes] (rows a multiple of 8) as [rows / 8, superblocks * 1184] x8 blocks.
-at::Tensor interleave_q4_k(const at::Tensor& data, int64_t K) {
+// A Q4_K or Q6_K tensor [rows, bytes] (rows a multiple of 8) as [rows / 8, superblocks *
+// x8 block bytes] (quant_x8_cpu.h).
+at::Tensor interleave_rows(const at::Tensor& data, int type, int64_t K) {
   const int64_t groups = data.size(0) / 8, nb = K / kBlockK, row_bytes = data.size(1);
-  at::Tensor out = at::empty({groups, nb * static_cast<int64_t>(sizeof(BlockQ4_Kx8))}, data.options());
+  const int64_t block = type == kQ4_K ? sizeof(BlockQ4_Kx8) : sizeof(BlockQ6_Kx8);
+  at::Tensor out = at::empty({groups, nb * block}, data.options());
   const uint8_t* src = data.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 16, [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g) {
-      repack_q4_k_x8(src + g * 8 * row_bytes, nb,
-                     reinterpret_cast<BlockQ4_Kx8*>(dst + g * out.size(1)));
+      uint8_t* to = dst + g * nb * block;
+      if (type == kQ4_K) {
+        repack_q4_k_x8(src + g * 8 * row_bytes, nb, reinterpret_cast<BlockQ4_Kx8*>(to));
+      } else {
+        repack_q6_k_x8(src + g * 8 * row_bytes, nb, reinterpret_cast<BlockQ6_Kx8*>(to));
+      }
     }
   });
   return out;
+}
+
+template <int MB>
+void gemm_x8(int type, const uint8_t* grp, int64_t nb, const ActQ8_K* const* act, float* out) {
+  if (type == kQ4_K) {
+    gemm_q4_k_x8<MB>(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, act, out, 8);
+  } else {
+    gemm_q6_k_x8<MB>(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, act, out, 8);
+  }
 }
 
 // Every row of x [M, K] as Q8_K blocks (M * K / 256), on the threads.
@@ -293,9 +308,9 @@ QuantLinear::QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> type
     rows += data_[p].size(0);
     needs_q8_0_ |= !is_k_type(static_cast<int>(types_[p]));
     needs_q8_k_ |= is_k_type(static_cast<int>(types_[p]));
-    const bool x8 = interleave && types_[p] == kQ4_K && data_[p].size(0) % 8 == 0;
+    const bool x8 = interleave && (types_[p] == kQ4_K || types_[p] == kQ6_K) && data_[p].size(0) % 8 == 0;
     x8_.push_back(x8);
-    if (x8) data_[p] = interleave_q4_k(data_[p], K);
+    if (x8) data_[p] = interleave_rows(data_[p], static_cast<int>(types_[p]), K);
   }
   TORCH_CHECK(rows == N, "QuantLinear: parts hold ", rows, " rows, N=", N);
   if (bias.has_value()) bias_ = bias->to(at::kFloat).contiguous();
@@ -401,23 +416,25 @@ void QuantLinear::run_x8(const std::vector<ActQ8_K>& ak, int64_t M, at::Tensor& 
   float* y = out.data_ptr<float>();
   for (size_t p = 0; p < data_.size(); ++p) {
     if (!x8_[p]) continue;
-    const auto* blocks = reinterpret_cast<const BlockQ4_Kx8*>(data_[p].data_ptr<uint8_t>());
+    const int type = static_cast<int>(types_[p]);
+    const uint8_t* blocks = data_[p].data_ptr<uint8_t>();
+    const int64_t group_bytes = data_[p].size(1);
     const std::vector<int32_t>& cols = cols_[p];
     at::parallel_for(0, data_[p].size(0), 1, [&](int64_t g0, int64_t g1) {
       float tmp[4 * 8];
       for (int64_t c0 = 0; c0 < M; c0 += chunk) {
         const int64_t c1 = std::min(M, c0 + chunk);
         for (int64_t g = g0; g < g1; ++g) {
-          const BlockQ4_Kx8* grp = blocks + g * nb;
+          const uint8_t* grp = blocks + g * group_bytes;
           for (int64_t m0 = c0; m0 < c1; m0 += 4) {
             const int mb = static_cast<int>(std::min<int64_t>(4, c1 - m0));
             const ActQ8_K* act[4];
             for (int i = 0; i < mb; ++i) act[i] = ak.data() + (m0 + i) * nb;
             switch (mb) {
-              case 1: gemm_q4_k_x8<1>(grp, nb, act, tmp, 8); break;
-              case 2: gemm_q4_k_x8<2>(grp, nb, act, tmp, 8); break;
-              case 3: gemm_q4_k_x8<3>(grp, nb, act, tmp, 8); break;
-              default: gemm_q4_k_x8<4>(grp, nb, act, tmp, 8); break;
+              case 1: gemm_x8<1>(type, grp, nb, act, tmp); break;
+              case 2: gemm_x8<2>(type, grp, nb, act, tmp); break;
+              case 3: gemm_x8<3>(type, grp, nb, act, tmp); break;
+              default: gemm_x8<4>(type, grp, nb, act, tmp); break;
             }
             for (int i = 0; i < mb; ++i) {
               for (int r = 0; r < 8; ++r) y[(m0 + i) * N + cols[8 * g + r]] = tmp[8 * i + r];

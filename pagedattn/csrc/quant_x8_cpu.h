@@ -1,6 +1,7 @@
-// Q4_K weights interleaved 8 rows at a time (llama.cpp's block_q4_Kx8 idea, our own layout):
-// QuantLinear (quant_cpu.cpp) repacks a Q4_K part whose row count is a multiple of 8 into this
-// form once, at load, and multiplies it at every row count, so the layer is held once.
+// Q4_K and Q6_K weights interleaved 8 rows at a time (llama.cpp's block_q4_Kx8 idea, our own
+// layouts): QuantLinear (quant_cpu.cpp) repacks a part of either type whose row count is a
+// multiple of 8 into this form once, at load, and multiplies it at every row count, so the
+// layer is held once.
 //
 // One BlockQ4_Kx8 holds superblock b of 8 rows: their d and dmin (fp16), their 6-bit scales and
 // mins unpacked to bytes, sub-block by sub-block, and their nibbles so that one 32-byte load
@@ -9,6 +10,12 @@
 // add up over 8 maddubs (8 * 2 * 15 * 127 < 2^15) before one madd applies the 8 rows' scales:
 // the row-major kernel (quant_dot_cpu.h) follows every maddubs with a madd. 1,184 bytes per 8
 // rows and superblock: 148 B per row against Q4_K's 144 (the scales held as bytes, +2.8%).
+//
+// BlockQ6_Kx8 is the same for 6-bit values (0..63, x = d * sc * (q - 32)): their low nibbles
+// as above, their high bit pairs four to a byte (two 4-byte columns, low and high half), the
+// 16 int8 scales per row and d; 1,680 bytes per 8 rows, as Q6_K's 210 per row. A maddubs of
+// 6-bit values reaches 2 * 63 * 127, so two of them add in int16 before the scales' madd, and
+// the -32 offset is taken out with the activation's 16-value sums (ActQ8_K::bsums).
 //
 // Standalone measurement: scripts/q4k_interleave_probe.cpp. Elsewhere than x86 the same integer
 // sums in plain C++.
@@ -26,8 +33,15 @@ struct BlockQ4_Kx8 {
   uint8_t mn[8][8];  // [sub-block][row]
   uint8_t qs[4][8][32];  // [64-value chunk][4-byte column][row r: bytes 4r..4r+3]
 };
+struct BlockQ6_Kx8 {
+  uint16_t d[8];
+  int8_t sc[16][8];       // [16-value group][row]
+  uint8_t ql[4][8][32];   // as BlockQ4_Kx8::qs: low nibbles of values 64i + 4c + k, + 32
+  uint8_t qh[4][4][32];   // [chunk][column pair]: 2-bit highs of (c lo, c hi, c+1 lo, c+1 hi)
+};
 #pragma pack(pop)
 static_assert(sizeof(BlockQ4_Kx8) == 1184, "Q4_K x8 block size");
+static_assert(sizeof(BlockQ6_Kx8) == 1680, "Q6_K x8 block size");
 
 // Rows [8g, 8g + 8) of a row-major Q4_K tensor (nb superblocks per row) as nb x8 blocks.
 inline void repack_q4_k_x8(const uint8_t* rows, int64_t nb, BlockQ4_Kx8* out) {
@@ -41,6 +55,48 @@ inline void repack_q4_k_x8(const uint8_t* rows, int64_t nb, BlockQ4_Kx8* out) {
       for (int j = 0; j < 8; ++j) scale_min_k4(j, blk.scales, &o.sc[j][r], &o.mn[j][r]);
       for (int i = 0; i < 4; ++i) {
         for (int c = 0; c < 8; ++c) std::memcpy(&o.qs[i][c][4 * r], blk.qs + 32 * i + 4 * c, 4);
+      }
+    }
+  }
+}
+
+// The 256 values (0..63, before the -32) of one Q6_K block in natural order.
+inline void unpack_q6_k(const BlockQ6_K& blk, uint8_t* v) {
+  for (int h = 0; h < 2; ++h) {
+    const uint8_t* ql = blk.ql + 64 * h;
+    const uint8_t* qh = blk.qh + 32 * h;
+    uint8_t* out = v + 128 * h;
+    for (int l = 0; l < 32; ++l) {
+      out[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+      out[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+      out[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+      out[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+    }
+  }
+}
+
+// Rows [8g, 8g + 8) of a row-major Q6_K tensor as nb x8 blocks.
+inline void repack_q6_k_x8(const uint8_t* rows, int64_t nb, BlockQ6_Kx8* out) {
+  const BlockQ6_K* w = reinterpret_cast<const BlockQ6_K*>(rows);
+  uint8_t v[256];
+  for (int64_t b = 0; b < nb; ++b) {
+    BlockQ6_Kx8& o = out[b];
+    for (int r = 0; r < 8; ++r) {
+      const BlockQ6_K& blk = w[r * nb + b];
+      o.d[r] = blk.d;
+      for (int g = 0; g < 16; ++g) o.sc[g][r] = blk.scales[g];
+      unpack_q6_k(blk, v);
+      for (int i = 0; i < 4; ++i) {
+        for (int c = 0; c < 8; ++c) {
+          for (int k = 0; k < 4; ++k) {
+            const uint8_t lo = v[64 * i + 4 * c + k], hi = v[64 * i + 32 + 4 * c + k];
+            o.ql[i][c][4 * r + k] = (lo & 0xF) | ((hi & 0xF) << 4);
+            const int shift = 4 * (c % 2);
+            uint8_t& h = o.qh[i][c / 2][4 * r + k];
+            if (shift == 0) h = 0;
+            h |= static_cast<uint8_t>((((lo >> 4) & 3) | (((hi >> 4) & 3) << 2)) << shift);
+          }
+        }
       }
     }
   }
@@ -131,6 +187,97 @@ inline void gemm_q4_k_x8(const BlockQ4_Kx8* grp, int64_t nb, const ActQ8_K* cons
         }
         acc[m][r] += half_to_float(w.d[r]) * a.d * static_cast<float>(isum) -
                      half_to_float(w.dmin[r]) * a.d * static_cast<float>(msum);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int r = 0; r < 8; ++r) out[m * ldo + r] = acc[m][r];
+  }
+#endif
+}
+
+// As gemm_q4_k_x8, for BlockQ6_Kx8.
+template <int MB>
+inline void gemm_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, const ActQ8_K* const* act,
+                         float* out, int64_t ldo) {
+#ifdef PAGEDATTN_QUANT_X86
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ6_Kx8& w = grp[b];
+    __m256i isum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
+    for (int i = 0; i < 4; ++i) {
+      for (int cp = 0; cp < 4; ++cp) {
+        // columns 2cp, 2cp + 1: lo values in group 4i + cp / 2, hi values in 4i + 2 + cp / 2
+        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qh[i][cp]));
+        __m256i lo16[MB], hi16[MB];
+        for (int m = 0; m < MB; ++m) lo16[m] = hi16[m] = _mm256_setzero_si256();
+        for (int e = 0; e < 2; ++e) {
+          const int c = 2 * cp + e;
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.ql[i][c]));
+          const __m256i h = _mm256_srli_epi16(hb, 4 * e);
+          const __m256i lo = _mm256_or_si256(
+              _mm256_and_si256(q, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
+          const __m256i hi =
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
+                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
+          for (int m = 0; m < MB; ++m) {
+            const int8_t* y = act[m][b].qs + 64 * i + 4 * c;
+            int32_t ylo, yhi;
+            std::memcpy(&ylo, y, 4);
+            std::memcpy(&yhi, y + 32, 4);
+            lo16[m] = _mm256_add_epi16(lo16[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(ylo)));
+            hi16[m] = _mm256_add_epi16(hi16[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(yhi)));
+          }
+        }
+        const __m128i s0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[4 * i + cp / 2]));
+        const __m128i s1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[4 * i + 2 + cp / 2]));
+        const __m256i s_lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s0));
+        const __m256i s_hi = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s1, s1));
+        for (int m = 0; m < MB; ++m) {
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(lo16[m], s_lo));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(hi16[m], s_hi));
+        }
+      }
+    }
+    // The -32 offset: 32 * sum over groups of sc[g][r] * bsums[g], groups two at a time.
+    __m256i scales[8];
+    for (int q = 0; q < 8; ++q) {
+      const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[2 * q]));
+      const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[2 * q + 1]));
+      scales[q] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, c));
+    }
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
+    for (int m = 0; m < MB; ++m) {
+      const ActQ8_K& a = act[m][b];
+      __m256i osum = _mm256_setzero_si256();
+      for (int q = 0; q < 8; ++q) {
+        int32_t pair;
+        std::memcpy(&pair, a.bsums + 2 * q, 4);
+        osum = _mm256_add_epi32(osum, _mm256_madd_epi16(scales[q], _mm256_set1_epi32(pair)));
+      }
+      const __m256i total = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(osum, 5));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
+#else
+  float acc[MB][8] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ6_Kx8& w = grp[b];
+    for (int m = 0; m < MB; ++m) {
+      const ActQ8_K& a = act[m][b];
+      for (int r = 0; r < 8; ++r) {
+        int total = 0;
+        for (int n = 0; n < 256; ++n) {
+          const int i = n / 64, l = n % 64, half = l / 32, c = (l % 32) / 4, k = l % 4;
+          const int nib = (w.ql[i][c][4 * r + k] >> (4 * half)) & 0xF;
+          const int hb = (w.qh[i][c / 2][4 * r + k] >> (4 * (c % 2) + 2 * half)) & 3;
+          total += w.sc[n / 16][r] * ((nib | (hb << 4)) - 32) * a.qs[n];
+        }
+        acc[m][r] += half_to_float(w.d[r]) * a.d * static_cast<float>(total);
       }
     }
   }
