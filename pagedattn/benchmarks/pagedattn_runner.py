@@ -269,8 +269,8 @@ def measure_ceiling(opts: RunOptions, batches: list[int], reps: int) -> dict:
     vocab_size, hidden_size = embed.num_embeddings, embed.embedding_dim
     if isinstance(untied_head, Linear):
         head_bytes = _linear_bytes(untied_head, dtype)
-    elif getattr(embed, "quantized", None) is not None:
-        head_bytes = embed.quantized.data.nbytes  # NOTE: a tied head computes on the blocks
+    elif getattr(embed, "lookup", None) is not None:
+        head_bytes = embed.lookup.nbytes()  # NOTE: the tied head's blocks, the lookups' too
     else:
         head_bytes = vocab_size * hidden_size * dtype.itemsize
     result = {

@@ -351,7 +351,7 @@ def pack_quantized(
     """``weight``'s blocks packed for the gguf kernel, which dequantises tiles into at::mm from
     ``prefill_rows`` rows and runs its int8 dot kernels below. Q4_K parts of 8n rows are
     repacked 8 rows interleaved (their own kernel at every row count) unless ``interleave`` is
-    off: a tied embedding's table, whose lookups need the rows as stored."""
+    off (the blocks then stay as stored: the row-major dot kernel)."""
     return LINEAR_KERNELS["gguf"].pack(weight, bias, prefill_rows, interleave)
 
 

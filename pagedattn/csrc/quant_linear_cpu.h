@@ -28,6 +28,8 @@ class QuantLinear {
   int64_t prefill_rows() const { return prefill_rows_; }
   int64_t nbytes() const;
   std::vector<std::string> layouts() const;
+  // Rows ``ids`` of the weight dequantised (a tied embedding looks its tokens up here): [..., K].
+  at::Tensor rows(const at::Tensor& ids, at::ScalarType dtype) const;
 
  private:
   void decode(const at::Tensor& x32, at::Tensor& out) const;

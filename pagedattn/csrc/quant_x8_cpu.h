@@ -102,6 +102,35 @@ inline void repack_q6_k_x8(const uint8_t* rows, int64_t nb, BlockQ6_Kx8* out) {
   }
 }
 
+// Row r (0..7) of a group of nb x8 blocks, dequantised as dequant_row does the rows as stored
+// (the same float operations: bit-identical values).
+inline void dequant_q4_k_x8(const BlockQ4_Kx8* grp, int64_t nb, int r, float* y) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ4_Kx8& w = grp[b];
+    const float d = half_to_float(w.d[r]), dmin = half_to_float(w.dmin[r]);
+    for (int j = 0; j < 8; ++j) {
+      const float dj = d * w.sc[j][r], cj = dmin * w.mn[j][r];
+      for (int l = 0; l < 32; ++l) {
+        const int q = (w.qs[j / 2][l / 4][4 * r + l % 4] >> (4 * (j % 2))) & 0xF;
+        y[256 * b + 32 * j + l] = dj * static_cast<float>(q) - cj;
+      }
+    }
+  }
+}
+
+inline void dequant_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, int r, float* y) {
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ6_Kx8& w = grp[b];
+    const float d = half_to_float(w.d[r]);
+    for (int n = 0; n < 256; ++n) {
+      const int i = n / 64, l = n % 64, half = l / 32, c = (l % 32) / 4, k = l % 4;
+      const int nib = (w.ql[i][c][4 * r + k] >> (4 * half)) & 0xF;
+      const int hb = (w.qh[i][c / 2][4 * r + k] >> (4 * (c % 2) + 2 * half)) & 3;
+      y[256 * b + n] = d * w.sc[n / 16][r] * static_cast<float>((nib | (hb << 4)) - 32);
+    }
+  }
+}
+
 // out[m * ldo + r] = row r of the group . activation row m, for MB activation rows (act[m]:
 // its nb Q8_K blocks). Each row's sum does not depend on MB (bit-identical at any row count).
 template <int MB>

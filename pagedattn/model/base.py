@@ -138,12 +138,13 @@ class PagedCausalLM(nn.Module):
                 module.process_weights_after_loading()
         table = getattr(self.model.embed_tokens, "quantized", None)
         if self.tie_word_embeddings and table is not None:
-            # NOTE: the LM head computes on the embedding's own blocks (no second copy).
+            # NOTE: the LM head computes on the embedding's blocks (repacked where its type has
+            # an interleaved kernel) and the lookups read the same layer: held once. The table
+            # as stored is then only read by tools (a GGUF file's map: released after load).
             h = table.cols
             parts = QuantizedParts((table,), (0,), table.shape[0], h)
-            self.tied_head = pack_quantized(
-                parts, None, self.plan.quant_prefill_rows, interleave=False
-            )
+            self.tied_head = pack_quantized(parts, None, self.plan.quant_prefill_rows)
+            self.model.embed_tokens.lookup = self.tied_head.a
             return
         weight = self.model.embed_tokens.weight
         if self.tie_word_embeddings and weight.device.type == "cpu":

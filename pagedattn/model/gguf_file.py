@@ -107,6 +107,13 @@ class GGUFFile:
         data_start = -(-self._pos // alignment) * alignment
         self.tensors = [TensorInfo(n, s, t, data_start + o) for n, s, t, o in infos]
 
+    def release_pages(self) -> None:
+        """Drop the map's pages from this process's resident memory: they stay in the page
+        cache, and a tensor read again faults back in. Called once the model has packed what
+        it runs (repacked blocks are copies; the rows as stored are no longer read)."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self._map.madvise(mmap.MADV_DONTNEED)
+
     def _unpack(self, fmt: str) -> tuple:
         values = struct.unpack_from(fmt, self._map, self._pos)
         self._pos += struct.calcsize(fmt)

@@ -159,6 +159,9 @@ class Embedding(nn.Module):
         # checkpoint overwrites it anyway.
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
         self.quantized: QuantizedTensor | None = None
+        # A tied LM head's compiled layer (QuantLinear), set once it is packed: lookups read
+        # its rows (held once, maybe repacked), not the table as stored.
+        self.lookup = None
         self.activation_dtype = torch.float32
 
     def load_quantized(self, start: int, tensor: QuantizedTensor) -> None:
@@ -179,6 +182,8 @@ class Embedding(nn.Module):
             return F.embedding(input_ids, self.weight)
         table = self.quantized
         dtype = self.dtype
+        if self.lookup is not None:
+            return self.lookup.rows(input_ids, dtype)
         return cpu_ext.load_extension().quant_embedding(
             table.data, table.type_id, table.cols, input_ids, dtype
         )  # [..., H]

@@ -259,6 +259,8 @@ def build_model(
     net.load_weights(_weights(checkpoint, config, torch_dtype, plan))
     net = net.eval().requires_grad_(False)
     net.process_weights_after_loading()
+    if isinstance(checkpoint, GGUFCheckpoint):
+        checkpoint.file.release_pages()
     return net, config, plan
 
 

@@ -144,6 +144,52 @@ def test_fused_parts_row_order_bias_and_bf16(rows):
     assert relative_error(y16.float(), exact, x, w) < 2e-2
 
 
+@pytest.mark.parametrize("type_id", [12, 14])
+def test_interleaved_parts_are_held_once_and_agree_with_the_rows_as_stored(type_id):
+    """Q4_K and Q6_K parts of 8n rows are repacked 8 rows interleaved (quant_x8_cpu.h) and the
+    stored rows dropped; a part of another row count, or with interleave off (a tied embedding's
+    table), keeps its blocks. Fused with such a part, in a permuted row order, the interleaved
+    part agrees with the row-major dot kernel up to the order of float sums, at every row
+    count (one kernel for decode and prefill: bit-identical rows whatever the step's size)."""
+    rng = np.random.default_rng(11)
+    cols = 512
+    a, b = random_blocks(type_id, 16, cols, rng), random_blocks(14, 10, cols, rng)
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+    parts = (
+        QuantizedTensor(type_id, torch.from_numpy(a), cols, order),
+        QuantizedTensor(14, torch.from_numpy(b), cols),
+    )
+    weight = QuantizedParts(parts, (0, 16), 26, cols)
+    x8 = pack_quantized(weight, None, TILES_FROM)
+    stored = pack_quantized(weight, None, 1 << 30, interleave=False)
+    assert x8.a.layouts() == ["x8", "rows"] and stored.a.layouts() == ["rows", "rows"]
+    per_row = {12: 148, 14: 210}[type_id] * cols // 256  # Q4_K's scales held as bytes: +4 B
+    assert x8.a.nbytes() == 16 * per_row + b.nbytes
+    assert stored.a.nbytes() == a.nbytes + b.nbytes
+    w = torch.cat((parts[0].dequantize(), parts[1].dequantize()))
+    x = torch.from_numpy(rng.standard_normal((70, cols)).astype(np.float32))
+    full = x8(x)
+    assert relative_error(full, stored(x), x, w) < 2e-6
+    assert relative_error(full, int8_rounded(x, 12) @ w.T, x, w) < 2e-6
+    for rows in (1, 2, 3, 5, 9):
+        assert torch.equal(x8(x[:rows])[:, :16], full[:rows, :16])
+
+
+@pytest.mark.parametrize("type_id", [12, 14, 3])
+def test_a_layers_rows_dequantise_as_the_table(type_id):
+    """A tied embedding looks its tokens up in the LM head's layer (QuantLinear.rows): the same
+    values as the table's rows as stored, whether the layer repacked them or not."""
+    rng = np.random.default_rng(4)
+    blocks = random_blocks(type_id, 24, 512, rng)
+    layer = packed(blocks, type_id, 512).a
+    ids = torch.tensor([[23, 0, 9], [8, 8, 15]])
+    got = layer.rows(ids, torch.float32)
+    assert got.shape == (2, 3, 512)
+    assert torch.equal(got, reference_weight(blocks, type_id)[ids])
+    with pytest.raises(RuntimeError, match="token id"):
+        layer.rows(torch.tensor([24]), torch.float32)
+
+
 def test_embedding_rows():
     rng = np.random.default_rng(3)
     blocks = random_blocks(14, 12, 256, rng)
