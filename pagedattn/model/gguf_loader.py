@@ -92,6 +92,11 @@ class GGUFFormatError(ValueError):
     """A GGUF file lacks what loading needs, or uses an architecture not supported here."""
 
 
+# The bytes of the interleaved layouts QuantLinear repacks these types into, over the stored
+# bytes (Q4_K's scales held as bytes: 148 per row and superblock, not 144; Q6_K: 210 as stored).
+X8_GROWTH = {"Q4_K": 148 / 144, "Q6_K": 1.0}
+
+
 class GGUFCheckpoint:
     """An open GGUF file: its metadata, config, tokenizer and weights.
 
@@ -269,10 +274,16 @@ class GGUFCheckpoint:
                     if name.endswith("k_proj.weight"):
                         heads = config.num_key_value_heads
                     order = _stored_row_order(rows_cols[0], heads)
-                entry = summary[(kind, "as stored")]
+                # NOTE: QuantLinear repacks Q4_K and Q6_K rows in eights (csrc/quant_x8_cpu.h):
+                # Q4_K's scales then take bytes (148 per row and superblock, not 144).
+                untied_table = (
+                    name.endswith("embed_tokens.weight") and not config.tie_word_embeddings
+                )
+                x8 = kind in X8_GROWTH and rows_cols[-2] % 8 == 0 and not untied_table
+                entry = summary[(kind, "interleaved 8 rows" if x8 else "as stored")]
                 entry[0] += 1
                 entry[1] += tensor.num_bytes
-                entry[2] += tensor.num_bytes
+                entry[2] += round(tensor.num_bytes * X8_GROWTH.get(kind, 1.0))
                 if data.dim() == 3:  # stacked experts: each expert's rows, a view of them
                     names = self._expert_names(name, data.shape[0])
                     for expert, expert_name in enumerate(names):
