@@ -332,10 +332,17 @@ class GGUFLinear(LinearKernel):
             prefill_rows,
             interleave,
         )
-        # NOTE: ``b`` keeps the parts: the blocks the compiled layer did not repack are its own
-        # (no copy), and tools dequantise the layer from them.
+        # NOTE: ``b`` keeps the parts: those the compiled layer computes on as stored (no copy),
+        # and a description of those it repacked, whose blocks as stored are let go.
+        layouts = compiled.layouts()
+        held = weight._replace(
+            parts=tuple(
+                part if layout == "rows" else part.released()
+                for part, layout in zip(weight.parts, layouts, strict=True)
+            )
+        )
         return PackedLinear(
-            self, weight.out_features, weight.in_features, compiled, weight, fp32_bias
+            self, weight.out_features, weight.in_features, compiled, held, fp32_bias
         )
 
     def apply(self, packed, x):

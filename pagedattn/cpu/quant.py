@@ -10,7 +10,9 @@ reference rounding), Q4_K here (per sub-block scale and minimum from the range, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -59,6 +61,10 @@ class QuantizedTensor:
     data: torch.Tensor
     cols: int
     row_order: torch.Tensor | None = None
+    # Drops a file-backed tensor's pages from resident memory (gguf_loader sets it): called
+    # by ``released`` once a compiled layer has repacked the blocks, so that peak memory is
+    # not the file's pages and their repacked copies at once.
+    release: Callable[[], None] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.type_id not in BLOCK_VALUES:
@@ -81,6 +87,14 @@ class QuantizedTensor:
     @property
     def nbytes(self) -> int:
         return self.data.numel()
+
+    def released(self) -> QuantizedTensor:
+        """This tensor's description without its blocks (a meta tensor of the same shape): what
+        is kept once a compiled layer has repacked them, so they are held once. Its name, shape
+        and bytes still answer; dequantise through the layer (QuantLinear.rows)."""
+        return dataclasses.replace(
+            self, data=torch.empty(self.data.shape, dtype=torch.uint8, device="meta")
+        )
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols], rows in the weight's order."""

@@ -313,6 +313,11 @@ QuantLinear::QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> type
     if (x8) data_[p] = interleave_rows(data_[p], static_cast<int>(types_[p]), K);
   }
   TORCH_CHECK(rows == N, "QuantLinear: parts hold ", rows, " rows, N=", N);
+  row_of_col_.assign(N, {-1, -1});
+  for (size_t p = 0; p < cols_.size(); ++p) {
+    for (size_t r = 0; r < cols_[p].size(); ++r) row_of_col_[cols_[p][r]] = {static_cast<int32_t>(p), static_cast<int32_t>(r)};
+  }
+  for (const auto& [p, r] : row_of_col_) TORCH_CHECK(p >= 0, "QuantLinear: an output column no row fills");
   if (bias.has_value()) bias_ = bias->to(at::kFloat).contiguous();
 }
 
@@ -337,27 +342,24 @@ at::Tensor QuantLinear::forward(const at::Tensor& x) const {
 }
 
 at::Tensor QuantLinear::rows(const at::Tensor& ids, at::ScalarType dtype) const {
-  TORCH_CHECK(data_.size() == 1 && cols_[0][0] == 0 && cols_[0].back() == N_ - 1,
-              "QuantLinear.rows: a layer of one part, rows in order (a tied embedding's table)");
   const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
   const int64_t T = flat.numel(), K = K_, nb = K_ / kBlockK;
-  const int type = static_cast<int>(types_[0]);
   const int64_t* id = flat.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < N_, "token id ", id[t], " >= ", N_);
   at::Tensor out = at::empty({T, K}, at::TensorOptions().dtype(at::kFloat));
-  const uint8_t* base = data_[0].data_ptr<uint8_t>();
-  const int64_t stride = data_[0].size(1);
   float* y = out.data_ptr<float>();
   at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
-      if (!x8_[0]) {
-        dequant_row(type, base + id[t] * stride, K, y + t * K);
+      const auto [p, r] = row_of_col_[id[t]];
+      const int type = static_cast<int>(types_[p]);
+      const uint8_t* base = data_[p].data_ptr<uint8_t>();
+      const int64_t stride = data_[p].size(1);
+      if (!x8_[p]) {
+        dequant_row(type, base + r * stride, K, y + t * K);
       } else if (type == kQ4_K) {
-        dequant_q4_k_x8(reinterpret_cast<const BlockQ4_Kx8*>(base + id[t] / 8 * stride), nb,
-                        static_cast<int>(id[t] % 8), y + t * K);
+        dequant_q4_k_x8(reinterpret_cast<const BlockQ4_Kx8*>(base + r / 8 * stride), nb, r % 8, y + t * K);
       } else {
-        dequant_q6_k_x8(reinterpret_cast<const BlockQ6_Kx8*>(base + id[t] / 8 * stride), nb,
-                        static_cast<int>(id[t] % 8), y + t * K);
+        dequant_q6_k_x8(reinterpret_cast<const BlockQ6_Kx8*>(base + r / 8 * stride), nb, r % 8, y + t * K);
       }
     }
   });
@@ -570,7 +572,8 @@ void bind_quant(pybind11::module_& m) {
            py::arg("bias"), py::arg("prefill_rows"), py::arg("interleave") = true)
       .def("forward", &QuantLinear::forward, "y = x @ W^T (+ bias), W in GGUF blocks")
       .def("nbytes", &QuantLinear::nbytes, "Bytes of the stored blocks")
-      .def("rows", &QuantLinear::rows, "Rows ``ids`` of the weight, dequantised, in ``dtype``",
+      .def("rows", &QuantLinear::rows,
+           "Rows ``ids`` of the weight (output features), dequantised, in ``dtype``",
            py::arg("ids"), py::arg("dtype"))
       .def("layouts", &QuantLinear::layouts,
            "Per part: 'x8' (rows interleaved 8 at a time) or 'rows' (blocks as stored)")

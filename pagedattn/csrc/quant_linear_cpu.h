@@ -28,7 +28,8 @@ class QuantLinear {
   int64_t prefill_rows() const { return prefill_rows_; }
   int64_t nbytes() const;
   std::vector<std::string> layouts() const;
-  // Rows ``ids`` of the weight dequantised (a tied embedding looks its tokens up here): [..., K].
+  // Rows ``ids`` of the weight (output features) dequantised from the blocks held, in any layout:
+  // [..., K]. A tied embedding looks its tokens up here; tools read the whole weight.
   at::Tensor rows(const at::Tensor& ids, at::ScalarType dtype) const;
 
  private:
@@ -41,6 +42,7 @@ class QuantLinear {
   std::vector<bool> x8_;  // part p repacked by quant_x8_cpu.h
   std::vector<int64_t> starts_;
   std::vector<std::vector<int32_t>> cols_;
+  std::vector<std::pair<int32_t, int32_t>> row_of_col_;  // output column -> (part, row)
   int64_t N_, K_, prefill_rows_;
   at::Tensor bias_;
   bool needs_q8_0_ = false, needs_q8_k_ = false;

@@ -232,7 +232,7 @@ inline void gemm_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, const ActQ8_K* cons
 #ifdef PAGEDATTN_QUANT_X86
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(0x03);
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const BlockQ6_Kx8& w = grp[b];
     __m256i isum[MB];
@@ -243,15 +243,21 @@ inline void gemm_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, const ActQ8_K* cons
         const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qh[i][cp]));
         __m256i lo16[MB], hi16[MB];
         for (int m = 0; m < MB; ++m) lo16[m] = hi16[m] = _mm256_setzero_si256();
+        // column 2cp: its highs at bits 0-1 (lo values) and 2-3 (hi); column 2cp + 1: 4-5, 6-7.
+        // Each moved to bits 4-5 by one constant shift and one mask.
+        const __m256i m30 = _mm256_set1_epi8(0x30);
+        const __m256i highs[4] = {
+            _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30),
+            _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30),
+            _mm256_and_si256(hb, m30),
+            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30),
+        };
         for (int e = 0; e < 2; ++e) {
           const int c = 2 * cp + e;
           const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.ql[i][c]));
-          const __m256i h = _mm256_srli_epi16(hb, 4 * e);
-          const __m256i lo = _mm256_or_si256(
-              _mm256_and_si256(q, m4), _mm256_slli_epi16(_mm256_and_si256(h, m2), 4));
+          const __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), highs[2 * e]);
           const __m256i hi =
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
-                              _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 2), m2), 4));
+              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), highs[2 * e + 1]);
           for (int m = 0; m < MB; ++m) {
             const int8_t* y = act[m][b].qs + 64 * i + 4 * c;
             int32_t ylo, yhi;

@@ -123,28 +123,31 @@ class PagedCausalLM(nn.Module):
         where it is held so (a float copy: for tests and tools, not the model's path)."""
         if self.tie_word_embeddings:
             embed = self.model.embed_tokens
-            table = getattr(embed, "quantized", None)
-            return embed.weight if table is None else table.dequantize().to(self.dtype)
-        if self.lm_head.weight is None and self.lm_head.decode is not None:
-            parts: QuantizedParts = self.lm_head.decode.b
-            return parts.parts[0].dequantize().to(self.dtype)
-        return self.lm_head.weight
+            if embed.lookup is not None:
+                return embed.lookup.rows(torch.arange(embed.num_embeddings), self.dtype)
+            return embed.weight
+        head = self.lm_head
+        if head.weight is None and head.decode is not None and head.decode.name == "gguf":
+            return head.decode.a.rows(torch.arange(head.out_features), self.dtype)
+        return head.weight
 
     def process_weights_after_loading(self) -> None:
         """Pack every Linear's weight for the plan's kernels; a tied LM head gets a packed copy
-        of the embedding (lookups still need the embedding itself)."""
+        of a float embedding (lookups still need the embedding itself), or packs a GGUF table
+        that the lookups then read through it."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
         table = getattr(self.model.embed_tokens, "quantized", None)
         if self.tie_word_embeddings and table is not None:
             # NOTE: the LM head computes on the embedding's blocks (repacked where its type has
-            # an interleaved kernel) and the lookups read the same layer: held once. The table
-            # as stored is then only read by tools (a GGUF file's map: released after load).
+            # an interleaved kernel) and the lookups read the same layer: held once (a repacked
+            # table's blocks as stored are let go).
             h = table.cols
             parts = QuantizedParts((table,), (0,), table.shape[0], h)
             self.tied_head = pack_quantized(parts, None, self.plan.quant_prefill_rows)
             self.model.embed_tokens.lookup = self.tied_head.a
+            self.model.embed_tokens.quantized = self.tied_head.b.parts[0]
             return
         weight = self.model.embed_tokens.weight
         if self.tie_word_embeddings and weight.device.type == "cpu":

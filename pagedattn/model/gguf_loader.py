@@ -4,6 +4,7 @@ tokenizer."""
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import json
 import os
@@ -286,10 +287,18 @@ class GGUFCheckpoint:
                 entry[2] += round(tensor.num_bytes * X8_GROWTH.get(kind, 1.0))
                 if data.dim() == 3:  # stacked experts: each expert's rows, a view of them
                     names = self._expert_names(name, data.shape[0])
+                    size = data[0].numel()
                     for expert, expert_name in enumerate(names):
-                        yield expert_name, QuantizedTensor(tensor.tensor_type, data[expert], cols)
+                        drop = functools.partial(
+                            self.file.release_range, tensor.offset + expert * size, size
+                        )
+                        yield (
+                            expert_name,
+                            QuantizedTensor(tensor.tensor_type, data[expert], cols, release=drop),
+                        )
                     continue
-                yield name, QuantizedTensor(tensor.tensor_type, data, cols, order)
+                drop = functools.partial(self.file.release_range, tensor.offset, tensor.num_bytes)
+                yield name, QuantizedTensor(tensor.tensor_type, data, cols, order, drop)
                 continue
             raw = self.file.tensor_bytes(tensor)
             w = dequantize(raw, GGMLQuantizationType(tensor.tensor_type)).reshape(tensor.shape)

@@ -85,9 +85,10 @@ class Linear(nn.Module):
         self.quantized[start] = tensor
 
     def quantized_bytes(self) -> int:
-        """Bytes of the GGUF blocks this layer computes on (0: a float weight)."""
+        """Bytes of the GGUF blocks this layer computes on, as its compiled layer holds them
+        (0: a float weight)."""
         packed = self.decode
-        return packed.b.nbytes if packed is not None and packed.name == "gguf" else 0
+        return packed.a.nbytes() if packed is not None and packed.name == "gguf" else 0
 
     def _pack_quantized(self) -> bool:
         """Pack the layer's GGUF blocks (all its rows stored so) for the gguf kernel; pieces

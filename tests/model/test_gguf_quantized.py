@@ -27,17 +27,17 @@ NUM_STEPS = 4
 
 def held_block_bytes(model: torch.nn.Module) -> int:
     """Bytes of the GGUF blocks the model computes on, as its compiled layers hold them (Q4_K
-    and Q6_K repacked, the rest as stored), plus the embedding table."""
+    and Q6_K repacked, the rest as stored), plus the embedding table: each once."""
     total = sum(
         m.decode.a.nbytes()
         for m in model.modules()
         if isinstance(m, Linear) and m.decode is not None and m.decode.name == "gguf"
     )
-    return total + sum(
-        m.quantized.data.numel()
-        for m in model.modules()
-        if isinstance(m, Embedding) and m.quantized is not None
-    )
+    for m in model.modules():
+        if isinstance(m, Embedding) and m.quantized is not None:
+            # a tied head's layer holds the table (the lookups read it there)
+            total += m.lookup.nbytes() if m.lookup is not None else m.quantized.data.numel()
+    return total
 
 
 def float_bytes(model: torch.nn.Module) -> int:
