@@ -92,9 +92,10 @@ class QuantizedTensor:
         """This tensor's description without its blocks (a meta tensor of the same shape): what
         is kept once a compiled layer has repacked them, so they are held once. Its name, shape
         and bytes still answer; dequantise through the layer (QuantLinear.rows)."""
-        return dataclasses.replace(
-            self, data=torch.empty(self.data.shape, dtype=torch.uint8, device="meta")
-        )
+        if self.release is not None:
+            self.release()
+        meta = torch.empty(self.data.shape, dtype=torch.uint8, device="meta")
+        return dataclasses.replace(self, data=meta, release=None)
 
     def dequantize(self) -> torch.Tensor:
         """float32 [rows, cols], rows in the weight's order."""

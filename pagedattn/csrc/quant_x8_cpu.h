@@ -232,32 +232,41 @@ inline void gemm_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, const ActQ8_K* cons
 #ifdef PAGEDATTN_QUANT_X86
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < nb; ++b) {
     const BlockQ6_Kx8& w = grp[b];
-    __m256i isum[MB];
-    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
+    // isum: sum over groups of sc * (q . y); osum: of sc * bsum, twice (each int16 lane pair
+    // holds the scale twice), so the -32 offset is -16 * osum.
+    __m256i isum[MB], osum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = osum[m] = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) {
+      // the scales of groups 4i .. 4i + 3, row r's in int16 lanes 2r and 2r + 1
+      __m256i sc[4];
+      for (int g = 0; g < 4; ++g) {
+        const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[4 * i + g]));
+        sc[g] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, s));
+      }
+      for (int m = 0; m < MB; ++m) {
+        for (int g = 0; g < 4; ++g) {
+          const __m256i bs = _mm256_set1_epi16(act[m][b].bsums[4 * i + g]);
+          osum[m] = _mm256_add_epi32(osum[m], _mm256_madd_epi16(sc[g], bs));
+        }
+      }
       for (int cp = 0; cp < 4; ++cp) {
-        // columns 2cp, 2cp + 1: lo values in group 4i + cp / 2, hi values in 4i + 2 + cp / 2
+        // columns 2cp, 2cp + 1: lo values in group 4i + cp / 2, hi values in 4i + 2 + cp / 2;
+        // column 2cp's highs at bits 0-1 (lo) and 2-3 (hi), column 2cp + 1's at 4-5 and 6-7,
+        // each moved to bits 4-5 by one constant shift and one mask.
         const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qh[i][cp]));
         __m256i lo16[MB], hi16[MB];
         for (int m = 0; m < MB; ++m) lo16[m] = hi16[m] = _mm256_setzero_si256();
-        // column 2cp: its highs at bits 0-1 (lo values) and 2-3 (hi); column 2cp + 1: 4-5, 6-7.
-        // Each moved to bits 4-5 by one constant shift and one mask.
-        const __m256i m30 = _mm256_set1_epi8(0x30);
-        const __m256i highs[4] = {
-            _mm256_and_si256(_mm256_slli_epi16(hb, 4), m30),
-            _mm256_and_si256(_mm256_slli_epi16(hb, 2), m30),
-            _mm256_and_si256(hb, m30),
-            _mm256_and_si256(_mm256_srli_epi16(hb, 2), m30),
-        };
         for (int e = 0; e < 2; ++e) {
           const int c = 2 * cp + e;
           const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.ql[i][c]));
-          const __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), highs[2 * e]);
-          const __m256i hi =
-              _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4), highs[2 * e + 1]);
+          const __m256i h_lo = e == 0 ? _mm256_slli_epi16(hb, 4) : hb;
+          const __m256i h_hi = e == 0 ? _mm256_slli_epi16(hb, 2) : _mm256_srli_epi16(hb, 2);
+          const __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), _mm256_and_si256(h_lo, m30));
+          const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
+                                             _mm256_and_si256(h_hi, m30));
           for (int m = 0; m < MB; ++m) {
             const int8_t* y = act[m][b].qs + 64 * i + 4 * c;
             int32_t ylo, yhi;
@@ -267,34 +276,16 @@ inline void gemm_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, const ActQ8_K* cons
             hi16[m] = _mm256_add_epi16(hi16[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(yhi)));
           }
         }
-        const __m128i s0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[4 * i + cp / 2]));
-        const __m128i s1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[4 * i + 2 + cp / 2]));
-        const __m256i s_lo = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s0, s0));
-        const __m256i s_hi = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s1, s1));
         for (int m = 0; m < MB; ++m) {
-          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(lo16[m], s_lo));
-          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(hi16[m], s_hi));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(lo16[m], sc[cp / 2]));
+          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(hi16[m], sc[2 + cp / 2]));
         }
       }
     }
-    // The -32 offset: 32 * sum over groups of sc[g][r] * bsums[g], groups two at a time.
-    __m256i scales[8];
-    for (int q = 0; q < 8; ++q) {
-      const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[2 * q]));
-      const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[2 * q + 1]));
-      scales[q] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, c));
-    }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
     for (int m = 0; m < MB; ++m) {
-      const ActQ8_K& a = act[m][b];
-      __m256i osum = _mm256_setzero_si256();
-      for (int q = 0; q < 8; ++q) {
-        int32_t pair;
-        std::memcpy(&pair, a.bsums + 2 * q, 4);
-        osum = _mm256_add_epi32(osum, _mm256_madd_epi16(scales[q], _mm256_set1_epi32(pair)));
-      }
-      const __m256i total = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(osum, 5));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[m]);
+      const __m256i total = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(osum[m], 4));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(act[m][b].d)), acc[m]);
     }
   }
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);

@@ -107,12 +107,6 @@ class GGUFFile:
         data_start = -(-self._pos // alignment) * alignment
         self.tensors = [TensorInfo(n, s, t, data_start + o) for n, s, t, o in infos]
 
-    def release_range(self, offset: int, length: int) -> None:
-        """As release_pages, for the pages holding bytes [offset, offset + length)."""
-        if hasattr(mmap, "MADV_DONTNEED"):
-            start = offset // mmap.PAGESIZE * mmap.PAGESIZE
-            self._map.madvise(mmap.MADV_DONTNEED, start, offset + length - start)
-
     def release_pages(self) -> None:
         """Drop the map's pages from this process's resident memory: they stay in the page
         cache, and a tensor read again faults back in. Called once the model has packed what

@@ -4,7 +4,6 @@ tokenizer."""
 from __future__ import annotations
 
 import collections
-import functools
 import hashlib
 import json
 import os
@@ -285,19 +284,15 @@ class GGUFCheckpoint:
                 entry[0] += 1
                 entry[1] += tensor.num_bytes
                 entry[2] += round(tensor.num_bytes * X8_GROWTH.get(kind, 1.0))
+                # NOTE: the whole map's pages, not the tensor's: the kernel maps pages around
+                # each fault too, and those of tensors already repacked stayed resident.
+                drop = self.file.release_pages
                 if data.dim() == 3:  # stacked experts: each expert's rows, a view of them
                     names = self._expert_names(name, data.shape[0])
-                    size = data[0].numel()
                     for expert, expert_name in enumerate(names):
-                        drop = functools.partial(
-                            self.file.release_range, tensor.offset + expert * size, size
-                        )
-                        yield (
-                            expert_name,
-                            QuantizedTensor(tensor.tensor_type, data[expert], cols, release=drop),
-                        )
+                        part = QuantizedTensor(tensor.tensor_type, data[expert], cols, release=drop)
+                        yield expert_name, part
                     continue
-                drop = functools.partial(self.file.release_range, tensor.offset, tensor.num_bytes)
                 yield name, QuantizedTensor(tensor.tensor_type, data, cols, order, drop)
                 continue
             raw = self.file.tensor_bytes(tensor)

@@ -155,14 +155,20 @@ def test_interleaved_parts_are_held_once_and_agree_with_the_rows_as_stored(type_
     cols = 512
     a, b = random_blocks(type_id, 16, cols, rng), random_blocks(14, 10, cols, rng)
     order = torch.randperm(16, generator=torch.Generator().manual_seed(1)).to(torch.int32)
+    released = []
     parts = (
-        QuantizedTensor(type_id, torch.from_numpy(a), cols, order),
+        QuantizedTensor(type_id, torch.from_numpy(a), cols, order, lambda: released.append(1)),
         QuantizedTensor(14, torch.from_numpy(b), cols),
     )
     weight = QuantizedParts(parts, (0, 16), 26, cols)
     x8 = pack_quantized(weight, None, TILES_FROM)
     stored = pack_quantized(weight, None, 1 << 30, interleave=False)
     assert x8.a.layouts() == ["x8", "rows"] and stored.a.layouts() == ["rows", "rows"]
+    # the repacked part's blocks as stored are let go (a file's pages released once), the
+    # part computed on as stored is kept as it is
+    assert released == [1]
+    assert x8.b.parts[0].data.is_meta and x8.b.parts[0].name == parts[0].name
+    assert x8.b.parts[1] is parts[1] and stored.b.parts[0] is parts[0]
     per_row = {12: 148, 14: 210}[type_id] * cols // 256  # Q4_K's scales held as bytes: +4 B
     assert x8.a.nbytes() == 16 * per_row + b.nbytes
     assert stored.a.nbytes() == a.nbytes + b.nbytes
