@@ -9,9 +9,9 @@
 //   tile, so no whole float copy of the weight ever exists; the activations are the decode
 //   path's int8 blocks widened back (as_int8_activations), as llama.cpp quantises them at every
 //   batch size.
-// - Q4_K and Q6_K parts whose rows come in eights are repacked at load into rows interleaved 8 at a time
-//   (quant_x8_cpu.h) and multiplied by that kernel at every row count, prefill included: the
-//   part is held once, in that layout (the Q4_K rows are not kept).
+// - Q4_K and Q6_K parts whose rows come in eights are repacked at load into rows interleaved
+//   8 at a time (quant_x8_cpu.h) and multiplied by that kernel at every row count, prefill included: the
+//   part is held once, in that layout (its rows as stored are not kept).
 // - A layer is one or more parts (a fused qkv or gate/up projection whose pieces were stored in
 //   different types); row r of a part lands in output column index[r] (llama.cpp's permuted
 //   q/k rows are put back in place this way, without copying the weight).
@@ -272,6 +272,24 @@ std::vector<ActQ8_K> quantize_rows_q8_k(const float* x, int64_t M, int64_t K) {
   return out;
 }
 
+// Rows ``ids`` of a [V, K] weight, each written by row(id, y) as float32, in ``dtype``:
+// [..., K] (the embedding lookups and QuantLinear.rows).
+template <typename RowFn>
+at::Tensor gather_rows(const at::Tensor& ids, int64_t V, int64_t K, at::ScalarType dtype, const RowFn& row) {
+  const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
+  const int64_t T = flat.numel();
+  const int64_t* id = flat.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < V, "token id ", id[t], " >= ", V);
+  at::Tensor out = at::empty({T, K}, at::TensorOptions().dtype(at::kFloat));
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
+    for (int64_t t = b; t < e; ++t) row(id[t], y + t * K);
+  });
+  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
+  shape.push_back(K);
+  return out.to(dtype).view(shape);
+}
+
 void check_blocks(const at::Tensor& data, int type, int64_t K) {
   TORCH_CHECK(is_supported(type), "ggml type ", type, " has no quantised kernel");
   TORCH_CHECK(K % block_values(type) == 0, "K=", K, " is not a whole number of ", block_values(type),
@@ -342,30 +360,20 @@ at::Tensor QuantLinear::forward(const at::Tensor& x) const {
 }
 
 at::Tensor QuantLinear::rows(const at::Tensor& ids, at::ScalarType dtype) const {
-  const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
-  const int64_t T = flat.numel(), K = K_, nb = K_ / kBlockK;
-  const int64_t* id = flat.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < N_, "token id ", id[t], " >= ", N_);
-  at::Tensor out = at::empty({T, K}, at::TensorOptions().dtype(at::kFloat));
-  float* y = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) {
-      const auto [p, r] = row_of_col_[id[t]];
-      const int type = static_cast<int>(types_[p]);
-      const uint8_t* base = data_[p].data_ptr<uint8_t>();
-      const int64_t stride = data_[p].size(1);
-      if (!x8_[p]) {
-        dequant_row(type, base + r * stride, K, y + t * K);
-      } else if (type == kQ4_K) {
-        dequant_q4_k_x8(reinterpret_cast<const BlockQ4_Kx8*>(base + r / 8 * stride), nb, r % 8, y + t * K);
-      } else {
-        dequant_q6_k_x8(reinterpret_cast<const BlockQ6_Kx8*>(base + r / 8 * stride), nb, r % 8, y + t * K);
-      }
+  const int64_t K = K_, nb = K_ / kBlockK;
+  return gather_rows(ids, N_, K, dtype, [&](int64_t id, float* y) {
+    const auto [p, r] = row_of_col_[id];
+    const int type = static_cast<int>(types_[p]);
+    const uint8_t* base = data_[p].data_ptr<uint8_t>();
+    const int64_t stride = data_[p].size(1);
+    if (!x8_[p]) {
+      dequant_row(type, base + r * stride, K, y);
+    } else if (type == kQ4_K) {
+      dequant_q4_k_x8(reinterpret_cast<const BlockQ4_Kx8*>(base + r / 8 * stride), nb, r % 8, y);
+    } else {
+      dequant_q6_k_x8(reinterpret_cast<const BlockQ6_Kx8*>(base + r / 8 * stride), nb, r % 8, y);
     }
   });
-  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
-  shape.push_back(K);
-  return out.to(dtype).view(shape);
 }
 
 std::vector<std::string> QuantLinear::layouts() const {
@@ -519,19 +527,11 @@ void QuantLinear::prefill(const at::Tensor& x32, at::Tensor& out) const {
 at::Tensor quant_embedding(const at::Tensor& data, int64_t type, int64_t K, const at::Tensor& ids,
                            at::ScalarType dtype) {
   check_blocks(data, static_cast<int>(type), K);
-  const at::Tensor flat = ids.reshape({-1}).to(at::kLong).contiguous();
-  const int64_t T = flat.numel(), V = data.size(0), row_bytes = data.size(1);
-  at::Tensor out = at::empty({T, K}, at::TensorOptions().dtype(at::kFloat));
-  const int64_t* id = flat.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < V, "token id ", id[t], " >= ", V);
   const uint8_t* base = data.data_ptr<uint8_t>();
-  float* y = out.data_ptr<float>();
-  at::parallel_for(0, T, 16, [&](int64_t b, int64_t e) {
-    for (int64_t t = b; t < e; ++t) dequant_row(static_cast<int>(type), base + id[t] * row_bytes, K, y + t * K);
+  const int64_t row_bytes = data.size(1);
+  return gather_rows(ids, data.size(0), K, dtype, [&](int64_t id, float* y) {
+    dequant_row(static_cast<int>(type), base + id * row_bytes, K, y);
   });
-  std::vector<int64_t> shape(ids.sizes().begin(), ids.sizes().end());
-  shape.push_back(K);
-  return out.to(dtype).view(shape);
 }
 
 // A whole [rows, K] quantised tensor as float32 (the dequantised path and tests).
