@@ -88,6 +88,42 @@ class QuantizedTensor:
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def narrow(self, dim: int, start: int, count: int) -> QuantizedTensor:
+        """The weight's rows (dim 0) or columns (dim 1) [start, start + count), as blocks.
+
+        Rows: a view of the blocks where the stored rows of that range are contiguous (a range
+        of whole heads of llama.cpp's permuted Q/K rows is), else a copy; ``row_order`` follows.
+        Columns: a copy of whole blocks; ValueError when the range splits a block.
+        """
+        if dim == 1:
+            block, size = BLOCK_VALUES[self.type_id], BLOCK_BYTES[self.type_id]
+            if start % block or count % block:
+                raise ValueError(
+                    f"{self.name} blocks hold {block} columns each; columns {start}.."
+                    f"{start + count - 1} do not start and end on a block"
+                )
+            lo, hi = start // block * size, (start + count) // block * size
+            data = self.data[:, lo:hi].contiguous()
+            return dataclasses.replace(self, data=data, cols=count)
+        if self.row_order is None:
+            return dataclasses.replace(self, data=self.data.narrow(0, start, count))
+        order = self.row_order.long()
+        stored = torch.nonzero((order >= start) & (order < start + count)).flatten()
+        first = int(stored[0])
+        if torch.equal(stored, torch.arange(first, first + count)):
+            data = self.data.narrow(0, first, count)
+        else:
+            data = self.data[stored]
+        local = (order[stored] - start).to(torch.int32)
+        return dataclasses.replace(self, data=data, row_order=local)
+
+    def padded(self, rows: int) -> QuantizedTensor:
+        """A copy with zero blocks appended up to ``rows`` rows (they dequantise to zeros: every
+        type's scales are then 0); rows must be in order."""
+        data = self.data.new_zeros(rows, self.data.shape[1])
+        data[: self.data.shape[0]] = self.data
+        return dataclasses.replace(self, data=data)
+
     def released(self) -> QuantizedTensor:
         """This tensor's description without its blocks (a meta tensor of the same shape): what
         is kept once a compiled layer has repacked them, so they are held once. Its name, shape

@@ -56,10 +56,6 @@ _EOG_TOKEN_TEXTS = ("<|im_end|>", "<|endoftext|>", "<end_of_turn>", "<|eot_id|>"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-class QuantizedShardError(ValueError):
-    """Tensor parallelism was asked for over weights held in GGUF blocks."""
-
-
 class ModelNotFoundError(FileNotFoundError):
     """The model argument names no checkpoint that can be loaded."""
 
@@ -232,14 +228,14 @@ def build_model(
     torch_dtype = _torch_dtype(dtype)
     if plan is None:
         plan = choose_model_plan(config, torch_dtype, device, checkpoint=checkpoint)
-    blocks = plan.linear_quant is not None and _has_blocks(checkpoint, plan)
-    if parallel is not None and blocks:
-        raise QuantizedShardError(
-            "tensor_parallel_size > 1 does not split GGUF blocks yet: run a GGUF file with "
-            "--weights dequantize (or quantization=None for an HF checkpoint) when sharding"
-        )
-    if blocks:
-        plan = with_quant_rows(plan, model_shapes(config))
+    if plan.linear_quant is not None and _has_blocks(checkpoint, plan):
+        # NOTE: a rank's layers are its shards: their shapes choose its tile switch.
+        shapes = config
+        if parallel is not None:
+            from pagedattn.model.parallel_layers import shard_text_config
+
+            shapes = shard_text_config(config, parallel)
+        plan = with_quant_rows(plan, model_shapes(shapes))
     backend = (
         attn_backend
         if isinstance(attn_backend, AttentionBackend)

@@ -12,7 +12,8 @@ and all-reduces the block's output once (vLLM's tensor-parallel fused MoE).
 A rank's model is the ordinary model class built from a config with the rank's head counts,
 intermediate size and vocab rows, with o_proj/down_proj/embed_tokens swapped for the parallel
 layers below; its ``load_weights`` slices each checkpoint tensor to the rank's shard, so a rank
-never keeps a whole projection.
+never keeps a whole projection. GGUF blocks are sliced as stored: rows (a view), or whole blocks
+of columns (a rank whose columns would split a block is refused).
 """
 
 from __future__ import annotations
@@ -23,11 +24,10 @@ from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from pagedattn.cpu.quant import QuantizedTensor
 from pagedattn.model.base import PagedCausalLM
-from pagedattn.model.layers import Linear
+from pagedattn.model.layers import Embedding, Linear
 from pagedattn.model.moe import MoETextConfig, SparseMoEBlock
 from pagedattn.model.text_config import TextConfig
 
@@ -38,6 +38,8 @@ if TYPE_CHECKING:
 
 # Checkpoint names that belong to no text decoder (a multimodal Gemma 3's vision tower).
 _NOT_TEXT = ("vision_tower", "multi_modal_projector")
+# A checkpoint tensor: float, or GGUF blocks.
+Weight = torch.Tensor | QuantizedTensor
 
 
 class ShardingError(ValueError):
@@ -127,14 +129,16 @@ class TPShard(NamedTuple):
             sharded = dataclasses.replace(sharded, moe_intermediate_size=self.expert_ffn[1])
         return sharded
 
-    def slice_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the checkpoint tensor ``name`` (HF names), a contiguous copy."""
+    def slice_weight(self, name: str, tensor: Weight) -> Weight:
+        """This rank's part of the checkpoint tensor ``name`` (HF names): a contiguous copy of a
+        float tensor; GGUF blocks split by rows (a view) or by whole blocks of columns.
+        ShardingError when a rank's columns would split a block."""
         d = self.head_dim
         rows = None
         if ".experts." in name:  # an expert's gate/up (Mixtral: w1/w3) rows, down (w2) columns
             if name.endswith((".down_proj.weight", ".w2.weight")):
-                return tensor.narrow(1, *self.expert_ffn).contiguous()
-            return tensor.narrow(0, *self.expert_ffn).contiguous()
+                return _narrow(name, tensor, 1, *self.expert_ffn)
+            return _narrow(name, tensor, 0, *self.expert_ffn)
         if ".q_proj." in name:
             rows = (self.q_heads[0] * d, self.q_heads[1] * d)
         elif ".k_proj." in name or ".v_proj." in name:
@@ -143,6 +147,8 @@ class TPShard(NamedTuple):
             rows = self.intermediate
         elif name.endswith(("embed_tokens.weight", "lm_head.weight")):
             start, count = self.vocab
+            if isinstance(tensor, QuantizedTensor):
+                return tensor.narrow(0, start, count).padded(self.vocab_per_rank)
             out = tensor.new_zeros(self.vocab_per_rank, *tensor.shape[1:])
             out[:count] = tensor[start : start + count]  # NOTE: padding rows stay zero
             return out
@@ -155,10 +161,25 @@ class TPShard(NamedTuple):
                 if ".o_proj." in name
                 else self.intermediate
             )
-            return tensor.narrow(1, *cols).contiguous()
+            return _narrow(name, tensor, 1, *cols)
         if rows is None:
             return tensor  # replicated: norms, q/k norms
-        return tensor.narrow(0, *rows).contiguous()
+        return _narrow(name, tensor, 0, *rows)
+
+
+def _narrow(name: str, tensor: Weight, dim: int, start: int, count: int) -> Weight:
+    """Rows or columns [start, start + count) of ``tensor``: a float tensor's as a contiguous
+    copy, GGUF blocks' as QuantizedTensor.narrow gives them."""
+    if not isinstance(tensor, QuantizedTensor):
+        return tensor.narrow(dim, start, count).contiguous()
+    try:
+        return tensor.narrow(dim, start, count)
+    except ValueError as e:
+        raise ShardingError(
+            f"{name} cannot be split over the ranks as stored ({e}): use a "
+            "tensor_parallel_size whose shards hold whole blocks, or float weights "
+            "(--weights dequantize for a GGUF file, no --quantization for an HF folder)"
+        ) from e
 
 
 class RowParallelLinear(Linear):
@@ -187,22 +208,22 @@ class RowParallelMoEBlock(SparseMoEBlock):
         return self.tp_group.all_reduce(super().forward(x))
 
 
-class VocabParallelEmbedding(nn.Module):
-    """The embedding rows [start, start + count) of the vocabulary; the lookups of ids outside
-    them are zero, and the all-reduce fills in each row from the rank that holds it."""
+class VocabParallelEmbedding(Embedding):
+    """The embedding rows [start, start + count) of the vocabulary (float, or GGUF blocks); the
+    lookups of ids outside them are zero, and the all-reduce fills in each row from the rank
+    that holds it."""
 
     def __init__(
         self, num_rows: int, hidden_size: int, start: int, count: int, group: TensorParallelGroup
     ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_rows, hidden_size))
+        super().__init__(num_rows, hidden_size)
         self.start, self.count = start, count
         self.tp_group = group
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.start
         mask = (local >= 0) & (local < self.count)  # [T]
-        out = F.embedding(local.masked_fill(~mask, 0), self.weight)  # [T, H]
+        out = super().forward(local.masked_fill(~mask, 0))  # [T, H]
         out.masked_fill_(~mask.unsqueeze(-1), 0)
         return self.tp_group.all_reduce(out)
 

@@ -1,5 +1,5 @@
-"""--quantization q8_0|q4_0|q4_k on HF checkpoints (GGUF blocks made at load), and what refuses
-GGUF blocks: tensor parallelism."""
+"""--quantization q8_0|q4_0|q4_k on HF checkpoints (GGUF blocks made at load), and GGUF blocks cut
+into tensor-parallel shards."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from pagedattn.cpu import extension
-from pagedattn.cpu.plan import KernelChoiceError, KernelOptions, KernelPlan
+from pagedattn.cpu.plan import KernelChoiceError, KernelOptions
 from pagedattn.model import load_model
 from pagedattn.model.gguf_loader import GGUFCheckpoint
 from pagedattn.model.layers import Linear
-from pagedattn.model.loader import QuantizedShardError, build_model
+from pagedattn.model.loader import checkpoint_config
 from tests.model.gguf_writer import write_gguf
 from tests.model.paged_driver import PagedDriver
 from tests.model.tiny import make_tiny_llama
@@ -92,9 +92,25 @@ def test_quantization_without_the_kernels_is_refused(monkeypatch):
         )
 
 
-def test_tensor_parallel_refuses_gguf_blocks(tmp_path):
-    hf_dir = make_tiny_llama(tmp_path)
-    path = write_gguf(hf_dir, tmp_path / "tiny.gguf", "llama")
-    plan = KernelPlan(linear_quant="gguf")
-    with pytest.raises(QuantizedShardError, match="--weights dequantize"):
-        build_model(GGUFCheckpoint(path), "float32", "cpu", "torch", plan, parallel=object())
+def test_blocks_narrow_to_a_shard_by_rows_and_by_whole_blocks_of_columns(tmp_path):
+    """Head-aligned rows of llama.cpp's permuted Q rows are a view of the stored rows and
+    dequantise to the weight's rows; columns come in whole blocks and refuse to split one."""
+    hf_dir = make_tiny_llama(tmp_path, hidden_size=64, head_dim=16)
+    path = write_gguf(hf_dir, tmp_path / "tiny.gguf", "llama", q8_0=True)
+    checkpoint = GGUFCheckpoint(path)
+    config = checkpoint_config(checkpoint)
+    weights = dict(checkpoint.quantized_weights(config, torch.float32))
+    q = weights["model.layers.0.self_attn.q_proj.weight"]
+    assert q.row_order is not None
+    full = q.dequantize()
+    rows = q.narrow(0, 32, 32)  # heads 2 and 3 of 16 rows
+    assert rows.data.data_ptr() == q.data[32].data_ptr()  # a view: nothing copied
+    assert torch.equal(rows.dequantize(), full[32:64])
+    cols = q.narrow(1, 32, 32)
+    assert torch.equal(cols.dequantize(), full[:, 32:64])
+    with pytest.raises(ValueError, match="Q8_0 blocks hold 32 columns"):
+        q.narrow(1, 16, 32)
+    table = weights["model.embed_tokens.weight"]
+    padded = table.narrow(0, 100, 28).padded(64)
+    assert torch.equal(padded.dequantize()[:28], table.dequantize()[100:])
+    assert not padded.dequantize()[28:].any()

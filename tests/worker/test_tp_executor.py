@@ -12,6 +12,7 @@ import torch
 
 from pagedattn import LLM, SamplingParams
 from pagedattn.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedattn.model.parallel_layers import ShardingError
 from tests.model.tiny import make_tiny_gemma3, make_tiny_llama
 
 NUM_NEW = 12
@@ -187,6 +188,72 @@ def test_a_worker_killed_while_idle_stops_the_loop_without_a_request(tiny_llama)
     finally:
         engine.shutdown()
         llm.engine.close()
+
+
+@pytest.mark.parametrize("case", ["q8_0-file", "q8_0-file-tied", "q4_k-at-load", "moe-q8_0-file"])
+def test_gguf_blocks_split_over_ranks_match_one_rank(case, tmp_path, capfd):
+    """Each rank runs its shard of the blocks as stored (q/k/v and gate/up rows, llama.cpp's
+    permuted Q/K rows included; whole blocks of o/down columns; the vocab rows of the embedding
+    and LM head, tied or not; each expert's gate/up rows and down columns): greedy output
+    equals one rank's."""
+    from tests.model.gguf_writer import write_gguf
+    from tests.model.test_moe_parity import make_tiny_qwen3_moe
+
+    if case == "q4_k-at-load":  # NOTE: 256-column blocks: each rank's o/down columns hold one
+        path, kwargs = (
+            make_tiny_llama(
+                tmp_path,
+                hidden_size=256,
+                intermediate_size=512,
+                num_attention_heads=8,
+                num_key_value_heads=4,
+                head_dim=64,
+            ),
+            {"quantization": "q4_k"},
+        )
+    elif case == "moe-q8_0-file":  # NOTE: 64 expert FFN columns: one Q8_0 block per rank
+        hf_dir = make_tiny_qwen3_moe(tmp_path, moe_intermediate_size=64, mlp_only_layers=[])
+        path, kwargs = write_gguf(hf_dir, tmp_path / "moe.gguf", "qwen3moe", q8_0=True), {}
+    else:
+        hf_dir = make_tiny_llama(tmp_path, tie_word_embeddings=case.endswith("tied"))
+        path, kwargs = write_gguf(hf_dir, tmp_path / "tiny.gguf", "llama", q8_0=True), {}
+    prompts = _prompts()
+    ref, _ = _generate(path, 1, prompts, **kwargs)
+    capfd.readouterr()
+    out, _ = _generate(path, 2, prompts, **kwargs)
+    err = capfd.readouterr().err
+    kind = "Q4_K" if case == "q4_k-at-load" else "Q8_0"
+    assert err.count(f"[weights] {kind} x") == 2, err  # one line per rank: blocks, not floats
+    check_logprobs_close(ref, out)
+    # NOTE: not token-identical: each rank's plan measures its own switch from int8 dot kernels
+    # to float tiles on its shard's shapes, so a step can run the other kernel; a mis-cut shard
+    # moves the logprobs by whole nats.
+    assert max_logprob_gap(ref, out) < 0.05
+
+
+def max_logprob_gap(ref, other) -> float:
+    """The largest difference of a top-k token's logprob on both sides, up to each output's
+    first differing token."""
+    gap = 0.0
+    for a, b in zip(ref, other, strict=True):
+        for x, y, la, lb in zip(
+            a.outputs[0].token_ids,
+            b.outputs[0].token_ids,
+            a.outputs[0].logprobs,
+            b.outputs[0].logprobs,
+            strict=True,
+        ):
+            gap = max([gap] + [abs(la[t].logprob - lb[t].logprob) for t in la.keys() & lb.keys()])
+            if x != y:
+                break
+    return gap
+
+
+def test_shards_that_would_split_a_block_are_refused(tmp_path):
+    """4 heads of 64 on 2 ranks: 128 o_proj columns each, half a Q4_K block."""
+    path = make_tiny_llama(tmp_path, hidden_size=256, intermediate_size=512, head_dim=64)
+    with pytest.raises(ShardingError, match="Q4_K blocks hold 256 columns.*no --quantization"):
+        _generate(path, 2, _prompts(), quantization="q4_k")
 
 
 @pytest.mark.slow
