@@ -28,7 +28,7 @@ namespace {
 // out [T, H] += w * y for each sorted pair: y the expert output row of the pair, token[p] its
 // token, weight[p] its routing weight; columns split across threads, pairs in order per column.
 template <typename T>
-void add_weighted(T* out, const std::vector<const T*>& rows, const std::vector<int64_t>& token,
+void add_weighted(T* out, const std::vector<const T*>& rows, const int64_t* token,
                   const std::vector<float>& weight, int64_t H) {
   at::parallel_for(0, H, 256, [&](int64_t begin, int64_t end) {
     for (size_t p = 0; p < rows.size(); ++p) {
@@ -70,6 +70,8 @@ MoEExperts::MoEExperts(std::vector<DecodeLinear> gate_up, std::vector<DecodeLine
 torch::Tensor MoEExperts::forward(const torch::Tensor& x, const torch::Tensor& weights,
                                   const torch::Tensor& ids) const {
   TORCH_CHECK(x.dim() == 2, "x must be [T, H]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+              "MoEExperts: float32 or bfloat16 rows, got ", x.scalar_type());
   TORCH_CHECK(ids.dim() == 2 && ids.size(0) == x.size(0) && ids.scalar_type() == torch::kInt64,
               "ids must be int64 [T, k]");
   TORCH_CHECK(weights.sizes() == ids.sizes() && weights.scalar_type() == torch::kFloat32,
@@ -137,14 +139,12 @@ torch::Tensor MoEExperts::forward(const torch::Tensor& x, const torch::Tensor& w
   }
 
   auto out = torch::zeros_like(x_rows);
-  std::vector<int64_t> pair_token(token, token + pairs);
   if (x.scalar_type() == torch::kFloat32) {
-    add_weighted<float>(out.data_ptr<float>(), row_pointers<float>(outputs), pair_token,
-                        pair_weight, H);
+    add_weighted<float>(out.data_ptr<float>(), row_pointers<float>(outputs), token, pair_weight,
+                        H);
   } else {
-    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "MoEExperts: float32 or bfloat16 rows");
     add_weighted<c10::BFloat16>(out.data_ptr<c10::BFloat16>(),
-                                row_pointers<c10::BFloat16>(outputs), pair_token, pair_weight, H);
+                                row_pointers<c10::BFloat16>(outputs), token, pair_weight, H);
   }
   return out;
 }
