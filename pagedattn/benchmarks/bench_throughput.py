@@ -50,6 +50,7 @@ from pagedattn.benchmarks.workloads import (
     WORKLOAD_NAMES,
     load_trace,
     make_workloads,
+    model_vocab,
     save_trace,
     workload_from_dict,
     workload_to_dict,
@@ -343,19 +344,6 @@ def _split(text: str, allowed: tuple[str, ...], what: str) -> list[str]:
     return names
 
 
-def _vocab(model: str | None) -> tuple[int, set[int], object]:
-    from pagedattn.model.loader import resolve_checkpoint
-
-    ckpt = resolve_checkpoint(model)
-    tokenizer = ckpt.tokenizer()
-    config = ckpt.hf_config()
-    config = getattr(config, "text_config", None) or config
-    special = set(tokenizer.all_special_ids)
-    eos = getattr(config, "eos_token_id", None)
-    special |= {eos} if isinstance(eos, int) else set(eos or [])
-    return int(config.vocab_size), special, tokenizer
-
-
 def parent_main(args: argparse.Namespace) -> int:
     size = "quick" if args.quick else args.size
     sizes = SIZE_PRESETS[size]
@@ -365,7 +353,7 @@ def parent_main(args: argparse.Namespace) -> int:
         args.model, args.hf_model, args.llama_cpp_model = benchmark_files(
             args.synthetic, args.synthetic_file, threads=args.threads
         )
-    vocab_size, special, tokenizer = _vocab(args.model)
+    vocab_size, special, tokenizer = model_vocab(args.model)
     workloads = make_workloads(sizes, vocab_size, special, args.seed, tokenizer)
     if args.trace_in:
         workloads["sharegpt"] = load_trace(args.trace_in, vocab_size)

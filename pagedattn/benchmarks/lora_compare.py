@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pagedattn.benchmarks.workloads import SIZE_PRESETS, Workload, make_workloads
+from pagedattn.benchmarks.workloads import SIZE_PRESETS, Workload, make_workloads, model_vocab
 from pagedattn.cpu.features import describe_cpu
 
 LORA_RANK = 16
@@ -105,11 +105,10 @@ def _run(llm, workload: Workload, loras: list, load_at: int | None = None, extra
 
 def run_lora_bench(args: argparse.Namespace) -> int:
     from pagedattn import LLM, LoRARequest
-    from pagedattn.benchmarks.bench_throughput import _vocab
 
     n = args.lora
     size = "quick" if args.quick else args.size
-    vocab_size, special, _ = _vocab(args.model)
+    vocab_size, special, _ = model_vocab(args.model)
     workload = make_workloads(SIZE_PRESETS[size], vocab_size, special, args.seed)["uniform"]
     machine = describe_cpu(args.threads)
     load_start = os.getloadavg()

@@ -254,3 +254,18 @@ def load_trace(path: Path, vocab_size: int) -> Workload:
             f"(e.g. {bad[0]}): it was made for another model"
         )
     return workload
+
+
+def model_vocab(model: str | None) -> tuple[int, set[int], object]:
+    """The vocabulary size, the special token ids (never sampled into a prompt) and the
+    tokenizer of ``model``."""
+    from pagedattn.model.loader import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(model)
+    tokenizer = ckpt.tokenizer()
+    config = ckpt.hf_config()
+    config = getattr(config, "text_config", None) or config
+    special = set(tokenizer.all_special_ids)
+    eos = getattr(config, "eos_token_id", None)
+    special |= {eos} if isinstance(eos, int) else set(eos or [])
+    return int(config.vocab_size), special, tokenizer

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedattn.benchmarks.quant_kv import KVRunner, configure, fake_quant_per_token_head
+from pagedattn.benchmarks.bench_quant import KVRunner, configure, fake_quant_per_token_head
 from pagedattn.model.loader import load_model
 from tests.model.tiny import make_tiny_llama
 
