@@ -14,8 +14,10 @@ theta) and SmolLM2's vocabulary and tokenizer, built once under ``<cache>/synthe
 - ``<name>.Q8_0.gguf`` and ``<name>.Q4_K_M.gguf``: the F16 file quantised by llama.cpp's own
   quantizer (llama-cpp-python's ``llama_model_quantize``), built when first asked for.
 
-Each tensor is generated, written and dropped in turn, so building the 3B model holds one tensor
-(at most its 600 MB float32 embedding) in memory, not the model.
+A shape with experts is a Qwen3-MoE (router, per-expert SwiGLU, q/k norm; llama.cpp's qwen3moe
+layout in the GGUF files, each projection's experts stacked). Each tensor is generated, written
+and dropped in turn, so building the 3B model holds one tensor (at most its 600 MB float32
+embedding) in memory, not the model.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import numpy as np
 import torch
 
 from pagedattn import envs
-from pagedattn.benchmarks.synthetic_moe import expert_stacks, moe_config, moe_layer_specs
 
 # What a synthetic checkpoint's files are called: "hf" is the bf16 safetensors folder.
 FILE_KINDS = ("hf", "f16", "q8_0", "q4_k_m")
@@ -63,7 +64,7 @@ class SyntheticShape:
     max_position_embeddings: int = 8192
     # Normal(0, 0.02), as Llama's initializer: activations stay finite through 28 layers.
     weight_std: float = 0.02
-    # MoE shapes (num_experts > 0): Qwen3-MoE layers, every MLP sparse (synthetic_moe.py).
+    # MoE shapes (num_experts > 0): Qwen3-MoE layers, every MLP sparse (moe_layer_specs).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -110,6 +111,59 @@ class SyntheticCheckpoint:
     def path(self, kind: str) -> Path:
         """The folder ("hf") or GGUF file of ``kind``."""
         return self.hf_dir if kind == "hf" else self.gguf(kind)
+
+
+def moe_layer_specs(shape: SyntheticShape, layer: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """(HF name, GGUF name or "" for an expert's, shape) of layer ``layer``'s q/k norms, router
+    and experts."""
+    hf, h, inter = f"model.layers.{layer}.", shape.hidden_size, shape.moe_intermediate_size
+    gg = f"blk.{layer}."
+    specs = [
+        (hf + "self_attn.q_norm.weight", gg + "attn_q_norm.weight", (shape.head_dim,)),
+        (hf + "self_attn.k_norm.weight", gg + "attn_k_norm.weight", (shape.head_dim,)),
+        (hf + "mlp.gate.weight", gg + "ffn_gate_inp.weight", (shape.num_experts, h)),
+    ]
+    for e in range(shape.num_experts):
+        expert = f"{hf}mlp.experts.{e}."
+        specs += [
+            (expert + "gate_proj.weight", "", (inter, h)),
+            (expert + "up_proj.weight", "", (inter, h)),
+            (expert + "down_proj.weight", "", (h, inter)),
+        ]
+    return specs
+
+
+def expert_stacks(
+    shape: SyntheticShape, layer: int
+) -> list[tuple[str, tuple[int, ...], list[str]]]:
+    """(GGUF name, shape [E, out, in], the experts' HF names) of layer ``layer``'s stacked
+    expert tensors, as llama.cpp's qwen3moe stores them."""
+    hf, h, inter = f"model.layers.{layer}.", shape.hidden_size, shape.moe_intermediate_size
+    stacks = []
+    for proj, gguf_name, dims in (
+        ("gate_proj", "ffn_gate_exps", (inter, h)),
+        ("up_proj", "ffn_up_exps", (inter, h)),
+        ("down_proj", "ffn_down_exps", (h, inter)),
+    ):
+        names = [f"{hf}mlp.experts.{e}.{proj}.weight" for e in range(shape.num_experts)]
+        stacks.append((f"blk.{layer}.{gguf_name}.weight", (shape.num_experts, *dims), names))
+    return stacks
+
+
+def moe_config(shape: SyntheticShape, config: dict) -> dict:
+    """A Llama config.json dict of ``shape`` turned into Qwen3-MoE's (every layer sparse)."""
+    return config | {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_experts": shape.num_experts,
+        "num_experts_per_tok": shape.num_experts_per_tok,
+        "moe_intermediate_size": shape.moe_intermediate_size,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
+        "use_sliding_window": False,
+        "sliding_window": None,
+    }
 
 
 def tensor_specs(shape: SyntheticShape, vocab_size: int) -> list[tuple[str, str, tuple[int, ...]]]:
