@@ -86,7 +86,7 @@ def run_replicas(engine_config: EngineConfig, serve_config: ServeConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m pagedattn.serve.serve_app --data-parallel-size N ...` (serve's options)."""
+    """`python -m pagedattn.serve.launch --data-parallel-size N ...` (serve's options)."""
     import argparse
     import os
 

@@ -525,16 +525,3 @@ def replica_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k.startswith(("PAGEDATTN_", "HF_"))}
     env.update({k: os.environ[k] for k in ("TRANSFORMERS_OFFLINE",) if k in os.environ})
     return env
-
-
-def run_replicas(engine_config, serve_config: ServeConfig) -> int:
-    """`pagedattn serve --data-parallel-size N`: serve until a signal (serve/launch.py)."""
-    from pagedattn.serve.launch import run_replicas as run
-
-    return run(engine_config, serve_config)
-
-
-if __name__ == "__main__":
-    from pagedattn.serve.launch import main
-
-    raise SystemExit(main())

@@ -70,7 +70,7 @@ def test_replicas_on_two_ray_nodes(tmp_path):
         assert len(node_ids) == 2
         port = free_port()
         base = f"http://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "pagedattn.serve.serve_app", "--model", str(model),
+        cmd = [sys.executable, "-m", "pagedattn.serve.launch", "--model", str(model),
                "--dtype", "float32", "--num-blocks", "64", "--block-size", "4", "--threads", "1",
                "--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "2",
                "--ray-address", cluster.address, "--replica-cpus", "1",

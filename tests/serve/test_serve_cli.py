@@ -44,7 +44,7 @@ def test_replicas_process_publishes_per_rank_and_drains_on_sigterm(tmp_path):
         if not subs:
             events_port = int(sub.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
         subs.append(sub)
-    cmd = [sys.executable, "-m", "pagedattn.serve.serve_app", "--model", str(model),
+    cmd = [sys.executable, "-m", "pagedattn.serve.launch", "--model", str(model),
            "--dtype", "float32", "--num-blocks", "64", "--block-size", "4", "--threads", "1",
            "--host", "127.0.0.1", "--port", str(port), "--data-parallel-size", "2",
            "--replica-cpus", "0.5", "--log-level", "warning",
