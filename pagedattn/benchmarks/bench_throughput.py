@@ -437,8 +437,8 @@ def parent_main(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.tensor_parallel_size > 1:
-        if args.synthetic:  # NOTE: ranks split float weights only: the synthetic HF folder
-            args.model = benchmark_files(args.synthetic, "hf", threads=args.threads)[0]
+        if args.synthetic:
+            args.model = benchmark_files(args.synthetic, args.synthetic_file, args.threads)[0]
         return tp_compare.run(args)
 
     if args.lora:
