@@ -249,12 +249,13 @@ class GGUFCheckpoint:
         return all(_runs_as_stored(t) for t in self.file.tensors if len(t.shape) >= 2)
 
     def quantized_weights(
-        self, config: TextConfig, dtype: torch.dtype
+        self, config: TextConfig, dtype: torch.dtype, ranks: int = 1
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """The weights under HF names, each 2-D tensor of a type with kernels (Q4_0 ... Q6_K) as
         its stored blocks (QuantizedTensor: a view of the file's memory map, nothing copied),
         every other tensor dequantised to ``dtype``. Prints one line per stored type: how many
-        tensors, their bytes and the format they run in."""
+        tensors, their bytes and the format they run in (the whole model's, where ``ranks``
+        tensor-parallel ranks each take their shard of it)."""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -310,6 +311,8 @@ class GGUFCheckpoint:
             extra = ""
             if held.startswith("dequantised"):
                 extra = f" (no kernel for {kind}: costs {(total - stored) / 2**20:.1f} MiB more)"
+            if ranks > 1:
+                extra += f"; split over {ranks} ranks, each holds its shard"
             print(
                 f"[weights] {kind} x {count}: {stored / 2**20:.1f} MiB in the file, "
                 f"{total / 2**20:.1f} MiB held, {held}{extra}",
@@ -445,11 +448,12 @@ _QUANTIZED_SUFFIXES = (
 
 
 def quantize_checkpoint(
-    weights: Iterator[tuple[str, torch.Tensor]], kind: str
+    weights: Iterator[tuple[str, torch.Tensor]], kind: str, ranks: int = 1
 ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     """``weights`` (HF names) with each 2-D projection, LM head and embedding quantised to the
     GGUF block type ``kind`` (q8_0, q4_0, ...), where its columns are whole blocks; the rest
-    as they come. Prints one line: how many tensors were quantised, and their bytes."""
+    as they come. Prints one line: how many tensors were quantised, and their bytes (the whole
+    model's, where ``ranks`` tensor-parallel ranks each take their shard)."""
     from pagedattn.cpu.quant import GGUF_TYPES, quantize
 
     block = GGUF_TYPES[kind][1]
@@ -467,7 +471,7 @@ def quantize_checkpoint(
             yield name, w
     print(
         f"[weights] {kind.upper()} x {count}: quantised at load, {before / 2**20:.1f} MiB -> "
-        f"{after / 2**20:.1f} MiB",
+        f"{after / 2**20:.1f} MiB" + (f"; split over {ranks} ranks" if ranks > 1 else ""),
         file=sys.stderr,
     )
 

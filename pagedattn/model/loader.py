@@ -252,7 +252,8 @@ def build_model(
     # to_empty(): its empty_like on meta tensors imports sympy (~0.35 s); torch.empty does not.
     net = net.to(torch_dtype)
     net = net._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
-    net.load_weights(_weights(checkpoint, config, torch_dtype, plan))
+    ranks = 1 if parallel is None else parallel.world_size
+    net.load_weights(_weights(checkpoint, config, torch_dtype, plan, ranks))
     net = net.eval().requires_grad_(False)
     net.process_weights_after_loading()
     if isinstance(checkpoint, GGUFCheckpoint):
@@ -270,15 +271,17 @@ def _weights(
     config: TextConfig,
     dtype: torch.dtype,
     plan: KernelPlan,
+    ranks: int = 1,
 ) -> Iterator[tuple[str, Any]]:
     """The checkpoint's tensors as the plan runs them: GGUF types with kernels as stored (or
-    all dequantised), an HF checkpoint's projections quantised to plan.quantize_to."""
+    all dequantised), an HF checkpoint's projections quantised to plan.quantize_to. ``ranks``:
+    how many tensor-parallel ranks split them (for the [weights] lines)."""
     if isinstance(checkpoint, GGUFCheckpoint):
         if plan.linear_quant is not None:
-            return checkpoint.quantized_weights(config, dtype)
+            return checkpoint.quantized_weights(config, dtype, ranks)
         return checkpoint.weights(config, dtype)
     if plan.quantize_to is not None:
-        return quantize_checkpoint(checkpoint.weights(), plan.quantize_to)
+        return quantize_checkpoint(checkpoint.weights(), plan.quantize_to, ranks)
     return checkpoint.weights()
 
 

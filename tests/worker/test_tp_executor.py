@@ -224,6 +224,7 @@ def test_gguf_blocks_split_over_ranks_match_one_rank(case, tmp_path, capfd):
     err = capfd.readouterr().err
     kind = "Q4_K" if case == "q4_k-at-load" else "Q8_0"
     assert err.count(f"[weights] {kind} x") == 2, err  # one line per rank: blocks, not floats
+    assert "split over 2 ranks" in err
     check_logprobs_close(ref, out)
     # NOTE: not token-identical: each rank's plan measures its own switch from int8 dot kernels
     # to float tiles on its shard's shapes, so a step can run the other kernel; a mis-cut shard
