@@ -123,9 +123,8 @@ class PagedCausalLM(nn.Module):
         where it is held so (a float copy: for tests and tools, not the model's path)."""
         if self.tie_word_embeddings:
             embed = self.model.embed_tokens
-            lookup = getattr(embed, "lookup", None)  # NOTE: a TP rank's vocab shard has none
-            if lookup is not None:
-                return lookup.rows(torch.arange(embed.num_embeddings), self.dtype)
+            if embed.lookup is not None:
+                return embed.lookup.rows(torch.arange(embed.num_embeddings), self.dtype)
             return embed.weight
         head = self.lm_head
         if head.weight is None and head.decode is not None and head.decode.name == "gguf":
