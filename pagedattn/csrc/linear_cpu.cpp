@@ -103,6 +103,7 @@ constexpr int64_t kWidenRowBlocks = PAGEDATTN_WIDEN_ROW_BLOCKS;
 constexpr bool kHalfPanels = PAGEDATTN_HALF_PANELS;
 constexpr int kHalfRows = 6;
 constexpr int kHalfVecs = kPanelVecs / 2;
+constexpr int64_t kHalfUnrollK = 4;  // K steps per pass of its loop
 
 // The 32 weights of step k of a panel as kPanelVecs fp32 vectors, columns in order.
 inline void load_panel_row(const float* w, fVec* out) {
@@ -338,11 +339,11 @@ template <typename O>
     }
   };
   int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
+  for (; k + kHalfUnrollK <= K; k += kHalfUnrollK) {
     ahead.step();
     if (kPrefetch > 0) prefetch_panel_row(w, k + kPrefetch);
 #pragma GCC unroll 4
-    for (int64_t u = 0; u < 4; ++u) step(k + u);
+    for (int64_t u = 0; u < kHalfUnrollK; ++u) step(k + u);
   }
   for (; k < K; ++k) {
     ahead.step();
@@ -356,6 +357,17 @@ template <typename O>
       if (cols[c] > 0) pagedattn_vec::store(y + r * ldy + c * kWidth, acc[r][v] + b[c], cols[c]);
     }
   }
+}
+
+// What row block `block` of `blocks` prefetches of the next panel: an equal slice of its
+// next_bytes, spread over the block's micro-kernel passes (nothing without next).
+inline SpreadPrefetch block_prefetch(const void* next, int64_t next_bytes, int64_t block,
+                                     int64_t blocks, int64_t passes) {
+  if (next == nullptr || blocks <= 0) return {};
+  const int64_t slice = (next_bytes + blocks - 1) / blocks;
+  const int64_t offset = block * slice;
+  return SpreadPrefetch(static_cast<const char*>(next) + offset,
+                        std::min(slice, next_bytes - offset), passes);
 }
 
 // Rows m0 .. m1 of x through one panel w, MR rows at a time (y: the panel's first column). Each
@@ -372,14 +384,9 @@ void rows_through_chunk(int64_t m0, int64_t m1, const float* xp, int64_t K, cons
   if constexpr (kHalfPanels && std::is_same_v<T, float>) {
     // 6-row blocks through each half of the panel (kHalfPanels), the rest below.
     const int64_t blocks = (m1 - m0) / kHalfRows;
-    const int64_t slice = next != nullptr && blocks > 0 ? (next_bytes + blocks - 1) / blocks : 0;
+    const int64_t passes = 2 * (K / kHalfUnrollK + K % kHalfUnrollK);  // both halves
     for (int64_t block = 0; block < blocks; ++block, m += kHalfRows) {
-      SpreadPrefetch ahead;
-      if (slice > 0) {
-        const int64_t offset = block * slice;
-        ahead = SpreadPrefetch(static_cast<const char*>(next) + offset,
-                               std::min(slice, next_bytes - offset), 2 * (K / 4 + K % 4));
-      }
+      SpreadPrefetch ahead = block_prefetch(next, next_bytes, block, blocks, passes);
       for (int half = 0; half < 2; ++half) {
         half_panel_kernel<O>(xp + m * K, K, w, K, y + m * N, N, cols, bias, half, ahead);
       }
@@ -387,15 +394,10 @@ void rows_through_chunk(int64_t m0, int64_t m1, const float* xp, int64_t K, cons
     if (blocks > 0) next = nullptr;  // NOTE: fetched by the blocks above
   }
   const int64_t blocks = (m1 - m + kMaxRows - 1) / kMaxRows;
-  const int64_t slice = next != nullptr && blocks > 0 ? (next_bytes + blocks - 1) / blocks : 0;
   for (int64_t block = 0; m < m1; m += kMaxRows, ++block) {
     const int rows = static_cast<int>(std::min<int64_t>(kMaxRows, m1 - m));
-    SpreadPrefetch ahead;
-    if (slice > 0) {
-      const int64_t offset = block * slice;
-      ahead = SpreadPrefetch(static_cast<const char*>(next) + offset,
-                             std::min(slice, next_bytes - offset), kernel_passes<kMaxRows, T>(K));
-    }
+    SpreadPrefetch ahead =
+        block_prefetch(next, next_bytes, block, blocks, kernel_passes<kMaxRows, T>(K));
     rows_through_panel<T, O>(rows, xp + m * K, K, w, K, y + m * N, N, cols, bias, ahead);
   }
 }
