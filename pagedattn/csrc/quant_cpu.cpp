@@ -255,11 +255,12 @@ at::Tensor interleave_rows(const at::Tensor& data, int type, int64_t K) {
 }
 
 template <int MB>
-void gemm_x8(int type, const uint8_t* grp, int64_t nb, const ActQ8_K* const* act, float* out) {
+void gemm_x8(int type, const uint8_t* grp, int64_t nb, const ActQ8_K* const* act, float* out,
+             bool prefetch) {
   if (type == kQ4_K) {
-    gemm_q4_k_x8<MB>(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, act, out, 8);
+    gemm_q4_k_x8<MB>(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, act, out, 8, prefetch);
   } else {
-    gemm_q6_k_x8<MB>(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, act, out, 8);
+    gemm_q6_k_x8<MB>(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, act, out, 8, prefetch);
   }
 }
 
@@ -470,11 +471,12 @@ void QuantLinear::run_x8(const std::vector<ActQ8_K>& ak, int64_t M, at::Tensor& 
             const int mb = static_cast<int>(std::min<int64_t>(4, c1 - m0));
             const ActQ8_K* act[4];
             for (int i = 0; i < mb; ++i) act[i] = ak.data() + (m0 + i) * nb;
+            const bool first = m0 == c0;  // the chunk's later rows find the group in cache
             switch (mb) {
-              case 1: gemm_x8<1>(type, grp, nb, act, tmp); break;
-              case 2: gemm_x8<2>(type, grp, nb, act, tmp); break;
-              case 3: gemm_x8<3>(type, grp, nb, act, tmp); break;
-              default: gemm_x8<4>(type, grp, nb, act, tmp); break;
+              case 1: gemm_x8<1>(type, grp, nb, act, tmp, first); break;
+              case 2: gemm_x8<2>(type, grp, nb, act, tmp, first); break;
+              case 3: gemm_x8<3>(type, grp, nb, act, tmp, first); break;
+              default: gemm_x8<4>(type, grp, nb, act, tmp, first); break;
             }
             for (int i = 0; i < mb; ++i) {
               for (int r = 0; r < 8; ++r) y[(m0 + i) * N + cols[8 * g + r]] = tmp[8 * i + r];

@@ -131,21 +131,27 @@ inline void dequant_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, int r, float* y)
   }
 }
 
-// Each block starts by prefetching the x8 block kPrefetchBlocks ahead (into the next group past
-// a group's end: a thread takes consecutive groups), all its cache lines at once. Without it one
+// The first call on a group (its later activation rows find it in cache) starts each block by
+// prefetching the x8 block kPrefetchBlocks ahead (into the next group past a group's end: a
+// thread takes consecutive groups), all its cache lines at once, non-temporal. Without it one
 // activation row ran a Q6_K layer from DRAM at 10.5 GB/s (the kernel reads a block's ql and qh
 // areas by turns and the hardware prefetcher fell behind), Q4_K at 15.8. AMD Zen 2, 2 threads,
-// [8192 x 2048] layers, GB/s at 2 / 3 / 4 blocks ahead: Q6_K 16.3 / 18.3 / 16.3, Q4_K 20.0 /
-// 20.2 / 20.8 (the x8 kernels alone, 12 layers cycled).
+// [8192 x 2048] layers cycled from DRAM, the x8 kernels alone, GB/s: 2 / 3 / 6 blocks ahead
+// into L1 (T0), Q6_K 16.3 / 18.9 / 18.0, Q4_K 20.0 / 21.5 / 21.1; 3 / 6 ahead NTA, Q6_K 19.5-22 /
+// 19.5, Q4_K 24-27 / 26. In QuantLinear at 1 row: Q4_K 22.5, Q6_K 19.8 (rows as stored: 13.4,
+// 14.3); 8 to 512 rows unchanged (Q4_K 231-246 GFLOP/s, Q6_K 169-192).
 #ifndef PAGEDATTN_X8_PREFETCH
 #define PAGEDATTN_X8_PREFETCH 3
+#endif
+#ifndef PAGEDATTN_X8_HINT
+#define PAGEDATTN_X8_HINT _MM_HINT_NTA
 #endif
 constexpr int kPrefetchBlocks = PAGEDATTN_X8_PREFETCH;
 template <typename Block>
 inline void prefetch_ahead(const Block* blk) {
 #ifdef PAGEDATTN_QUANT_X86
   const char* p = reinterpret_cast<const char*>(blk + kPrefetchBlocks);
-  for (size_t l = 0; l < sizeof(Block); l += 64) _mm_prefetch(p + l, _MM_HINT_T0);
+  for (size_t l = 0; l < sizeof(Block); l += 64) _mm_prefetch(p + l, PAGEDATTN_X8_HINT);
 #else
   (void)blk;
 #endif
@@ -155,14 +161,14 @@ inline void prefetch_ahead(const Block* blk) {
 // its nb Q8_K blocks). Each row's sum does not depend on MB (bit-identical at any row count).
 template <int MB>
 inline void gemm_q4_k_x8(const BlockQ4_Kx8* grp, int64_t nb, const ActQ8_K* const* act,
-                         float* out, int64_t ldo) {
+                         float* out, int64_t ldo, bool prefetch = true) {
 #ifdef PAGEDATTN_QUANT_X86
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const BlockQ4_Kx8& w = grp[b];
-    prefetch_ahead(&w);
+    if (prefetch) prefetch_ahead(&w);
     __m256i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) {
@@ -249,14 +255,14 @@ inline void gemm_q4_k_x8(const BlockQ4_Kx8* grp, int64_t nb, const ActQ8_K* cons
 // As gemm_q4_k_x8, for BlockQ6_Kx8.
 template <int MB>
 inline void gemm_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, const ActQ8_K* const* act,
-                         float* out, int64_t ldo) {
+                         float* out, int64_t ldo, bool prefetch = true) {
 #ifdef PAGEDATTN_QUANT_X86
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < nb; ++b) {
     const BlockQ6_Kx8& w = grp[b];
-    prefetch_ahead(&w);
+    if (prefetch) prefetch_ahead(&w);
     // isum: sum over groups of sc * (q . y); osum: of sc * bsum, twice (each int16 lane pair
     // holds the scale twice), so the -32 offset is -16 * osum.
     __m256i isum[MB], osum[MB];
