@@ -232,7 +232,7 @@ def run_kv(args) -> int:
             runner_cls=lambda m, n, d=dtype: KVRunner(m, n, d),
         )
         rows[name] = (outputs, nll, step_s)
-    ref_out, ref_nll, ref_step_s = rows["model"]
+    ref_out, ref_nll, _ = rows["model"]
     print(
         f"model {ref.model_name} ({args.dtype}); {len(prompts)} prompts x {args.new_tokens} "
         f"greedy tokens; NLL over {len(text) - 1} tokens of a fixed text; reference: "

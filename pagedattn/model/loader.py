@@ -33,6 +33,7 @@ from pagedattn.cpu.quant import QUANTIZE_TYPES
 from pagedattn.model.base import PagedCausalLM
 from pagedattn.model.gguf_loader import GGUFCheckpoint, quantize_checkpoint
 from pagedattn.model.hf_loader import HFCheckpoint
+from pagedattn.model.parallel_layers import build_parallel_model, shard_text_config
 from pagedattn.model.registry import config_class, resolve_architecture, text_config
 from pagedattn.model.text_config import TextConfig
 
@@ -230,11 +231,7 @@ def build_model(
         plan = choose_model_plan(config, torch_dtype, device, checkpoint=checkpoint)
     if plan.linear_quant is not None and _has_blocks(checkpoint, plan):
         # NOTE: a rank's layers are its shards: their shapes choose its tile switch.
-        shapes = config
-        if parallel is not None:
-            from pagedattn.model.parallel_layers import shard_text_config
-
-            shapes = shard_text_config(config, parallel)
+        shapes = config if parallel is None else shard_text_config(config, parallel)
         plan = with_quant_rows(plan, model_shapes(shapes))
     backend = (
         attn_backend
@@ -245,8 +242,6 @@ def build_model(
         if parallel is None:
             net = model_cls(config, backend, architecture, plan)
         else:
-            from pagedattn.model.parallel_layers import build_parallel_model
-
             net = build_parallel_model(model_cls, config, backend, architecture, plan, parallel)
     # NOTE: built on meta and then materialised, so no time is spent on random init. Not
     # to_empty(): its empty_like on meta tensors imports sympy (~0.35 s); torch.empty does not.
