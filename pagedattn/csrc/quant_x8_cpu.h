@@ -17,8 +17,8 @@
 // 6-bit values reaches 2 * 63 * 127, so two of them add in int16 before the scales' madd, and
 // the -32 offset is taken out with the activation's 16-value sums (ActQ8_K::bsums).
 //
-// Standalone measurement: scripts/q4k_interleave_probe.cpp. Elsewhere than x86 the same integer
-// sums in plain C++.
+// Standalone measurements: scripts/q4k_interleave_probe.cpp, scripts/x8_prefetch_probe.cpp.
+// Elsewhere than x86 the same integer sums in plain C++.
 #pragma once
 
 #include "quant_dot_cpu.h"
@@ -136,10 +136,11 @@ inline void dequant_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, int r, float* y)
 // thread takes consecutive groups), all its cache lines at once, non-temporal. Without it one
 // activation row ran a Q6_K layer from DRAM at 10.5 GB/s (the kernel reads a block's ql and qh
 // areas by turns and the hardware prefetcher fell behind), Q4_K at 15.8. AMD Zen 2, 2 threads,
-// [8192 x 2048] layers cycled from DRAM, the x8 kernels alone, GB/s: 2 / 3 / 6 blocks ahead
-// into L1 (T0), Q6_K 16.3 / 18.9 / 18.0, Q4_K 20.0 / 21.5 / 21.1; 3 / 6 ahead NTA, Q6_K 19.5-22 /
-// 19.5, Q4_K 24-27 / 26. In QuantLinear at 1 row: Q4_K 22.5, Q6_K 19.8 (rows as stored: 13.4,
-// 14.3); 8 to 512 rows unchanged (Q4_K 231-246 GFLOP/s, Q6_K 169-192).
+// [8192 x 2048] layers cycled from DRAM, the kernels alone (scripts/x8_prefetch_probe.cpp), GB/s
+// at 2 / 3 / 6 blocks ahead into L1 (T0): Q6_K 16.3 / 18.9 / 18.0, Q4_K 20.0 / 21.5 / 21.1; at
+// 3 / 6 ahead NTA: Q6_K 19.5-22 / 19.5, Q4_K 24-27 / 26. In QuantLinear at 1 row: Q4_K 22.5,
+// Q6_K 19.8 (rows as stored: 13.4, 14.3); 8 to 512 rows unchanged (Q4_K 231-246 GFLOP/s, Q6_K
+// 169-192).
 #ifndef PAGEDATTN_X8_PREFETCH
 #define PAGEDATTN_X8_PREFETCH 3
 #endif
