@@ -5,7 +5,7 @@
 //
 //   TI=$(.venv/bin/python -c "import torch,os;print(os.path.dirname(torch.__file__)+'/include')")
 //   g++ -O3 -std=c++17 -march=x86-64-v3 -DCPU_CAPABILITY_AVX2 -fopenmp -Ipagedattn/csrc -I$TI \
-//       -DPAGEDATTN_X8_PREFETCH=3 -DPAGEDATTN_X8_HINT=_MM_HINT_NTA \
+//       -DPAGEDATTN_X8_PREFETCH=3 -DPAGEDATTN_QUANT_HINT=_MM_HINT_NTA \
 //       -o /tmp/x8_probe scripts/x8_prefetch_probe.cpp
 //   OMP_NUM_THREADS=2 /tmp/x8_probe [rows=1] [N=8192] [copies=12]     (K = 2048)
 //

@@ -67,6 +67,22 @@ inline void unpack_legacy_scalar(const typename LegacyBlock<T>::type* b, int* q)
   }
 }
 
+// Weight blocks stream from memory at every decode step: the kernels ask for the bytes they
+// will read next, every cache line of [p, p + bytes) at once, non-temporal (quant_x8_cpu.h and
+// QuantLinear::decode measure why).
+#ifndef PAGEDATTN_QUANT_HINT
+#define PAGEDATTN_QUANT_HINT _MM_HINT_NTA
+#endif
+inline void prefetch_span(const void* p, int64_t bytes) {
+#ifdef PAGEDATTN_QUANT_X86
+  const char* c = static_cast<const char*>(p);
+  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(c + l, PAGEDATTN_QUANT_HINT);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
+
 #ifdef PAGEDATTN_QUANT_X86
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)

@@ -144,18 +144,10 @@ inline void dequant_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, int r, float* y)
 #ifndef PAGEDATTN_X8_PREFETCH
 #define PAGEDATTN_X8_PREFETCH 3
 #endif
-#ifndef PAGEDATTN_X8_HINT
-#define PAGEDATTN_X8_HINT _MM_HINT_NTA
-#endif
 constexpr int kPrefetchBlocks = PAGEDATTN_X8_PREFETCH;
 template <typename Block>
 inline void prefetch_ahead(const Block* blk) {
-#ifdef PAGEDATTN_QUANT_X86
-  const char* p = reinterpret_cast<const char*>(blk + kPrefetchBlocks);
-  for (size_t l = 0; l < sizeof(Block); l += 64) _mm_prefetch(p + l, PAGEDATTN_X8_HINT);
-#else
-  (void)blk;
-#endif
+  prefetch_span(blk + kPrefetchBlocks, sizeof(Block));
 }
 
 // out[m * ldo + r] = row r of the group . activation row m, for MB activation rows (act[m]:
