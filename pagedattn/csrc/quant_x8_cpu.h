@@ -139,8 +139,8 @@ inline void dequant_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, int r, float* y)
 // [8192 x 2048] layers cycled from DRAM, the kernels alone (scripts/x8_prefetch_probe.cpp), GB/s
 // at 2 / 3 / 6 blocks ahead into L1 (T0): Q6_K 16.3 / 18.9 / 18.0, Q4_K 20.0 / 21.5 / 21.1; at
 // 3 / 6 ahead NTA: Q6_K 19.5-22 / 19.5, Q4_K 24-27 / 26. In QuantLinear at 1 row: Q4_K 22.5,
-// Q6_K 19.8 (rows as stored: 13.4, 14.3); 8 to 512 rows unchanged (Q4_K 231-246 GFLOP/s, Q6_K
-// 169-192).
+// Q6_K 19.8 (the row-major kernel before its own prefetch: 13.4, 14.3); 8 to 512 rows
+// unchanged (Q4_K 231-246 GFLOP/s, Q6_K 169-192).
 #ifndef PAGEDATTN_X8_PREFETCH
 #define PAGEDATTN_X8_PREFETCH 3
 #endif
