@@ -33,10 +33,10 @@ def main() -> int:
         "- `attention_amx_u8_cpu.h`: the u8 cache's AMX-INT8 tile kernel.",
         "- `bindings_cpu.cpp`: the extension's Python module: every kernel's bindings.",
         "- `quant_cpu.cpp`: linear layers and embeddings on GGUF weights kept in their stored"
-        " blocks (int8 activations per block; Q4_K and Q6_K repacked 8 rows interleaved at"
+        " blocks (int8 activations per block; Q4_K, Q6_K and Q8_0 repacked 8 rows interleaved at"
         " every row count; the other types: dot kernels for decode rows, dequantised tiles"
         " for prefill).",
-        "- `quant_x8_cpu.h`: Q4_K and Q6_K blocks of 8 rows interleaved, their repack, GEMM"
+        "- `quant_x8_cpu.h`: Q4_K, Q6_K and Q8_0 blocks of 8 rows interleaved, their repack, GEMM"
         " (AVX2 maddubs with int16 sums per sub-block, scalar) and row dequantisation.",
         "- `quant_linear_cpu.h`: the QuantLinear class, declared for the decode stack to call the"
         " layers Python packed.",

@@ -356,8 +356,8 @@ def pack_quantized(
     interleave: bool = True,
 ) -> PackedLinear:
     """``weight``'s blocks packed for the gguf kernel, which dequantises tiles into at::mm from
-    ``prefill_rows`` rows and runs its int8 dot kernels below. Q4_K and Q6_K parts of 8n
-    rows are repacked 8 rows interleaved (their own kernel at every row count) unless
+    ``prefill_rows`` rows and runs its int8 dot kernels below. Q4_K, Q6_K and Q8_0 parts of
+    8n rows are repacked 8 rows interleaved (their own kernel at every row count) unless
     ``interleave`` is off (the blocks then stay as stored: the row-major dot kernel)."""
     return LINEAR_KERNELS["gguf"].pack(weight, bias, prefill_rows, interleave)
 

@@ -361,7 +361,7 @@ def with_quant_rows(plan: KernelPlan, shapes: ModelShapes) -> KernelPlan:
         _announce(
             key,
             f"GGUF layers: int8 dot kernels below {rows} rows, dequantised tiles "
-            "from there (measured earlier; Q4_K and Q6_K run interleaved at every row count)",
+            "from there (measured earlier; Q4_K, Q6_K and Q8_0 run interleaved at every row count)",
         )
         return dataclasses.replace(plan, quant_prefill_rows=rows)
     start = time.perf_counter()
@@ -374,8 +374,8 @@ def with_quant_rows(plan: KernelPlan, shapes: ModelShapes) -> KernelPlan:
     _announced.add(key)
     print(
         f"[kernels] GGUF layers: int8 dot kernels below {rows} rows, dequantised tiles from "
-        f"there (measured in {time.perf_counter() - start:.1f} s; cached in {path}; Q4_K and "
-        "Q6_K run interleaved at every row count)",
+        f"there (measured in {time.perf_counter() - start:.1f} s; cached in {path}; Q4_K, Q6_K "
+        "and Q8_0 run interleaved at every row count)",
         file=sys.stderr,
     )
     return dataclasses.replace(plan, quant_prefill_rows=rows)

@@ -9,7 +9,7 @@
 //   tile, so no whole float copy of the weight ever exists; the activations are the decode
 //   path's int8 blocks widened back (as_int8_activations), as llama.cpp quantises them at every
 //   batch size.
-// - Q4_K and Q6_K parts whose rows come in eights are repacked at load into rows interleaved
+// - Q4_K, Q6_K and Q8_0 parts whose rows come in eights are repacked at load into rows interleaved
 //   8 at a time (quant_x8_cpu.h) and multiplied by that kernel at every row count, prefill included: the
 //   part is held once, in that layout (its rows as stored are not kept).
 // - A layer is one or more parts (a fused qkv or gate/up projection whose pieces were stored in
@@ -241,35 +241,62 @@ void dot_rows(int type, const uint8_t* row, int64_t K, const void* const* act, f
   }
 }
 
-// A Q4_K or Q6_K tensor [rows, bytes] (rows a multiple of 8) as [rows / 8, superblocks *
-// x8 block bytes] (quant_x8_cpu.h).
+// Whether QuantLinear repacks parts of this type 8 rows interleaved (quant_x8_cpu.h).
+bool has_x8(int type) { return type == kQ4_K || type == kQ6_K || type == kQ8_0; }
+
+// The bytes of one x8 block and the values it holds per row.
+int64_t x8_block_bytes(int type) {
+  return type == kQ4_K ? sizeof(BlockQ4_Kx8) : (type == kQ6_K ? sizeof(BlockQ6_Kx8) : sizeof(BlockQ8_0x8));
+}
+
+// A Q4_K, Q6_K or Q8_0 tensor [rows, bytes] (rows a multiple of 8) as [rows / 8, blocks * x8
+// block bytes] (quant_x8_cpu.h).
 at::Tensor interleave_rows(const at::Tensor& data, int type, int64_t K) {
-  const int64_t groups = data.size(0) / 8, nb = K / kBlockK, row_bytes = data.size(1);
-  const int64_t block = type == kQ4_K ? sizeof(BlockQ4_Kx8) : sizeof(BlockQ6_Kx8);
+  const int64_t groups = data.size(0) / 8, nb = K / block_values(type), row_bytes = data.size(1);
+  const int64_t block = x8_block_bytes(type);
   at::Tensor out = at::empty({groups, nb * block}, data.options());
   const uint8_t* src = data.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 16, [&](int64_t b, int64_t e) {
     for (int64_t g = b; g < e; ++g) {
       uint8_t* to = dst + g * nb * block;
+      const uint8_t* from = src + g * 8 * row_bytes;
       if (type == kQ4_K) {
-        repack_q4_k_x8(src + g * 8 * row_bytes, nb, reinterpret_cast<BlockQ4_Kx8*>(to));
+        repack_q4_k_x8(from, nb, reinterpret_cast<BlockQ4_Kx8*>(to));
+      } else if (type == kQ6_K) {
+        repack_q6_k_x8(from, nb, reinterpret_cast<BlockQ6_Kx8*>(to));
       } else {
-        repack_q6_k_x8(src + g * 8 * row_bytes, nb, reinterpret_cast<BlockQ6_Kx8*>(to));
+        repack_q8_0_x8(from, nb, reinterpret_cast<BlockQ8_0x8*>(to));
       }
     }
   });
   return out;
 }
 
+// act[m]: activation row m's blocks (ActQ8_0 for Q8_0, ActQ8_K for the K types).
 template <int MB>
-void gemm_x8(int type, const uint8_t* grp, int64_t nb, const ActQ8_K* const* act, float* out,
+void gemm_x8(int type, const uint8_t* grp, int64_t nb, const void* const* act, float* out,
              bool prefetch) {
-  if (type == kQ4_K) {
-    gemm_q4_k_x8<MB>(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, act, out, 8, prefetch);
-  } else {
-    gemm_q6_k_x8<MB>(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, act, out, 8, prefetch);
+  if (type == kQ8_0) {
+    gemm_q8_0_x8<MB>(reinterpret_cast<const BlockQ8_0x8*>(grp), nb,
+                     reinterpret_cast<const ActQ8_0* const*>(act), out, 8, prefetch);
+    return;
   }
+  const auto* ak = reinterpret_cast<const ActQ8_K* const*>(act);
+  if (type == kQ4_K) {
+    gemm_q4_k_x8<MB>(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, ak, out, 8, prefetch);
+  } else {
+    gemm_q6_k_x8<MB>(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, ak, out, 8, prefetch);
+  }
+}
+
+// Every row of x [M, K] as Q8_0 blocks (M * K / 32), on the threads.
+std::vector<ActQ8_0> quantize_rows_q8_0(const float* x, int64_t M, int64_t K) {
+  std::vector<ActQ8_0> out(M * (K / kBlock));
+  at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+    for (int64_t m = b; m < e; ++m) quantize_row_q8_0(x + m * K, K, out.data() + m * (K / kBlock));
+  });
+  return out;
 }
 
 // Every row of x [M, K] as Q8_K blocks (M * K / 256), on the threads.
@@ -335,7 +362,7 @@ QuantLinear::QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> type
     rows += data_[p].size(0);
     needs_q8_0_ |= !is_k_type(static_cast<int>(types_[p]));
     needs_q8_k_ |= is_k_type(static_cast<int>(types_[p]));
-    const bool x8 = interleave && (types_[p] == kQ4_K || types_[p] == kQ6_K) && data_[p].size(0) % 8 == 0;
+    const bool x8 = interleave && has_x8(static_cast<int>(types_[p])) && data_[p].size(0) % 8 == 0;
     x8_.push_back(x8);
     if (x8) data_[p] = interleave_rows(data_[p], static_cast<int>(types_[p]), K);
   }
@@ -369,18 +396,21 @@ at::Tensor QuantLinear::forward(const at::Tensor& x) const {
 }
 
 at::Tensor QuantLinear::rows(const at::Tensor& ids, at::ScalarType dtype) const {
-  const int64_t K = K_, nb = K_ / kBlockK;
+  const int64_t K = K_;
   return gather_rows(ids, N_, K, dtype, [&](int64_t id, float* y) {
     const auto [p, r] = row_of_col_[id];
     const int type = static_cast<int>(types_[p]);
     const uint8_t* base = data_[p].data_ptr<uint8_t>();
-    const int64_t stride = data_[p].size(1);
+    const int64_t stride = data_[p].size(1), nb = K / block_values(type);
+    const uint8_t* grp = base + r / 8 * stride;
     if (!x8_[p]) {
       dequant_row(type, base + r * stride, K, y);
     } else if (type == kQ4_K) {
-      dequant_q4_k_x8(reinterpret_cast<const BlockQ4_Kx8*>(base + r / 8 * stride), nb, r % 8, y);
+      dequant_q4_k_x8(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, r % 8, y);
+    } else if (type == kQ6_K) {
+      dequant_q6_k_x8(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, r % 8, y);
     } else {
-      dequant_q6_k_x8(reinterpret_cast<const BlockQ6_Kx8*>(base + r / 8 * stride), nb, r % 8, y);
+      dequant_q8_0_x8(reinterpret_cast<const BlockQ8_0x8*>(grp), nb, r % 8, y);
     }
   });
 }
@@ -400,14 +430,9 @@ int64_t QuantLinear::nbytes() const {
 void QuantLinear::decode(const at::Tensor& x32, at::Tensor& out) const {
   const int64_t M = x32.size(0), K = K_;
   const float* x = x32.data_ptr<float>();
-  std::vector<ActQ8_0> a0(needs_q8_0_ ? M * (K / kBlock) : 0);
-  if (needs_q8_0_) {
-    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
-      for (int64_t m = b; m < e; ++m) quantize_row_q8_0(x + m * K, K, a0.data() + m * (K / kBlock));
-    });
-  }
+  const std::vector<ActQ8_0> a0 = needs_q8_0_ ? quantize_rows_q8_0(x, M, K) : std::vector<ActQ8_0>();
   const std::vector<ActQ8_K> ak = needs_q8_k_ ? quantize_rows_q8_k(x, M, K) : std::vector<ActQ8_K>();
-  run_x8(ak, M, out);
+  run_x8(a0, ak, M, out);
   if (std::all_of(x8_.begin(), x8_.end(), [](bool b) { return b; })) return;
   float* y = out.data_ptr<float>();
   const int64_t N = N_;
@@ -458,15 +483,19 @@ void QuantLinear::decode(const at::Tensor& x32, at::Tensor& out) const {
 
 // The interleaved parts: each thread takes whole groups of 8 rows; activation rows are met in
 // chunks that stay in L2 (kChunkBytes), 4 at a time (1..3 for the last).
-void QuantLinear::run_x8(const std::vector<ActQ8_K>& ak, int64_t M, at::Tensor& out) const {
+void QuantLinear::run_x8(const std::vector<ActQ8_0>& a0, const std::vector<ActQ8_K>& ak, int64_t M,
+                         at::Tensor& out) const {
   constexpr int64_t kChunkBytes = 256 << 10;
   if (std::none_of(x8_.begin(), x8_.end(), [](bool b) { return b; })) return;
-  const int64_t nb = K_ / kBlockK, N = N_;
-  const int64_t chunk = std::max<int64_t>(4, kChunkBytes / (nb * static_cast<int64_t>(sizeof(ActQ8_K))) / 4 * 4);
+  const int64_t N = N_;
   float* y = out.data_ptr<float>();
   for (size_t p = 0; p < data_.size(); ++p) {
     if (!x8_[p]) continue;
     const int type = static_cast<int>(types_[p]);
+    const bool q8_0 = type == kQ8_0;
+    const int64_t nb = K_ / block_values(type);
+    const int64_t act_bytes = nb * static_cast<int64_t>(q8_0 ? sizeof(ActQ8_0) : sizeof(ActQ8_K));
+    const int64_t chunk = std::max<int64_t>(4, kChunkBytes / act_bytes / 4 * 4);
     const uint8_t* blocks = data_[p].data_ptr<uint8_t>();
     const int64_t group_bytes = data_[p].size(1);
     const std::vector<int32_t>& cols = cols_[p];
@@ -478,8 +507,11 @@ void QuantLinear::run_x8(const std::vector<ActQ8_K>& ak, int64_t M, at::Tensor& 
           const uint8_t* grp = blocks + g * group_bytes;
           for (int64_t m0 = c0; m0 < c1; m0 += 4) {
             const int mb = static_cast<int>(std::min<int64_t>(4, c1 - m0));
-            const ActQ8_K* act[4];
-            for (int i = 0; i < mb; ++i) act[i] = ak.data() + (m0 + i) * nb;
+            const void* act[4];
+            for (int i = 0; i < mb; ++i) {
+              act[i] = q8_0 ? static_cast<const void*>(a0.data() + (m0 + i) * nb)
+                            : static_cast<const void*>(ak.data() + (m0 + i) * nb);
+            }
             const bool first = m0 == c0;  // the chunk's later rows find the group in cache
             switch (mb) {
               case 1: gemm_x8<1>(type, grp, nb, act, tmp, first); break;
@@ -501,12 +533,22 @@ void QuantLinear::prefill(const at::Tensor& x32, at::Tensor& out) const {
   const int64_t K = K_;
   const int64_t tile_rows = std::max<int64_t>(16, kTileFloats / K);
   at::Tensor tile = at::empty({tile_rows, K}, x32.options());
-  at::Tensor x_q8_0 = needs_q8_0_ ? as_int8_activations(x32, false) : at::Tensor();
-  bool tiles_need_q8_k = false;
-  for (size_t p = 0; p < data_.size(); ++p) tiles_need_q8_k |= !x8_[p] && is_k_type(static_cast<int>(types_[p]));
+  bool tiles_need_q8_0 = false, tiles_need_q8_k = false, x8_q8_0 = false, x8_q8_k = false;
+  for (size_t p = 0; p < data_.size(); ++p) {
+    const bool k_type = is_k_type(static_cast<int>(types_[p]));
+    if (x8_[p]) {
+      (k_type ? x8_q8_k : x8_q8_0) = true;
+    } else {
+      (k_type ? tiles_need_q8_k : tiles_need_q8_0) = true;
+    }
+  }
+  at::Tensor x_q8_0 = tiles_need_q8_0 ? as_int8_activations(x32, false) : at::Tensor();
   at::Tensor x_q8_k = tiles_need_q8_k ? as_int8_activations(x32, true) : at::Tensor();
-  if (std::any_of(x8_.begin(), x8_.end(), [](bool b) { return b; })) {
-    run_x8(quantize_rows_q8_k(x32.data_ptr<float>(), x32.size(0), K), x32.size(0), out);
+  if (x8_q8_0 || x8_q8_k) {
+    const float* x = x32.data_ptr<float>();
+    const int64_t M = x32.size(0);
+    run_x8(x8_q8_0 ? quantize_rows_q8_0(x, M, K) : std::vector<ActQ8_0>(),
+           x8_q8_k ? quantize_rows_q8_k(x, M, K) : std::vector<ActQ8_K>(), M, out);
   }
   for (size_t p = 0; p < data_.size(); ++p) {
     if (x8_[p]) continue;

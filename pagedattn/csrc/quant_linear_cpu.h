@@ -17,7 +17,7 @@ class QuantLinear {
   // data[p]: uint8 [rows_p, bytes per row] blocks of ggml type types[p]; index[p]: the output
   // column of each of its rows (none: rows in order from the part's start); prefill_rows: rows
   // from which forward dequantises tiles into at::mm instead of the int8 dot kernels;
-  // interleave: repack Q4_K and Q6_K parts of 8n rows (quant_x8_cpu.h), which then run that kernel at
+  // interleave: repack Q4_K, Q6_K and Q8_0 parts of 8n rows (quant_x8_cpu.h), which then run that kernel at
   // every row count (off where the blocks must stay as stored: a tied embedding's table).
   QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> types,
               std::vector<c10::optional<at::Tensor>> index, int64_t N, int64_t K,
@@ -35,7 +35,8 @@ class QuantLinear {
  private:
   void decode(const at::Tensor& x32, at::Tensor& out) const;
   void prefill(const at::Tensor& x32, at::Tensor& out) const;
-  void run_x8(const std::vector<ActQ8_K>& ak, int64_t M, at::Tensor& out) const;
+  void run_x8(const std::vector<ActQ8_0>& a0, const std::vector<ActQ8_K>& ak, int64_t M,
+              at::Tensor& out) const;
 
   std::vector<at::Tensor> data_;
   std::vector<int64_t> types_;

@@ -93,8 +93,9 @@ class GGUFFormatError(ValueError):
 
 
 # The bytes of the interleaved layouts QuantLinear repacks these types into, over the stored
-# bytes (Q4_K's scales held as bytes: 148 per row and superblock, not 144; Q6_K: 210 as stored).
-X8_GROWTH = {"Q4_K": 148 / 144, "Q6_K": 1.0}
+# bytes (Q4_K's scales held as bytes: 148 per row and superblock, not 144; Q6_K and Q8_0: as
+# stored).
+X8_GROWTH = {"Q4_K": 148 / 144, "Q6_K": 1.0, "Q8_0": 1.0}
 
 
 class GGUFCheckpoint:
@@ -275,7 +276,7 @@ class GGUFCheckpoint:
                     if name.endswith("k_proj.weight"):
                         heads = config.num_key_value_heads
                     order = _stored_row_order(rows_cols[0], heads)
-                # NOTE: QuantLinear repacks Q4_K and Q6_K rows in eights (csrc/quant_x8_cpu.h):
+                # NOTE: QuantLinear repacks Q4_K, Q6_K and Q8_0 rows in eights (quant_x8_cpu.h):
                 # Q4_K's scales then take bytes (148 per row and superblock, not 144).
                 untied_table = (
                     name.endswith("embed_tokens.weight") and not config.tie_word_embeddings

@@ -144,9 +144,9 @@ def test_fused_parts_row_order_bias_and_bf16(rows):
     assert relative_error(y16.float(), exact, x, w) < 2e-2
 
 
-@pytest.mark.parametrize("type_id", [12, 14])
+@pytest.mark.parametrize("type_id", [12, 14, 8])
 def test_interleaved_parts_are_held_once_and_agree_with_the_rows_as_stored(type_id):
-    """Q4_K and Q6_K parts of 8n rows are repacked 8 rows interleaved (quant_x8_cpu.h) and the
+    """Q4_K, Q6_K and Q8_0 parts of 8n rows are repacked 8 rows interleaved (quant_x8_cpu.h) and the
     stored rows dropped; a part of another row count, or with interleave off (a tied embedding's
     table), keeps its blocks. Fused with such a part, in a permuted row order, the interleaved
     part agrees with the row-major dot kernel up to the order of float sums, at every row
@@ -169,19 +169,22 @@ def test_interleaved_parts_are_held_once_and_agree_with_the_rows_as_stored(type_
     assert released == [1]
     assert x8.b.parts[0].data.is_meta and x8.b.parts[0].name == parts[0].name
     assert x8.b.parts[1] is parts[1] and stored.b.parts[0] is parts[0]
-    per_row = {12: 148, 14: 210}[type_id] * cols // 256  # Q4_K's scales held as bytes: +4 B
+    # Q4_K's scales held as bytes: +4 B per superblock; Q6_K and Q8_0 as stored
+    per_row = {12: 148 * cols // 256, 14: 210 * cols // 256, 8: 34 * cols // 32}[type_id]
     assert x8.a.nbytes() == 16 * per_row + b.nbytes
     assert stored.a.nbytes() == a.nbytes + b.nbytes
     w = torch.cat((parts[0].dequantize(), parts[1].dequantize()))
     x = torch.from_numpy(rng.standard_normal((70, cols)).astype(np.float32))
     full = x8(x)
     assert relative_error(full, stored(x), x, w) < 2e-6
-    assert relative_error(full, int8_rounded(x, 12) @ w.T, x, w) < 2e-6
+    # the fused Q6_K part rounds its activations per 256 values, the first part as its type does
+    ref = torch.cat((int8_rounded(x, type_id) @ w[:16].T, int8_rounded(x, 14) @ w[16:].T), 1)
+    assert relative_error(full, ref, x, w) < 2e-6
     for rows in (1, 2, 3, 5, 9):
         assert torch.equal(x8(x[:rows])[:, :16], full[:rows, :16])
 
 
-@pytest.mark.parametrize("type_id", [12, 14, 3])
+@pytest.mark.parametrize("type_id", [12, 14, 8, 3])
 def test_a_layers_rows_dequantise_as_the_table(type_id):
     """A tied embedding looks its tokens up in the LM head's layer (QuantLinear.rows): the same
     values as the table's rows as stored, whether the layer repacked them or not."""
