@@ -240,7 +240,12 @@ def tune_quant_rows(layer_shapes: Sequence[Shape]) -> tuple[int, dict[str, dict[
     weight = torch.randn(min(out, QUANT_TUNE_MAX_OUT), cols, generator=gen).mul_(0.02)
     block = quantize(weight, kind)
     parts = QuantizedParts((block,), (0,), block.shape[0], cols)
-    modes = {"dot": pack_quantized(parts, None, 1 << 30), "tiles": pack_quantized(parts, None, 1)}
+    # NOTE: as stored: an interleaved part runs its own kernel at every row count (so would time
+    # the same kernel twice); the switch is the other parts'
+    modes = {
+        "dot": pack_quantized(parts, None, 1 << 30, interleave=False),
+        "tiles": pack_quantized(parts, None, 1, interleave=False),
+    }
     times: dict[str, dict[str, float]] = {}
     for rows in QUANT_SPLIT_ROWS:
         x = torch.randn(rows, cols, generator=gen)
