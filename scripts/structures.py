@@ -43,7 +43,7 @@ def main() -> int:
         "- `quant_blocks_cpu.h`: the GGUF block formats as stored, and the int8 forms activations"
         " take to meet them (Q8_0, Q8_K).",
         "- `quant_dot_cpu.h`: dot products of GGUF weight blocks with int8 activation blocks"
-        " (AVX2 maddubs, AVX-512 VNNI, scalar).",
+        " (AVX2 maddubs, AVX-512 VNNI, scalar), and the rows as stored dequantised.",
         "- `linear_cpu.cpp`: the panel GEMM, one of the linear kernels the tuner measures"
         " (panels, AMX, MKL, oneDNN, F.linear).",
         "- `linear_amx_cpu.cpp`: the AMX-BF16 tile GEMM for decode row counts (weights packed once"

@@ -384,4 +384,72 @@ inline void dot_q6_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act, 
 #endif
 }
 
+// ---- rows as stored, dequantised to float (quant_cpu.cpp's dequant_row picks by type) ----
+
+template <int T>
+inline void dequant_legacy(const uint8_t* row, int64_t K, float* y) {
+  using Block = typename LegacyBlock<T>::type;
+  const Block* blocks = reinterpret_cast<const Block*>(row);
+  int q[32];
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const Block* blk = blocks + b;
+    const float d = half_to_float(blk->d);
+    float c = -static_cast<float>(legacy_offset<T>()) * d;
+    if constexpr (legacy_has_min<T>()) c = half_to_float(blk->m);
+    unpack_legacy_scalar<T>(blk, q);
+    for (int j = 0; j < 32; ++j) y[b * kBlock + j] = d * static_cast<float>(q[j]) + c;
+  }
+}
+
+template <bool five>
+inline void dequant_q45_k(const uint8_t* row, int64_t K, float* y) {
+  constexpr int64_t stride = five ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
+  for (int64_t b = 0; b < K / kBlockK; ++b) {
+    const uint8_t* blk = row + b * stride;
+    const BlockQ4_K* head = reinterpret_cast<const BlockQ4_K*>(blk);
+    const uint8_t* qh = five ? reinterpret_cast<const BlockQ5_K*>(blk)->qh : nullptr;
+    const uint8_t* qs = five ? reinterpret_cast<const BlockQ5_K*>(blk)->qs : head->qs;
+    const float d = half_to_float(head->d), dmin = half_to_float(head->dmin);
+    float* out = y + b * kBlockK;
+    for (int j = 0; j < 4; ++j) {
+      uint8_t sc0, m0, sc1, m1;
+      scale_min_k4(2 * j, head->scales, &sc0, &m0);
+      scale_min_k4(2 * j + 1, head->scales, &sc1, &m1);
+      const float d0 = d * sc0, c0 = dmin * m0, d1 = d * sc1, c1 = dmin * m1;
+      for (int l = 0; l < 32; ++l) {
+        int lo = qs[32 * j + l] & 0xF, hi = qs[32 * j + l] >> 4;
+        if constexpr (five) {
+          lo |= ((qh[l] >> (2 * j)) & 1) << 4;
+          hi |= ((qh[l] >> (2 * j + 1)) & 1) << 4;
+        }
+        out[64 * j + l] = d0 * static_cast<float>(lo) - c0;
+        out[64 * j + 32 + l] = d1 * static_cast<float>(hi) - c1;
+      }
+    }
+  }
+}
+
+inline void dequant_q6_k(const uint8_t* row, int64_t K, float* y) {
+  const BlockQ6_K* blocks = reinterpret_cast<const BlockQ6_K*>(row);
+  for (int64_t b = 0; b < K / kBlockK; ++b) {
+    const BlockQ6_K* blk = blocks + b;
+    const float d = half_to_float(blk->d);
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* ql = blk->ql + 64 * h;
+      const uint8_t* qh = blk->qh + 32 * h;
+      const int8_t* sc = blk->scales + 8 * h;
+      float* out = y + b * kBlockK + 128 * h;
+      for (int l = 0; l < 32; ++l) {
+        const int g = l / 16;
+        out[l] = d * sc[g] * static_cast<float>(((ql[l] & 0xF) | ((qh[l] & 3) << 4)) - 32);
+        out[l + 32] =
+            d * sc[g + 2] * static_cast<float>(((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32);
+        out[l + 64] = d * sc[g + 4] * static_cast<float>(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+        out[l + 96] =
+            d * sc[g + 6] * static_cast<float>(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+      }
+    }
+  }
+}
+
 }  // namespace pagedattn_quant

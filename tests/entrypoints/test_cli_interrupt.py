@@ -96,6 +96,10 @@ def test_ctrl_c_during_start_up_is_one_line_and_status_130(model):
         seen.append(f"delay {delay_s} s: status {code}, during start-up {during_startup}")
         if code == 0 and not during_startup:
             continue  # it finished first (a fast machine): nothing to check at this delay
+        if code == -signal.SIGINT and "[kv] time:" in out:
+            # NOTE: it had printed its last line and was exiting when the signal came: Python's
+            # own exit by SIGINT, which a shell reports as status 130 (seen on AMD Zen 4 at 2.5 s)
+            continue
         context = f"delay {delay_s} s, status {code}\nstdout:\n{out}\nstderr:\n{err}"
         assert "Traceback" not in err, context
         assert code == 130, context
