@@ -38,14 +38,8 @@ constexpr int64_t kRowsPerTask = 8;       // output rows per parallel_for grain 
 // layer they are 1.1 MB: streamed once per weight row, the kernel fell from 98 to 77 GFLOP/s).
 constexpr int64_t kTileN = 16;
 constexpr int64_t kChunkM = 64;
-// ... and each row asks for the bytes this far past it (its tile's first chunk; the later
-// chunks find the tile in cache): [8192 x 2048] layers cycled from DRAM, 2 threads, AMD Zen 2,
-// one row, GB/s without / 2 / 4 / 8 KiB ahead: Q8_0 15.7-16.1 / 19.6 / 17.8 / 17.2, Q4_1
-// 12.4-14.6 / 17.8 / 17.5 / 17.7, Q4_0 14.4 / 16.5 / 16.5 / 16.5; 4 rows: Q8_0 1.64 -> 1.46 ms.
-#ifndef PAGEDATTN_ROW_PREFETCH_BYTES
-#define PAGEDATTN_ROW_PREFETCH_BYTES 2048
-#endif
-constexpr int64_t kRowPrefetchBytes = PAGEDATTN_ROW_PREFETCH_BYTES;
+// ... and each row asks for the bytes kRowPrefetchBytes past it (quant_dot_cpu.h) in its
+// tile's first chunk; the later chunks find the tile in cache.
 
 // ---- activations to int8 blocks ----
 
@@ -178,7 +172,7 @@ void dot_rows(int type, const uint8_t* row, int64_t K, const void* const* act, f
 // Whether QuantLinear repacks parts of this type 8 rows interleaved (quant_x8_cpu.h).
 bool has_x8(int type) { return type == kQ4_K || type == kQ6_K || type == kQ8_0; }
 
-// The bytes of one x8 block and the values it holds per row.
+// The bytes of one x8 block of this type.
 int64_t x8_block_bytes(int type) {
   return type == kQ4_K ? sizeof(BlockQ4_Kx8) : (type == kQ6_K ? sizeof(BlockQ6_Kx8) : sizeof(BlockQ8_0x8));
 }

@@ -179,14 +179,9 @@ template <typename Block>
 inline void prefetch_ahead(const Block* blk) {
   prefetch_span(blk + kPrefetchBlocks, sizeof(Block));
 }
-// Q8_0's x8 blocks are small (272 bytes): they ask this many bytes ahead, as the row-major
-// kernels do (kRowPrefetchBytes in quant_cpu.cpp).
-#ifndef PAGEDATTN_X8_Q8_PREFETCH_BYTES
-#define PAGEDATTN_X8_Q8_PREFETCH_BYTES 2048
-#endif
-constexpr int64_t kQ8PrefetchBytes = PAGEDATTN_X8_Q8_PREFETCH_BYTES;
 
-// As gemm_q4_k_x8, for BlockQ8_0x8 and Q8_0 activation blocks.
+// As gemm_q4_k_x8, for BlockQ8_0x8 and Q8_0 activation blocks. Its blocks are small (272
+// bytes): it asks kRowPrefetchBytes ahead, as the row-major kernels do.
 template <int MB>
 inline void gemm_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, const ActQ8_0* const* act,
                          float* out, int64_t ldo, bool prefetch = true) {
@@ -195,7 +190,7 @@ inline void gemm_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, const ActQ8_0* cons
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const BlockQ8_0x8& w = grp[b];
-    if (prefetch) prefetch_span(reinterpret_cast<const char*>(&w) + kQ8PrefetchBytes, sizeof(w));
+    if (prefetch) prefetch_span(reinterpret_cast<const char*>(&w) + kRowPrefetchBytes, sizeof(w));
     __m256i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
     for (int c = 0; c < 8; ++c) {
