@@ -90,10 +90,13 @@ struct ActQ8_0 {
   float s;
   int8_t qs[32];
 };
-// One 256-value block of an activation row in int8, with the sums of its 16-value groups.
+// One 256-value block of an activation row in int8, with the sums of its 16-value groups and of
+// its 32-value sub-blocks (sums32: two of them per 32-bit load, as the Q4_K kernels' mins take
+// them).
 struct ActQ8_K {
   float d;
   int16_t bsums[16];
+  int16_t sums32[8];
   int8_t qs[256];
 };
 

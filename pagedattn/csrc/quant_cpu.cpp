@@ -103,6 +103,7 @@ void quantize_row_q8_k(const float* x, int64_t K, ActQ8_K* out) {
         for (int j = 0; j < 16; ++j) s += out[b].qs[c * kBlock + g * 16 + j];
         out[b].bsums[2 * c + g] = static_cast<int16_t>(s);
       }
+      out[b].sums32[c] = static_cast<int16_t>(out[b].bsums[2 * c] + out[b].bsums[2 * c + 1]);
     }
     out[b].d = d;
   }
@@ -216,6 +217,16 @@ void gemm_x8(int type, const uint8_t* grp, int64_t nb, const void* const* act, f
   } else {
     gemm_q6_k_x8<MB>(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, ak, out, 8, prefetch);
   }
+}
+
+// gemm_x8 for mb activation rows, 1 <= mb <= MB.
+template <int MB = kX8Rows>
+void gemm_x8_rows(int mb, int type, const uint8_t* grp, int64_t nb, const void* const* act,
+                  float* out, bool prefetch) {
+  if constexpr (MB > 1) {
+    if (mb < MB) return gemm_x8_rows<MB - 1>(mb, type, grp, nb, act, out, prefetch);
+  }
+  gemm_x8<MB>(type, grp, nb, act, out, prefetch);
 }
 
 // Every row of x [M, K] as Q8_0 blocks (M * K / 32), on the threads.
@@ -410,7 +421,7 @@ void QuantLinear::decode(const at::Tensor& x32, at::Tensor& out) const {
 }
 
 // The interleaved parts: each thread takes whole groups of 8 rows; activation rows are met in
-// chunks that stay in L2 (kChunkBytes), 4 at a time (1..3 for the last).
+// chunks that stay in L2 (kChunkBytes), kX8Rows at a time (fewer for the last).
 void QuantLinear::run_x8(const std::vector<ActQ8_0>& a0, const std::vector<ActQ8_K>& ak, int64_t M,
                          at::Tensor& out) const {
   constexpr int64_t kChunkBytes = 256 << 10;
@@ -423,30 +434,25 @@ void QuantLinear::run_x8(const std::vector<ActQ8_0>& a0, const std::vector<ActQ8
     const bool q8_0 = type == kQ8_0;
     const int64_t nb = K_ / block_values(type);
     const int64_t act_bytes = nb * static_cast<int64_t>(q8_0 ? sizeof(ActQ8_0) : sizeof(ActQ8_K));
-    const int64_t chunk = std::max<int64_t>(4, kChunkBytes / act_bytes / 4 * 4);
+    const int64_t chunk = std::max<int64_t>(kX8Rows, kChunkBytes / act_bytes / kX8Rows * kX8Rows);
     const uint8_t* blocks = data_[p].data_ptr<uint8_t>();
     const int64_t group_bytes = data_[p].size(1);
     const std::vector<int32_t>& cols = cols_[p];
     at::parallel_for(0, data_[p].size(0), 1, [&](int64_t g0, int64_t g1) {
-      float tmp[4 * 8];
+      float tmp[kX8Rows * 8];
       for (int64_t c0 = 0; c0 < M; c0 += chunk) {
         const int64_t c1 = std::min(M, c0 + chunk);
         for (int64_t g = g0; g < g1; ++g) {
           const uint8_t* grp = blocks + g * group_bytes;
-          for (int64_t m0 = c0; m0 < c1; m0 += 4) {
-            const int mb = static_cast<int>(std::min<int64_t>(4, c1 - m0));
-            const void* act[4];
+          for (int64_t m0 = c0; m0 < c1; m0 += kX8Rows) {
+            const int mb = static_cast<int>(std::min<int64_t>(kX8Rows, c1 - m0));
+            const void* act[kX8Rows];
             for (int i = 0; i < mb; ++i) {
               act[i] = q8_0 ? static_cast<const void*>(a0.data() + (m0 + i) * nb)
                             : static_cast<const void*>(ak.data() + (m0 + i) * nb);
             }
             const bool first = m0 == c0;  // the chunk's later rows find the group in cache
-            switch (mb) {
-              case 1: gemm_x8<1>(type, grp, nb, act, tmp, first); break;
-              case 2: gemm_x8<2>(type, grp, nb, act, tmp, first); break;
-              case 3: gemm_x8<3>(type, grp, nb, act, tmp, first); break;
-              default: gemm_x8<4>(type, grp, nb, act, tmp, first); break;
-            }
+            gemm_x8_rows(mb, type, grp, nb, act, tmp, first);
             for (int i = 0; i < mb; ++i) {
               for (int r = 0; r < 8; ++r) y[(m0 + i) * N + cols[8 * g + r]] = tmp[8 * i + r];
             }

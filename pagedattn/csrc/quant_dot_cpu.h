@@ -73,15 +73,16 @@ inline void unpack_legacy_scalar(const typename LegacyBlock<T>::type* b, int* q)
 #ifndef PAGEDATTN_QUANT_HINT
 #define PAGEDATTN_QUANT_HINT _MM_HINT_NTA
 #endif
-inline void prefetch_span(const void* p, int64_t bytes) {
 #ifdef PAGEDATTN_QUANT_X86
+template <int Hint = PAGEDATTN_QUANT_HINT>
+inline void prefetch_span(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(c + l, PAGEDATTN_QUANT_HINT);
-#else
-  (void)p;
-  (void)bytes;
-#endif
+  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(c + l, static_cast<_mm_hint>(Hint));
 }
+#else
+template <int Hint = 0>
+inline void prefetch_span(const void*, int64_t) {}
+#endif
 
 // How far ahead the kernels that stream rows' blocks in order ask (the row-major ones and the
 // interleaved Q8_0, whose blocks are small): [8192 x 2048] layers cycled from DRAM, 2 threads,

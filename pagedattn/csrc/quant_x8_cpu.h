@@ -163,22 +163,86 @@ inline void dequant_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, int r, float* y)
 
 // The first call on a group (its later activation rows find it in cache) starts each block by
 // prefetching the x8 block kPrefetchBlocks ahead (into the next group past a group's end: a
-// thread takes consecutive groups), all its cache lines at once, non-temporal. Without it one
+// thread takes consecutive groups), all its cache lines at once, into L2 (T1). Without it one
 // activation row ran a Q6_K layer from DRAM at 10.5 GB/s (the kernel reads a block's ql and qh
 // areas by turns and the hardware prefetcher fell behind), Q4_K at 15.8. AMD Zen 2, 2 threads,
 // [8192 x 2048] layers cycled from DRAM, the kernels alone (scripts/x8_prefetch_probe.cpp), GB/s
 // at 2 / 3 / 6 blocks ahead into L1 (T0): Q6_K 16.3 / 18.9 / 18.0, Q4_K 20.0 / 21.5 / 21.1; at
-// 3 / 6 ahead NTA: Q6_K 19.5-22 / 19.5, Q4_K 24-27 / 26. In QuantLinear at 1 row: Q4_K 22.5,
-// Q6_K 19.8 (the row-major kernel before its own prefetch: 13.4, 14.3); 8 to 512 rows
-// unchanged (Q4_K 231-246 GFLOP/s, Q6_K 169-192).
+// 3 / 6 ahead NTA: Q6_K 19.5-22 / 19.5, Q4_K 24-27 / 26 (T1 not measured there). AMD Zen 4,
+// the same, 2 / 3 / 5 ahead: Q6_K NTA 16-18, T0 16-17, T1 27 / 31 / 30-32; Q4_K 21-36 for all
+// three hints (noisy), T1 29-37. In QuantLinear at 1 row, Zen 4: Q6_K 16.7 GB/s NTA, T1 below.
 #ifndef PAGEDATTN_X8_PREFETCH
 #define PAGEDATTN_X8_PREFETCH 3
+#endif
+#ifndef PAGEDATTN_X8_HINT
+#define PAGEDATTN_X8_HINT _MM_HINT_T1
 #endif
 constexpr int kPrefetchBlocks = PAGEDATTN_X8_PREFETCH;
 template <typename Block>
 inline void prefetch_ahead(const Block* blk) {
-  prefetch_span(blk + kPrefetchBlocks, sizeof(Block));
+#ifdef PAGEDATTN_QUANT_X86
+  prefetch_span<PAGEDATTN_X8_HINT>(blk + kPrefetchBlocks, sizeof(Block));
+#else
+  (void)blk;
+#endif
 }
+
+#ifdef PAGEDATTN_QUANT_X86
+// 4 bytes (4 int8 activations, or two int16 sums) in every 32-bit lane.
+inline __m256i broadcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// Two int8 values per row (a[r], b[r]) as int16 lanes 2r, 2r + 1: one madd meets them with a
+// pair of activation sums.
+inline __m256i pair_bytes(const void* a, const void* b) {
+  const __m128i x = _mm_loadl_epi64(static_cast<const __m128i*>(a));
+  const __m128i y = _mm_loadl_epi64(static_cast<const __m128i*>(b));
+  return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y));
+}
+
+// How the Q4_K and Q6_K kernels add a sub-block's u8 x s8 products (32 values of 8 rows, 4 per
+// lane) before its scale (8 int8 values, one per row; Q4_K's are 0..63, so signed reads them).
+// With VNNI, dpbusd adds them straight into int32 lanes and one mullo scales each row's sum.
+// Without, maddubs' int16 pairs add up and one madd applies the scale, held twice (lanes 2r and
+// 2r + 1): 8 Q4_K columns reach 8 * 2 * 15 * 127 < 2^15, but two Q6_K columns already
+// 2 * 2 * 63 * 127, so Q6_K scales every column pair there (kQ6Pairs). The integer sums are the
+// same either way. AMD Zen 4, 1 thread, cached blocks, 8 activation rows: Q4_K 305 against 184
+// GOP/s for the int16 form at 4 rows, Q6_K 221 against 170.
+struct SubBlockSum {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  static constexpr int kQ6Pairs = 2;
+  static __m256i add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
+  static __m256i scales(const int8_t* sc) {
+    return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+  }
+  static __m256i scale(__m256i isum, __m256i sub, __m256i sc) {
+    return _mm256_add_epi32(isum, _mm256_mullo_epi32(sub, sc));
+  }
+#else
+  static constexpr int kQ6Pairs = 1;
+  static __m256i add(__m256i acc, __m256i u, __m256i s) {
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
+  }
+  static __m256i scales(const int8_t* sc) { return pair_bytes(sc, sc); }
+  static __m256i scale(__m256i isum, __m256i sub, __m256i sc) {
+    return _mm256_add_epi32(isum, _mm256_madd_epi16(sub, sc));
+  }
+#endif
+  static __m256i scales(const uint8_t* sc) { return scales(reinterpret_cast<const int8_t*>(sc)); }
+};
+
+// Activation rows one call of the x8 kernels meets: 8 where 32 vector registers hold their sums.
+#ifdef __AVX512VL__
+constexpr int kX8Rows = 8;
+#else
+constexpr int kX8Rows = 4;
+#endif
+#else
+constexpr int kX8Rows = 4;
+#endif
 
 // As gemm_q4_k_x8, for BlockQ8_0x8 and Q8_0 activation blocks. Its blocks are small (272
 // bytes): it asks kRowPrefetchBytes ahead, as the row-major kernels do.
@@ -242,51 +306,37 @@ inline void gemm_q4_k_x8(const BlockQ4_Kx8* grp, int64_t nb, const ActQ8_K* cons
     __m256i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) {
-      __m256i lo16[MB], hi16[MB];
-      for (int m = 0; m < MB; ++m) lo16[m] = hi16[m] = _mm256_setzero_si256();
+      // sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
+      __m256i lo[MB], hi[MB];
+      for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
       for (int c = 0; c < 8; ++c) {
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[i][c]));
-        const __m256i lo = _mm256_and_si256(q, m4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        const __m256i ql = _mm256_and_si256(q, m4);
+        const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
         for (int m = 0; m < MB; ++m) {
           const int8_t* y = act[m][b].qs + 64 * i + 4 * c;
-          int32_t ylo, yhi;
-          std::memcpy(&ylo, y, 4);
-          std::memcpy(&yhi, y + 32, 4);
-          lo16[m] = _mm256_add_epi16(lo16[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(ylo)));
-          hi16[m] = _mm256_add_epi16(hi16[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(yhi)));
+          lo[m] = SubBlockSum::add(lo[m], ql, broadcast4(y));
+          hi[m] = SubBlockSum::add(hi[m], qh, broadcast4(y + 32));
         }
       }
-      // row r's scale in int16 lanes 2r and 2r + 1 (the pair one maddubs lane summed)
-      const __m128i s0 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[2 * i]));
-      const __m128i s1 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[2 * i + 1]));
-      const __m256i s_lo = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s0, s0));
-      const __m256i s_hi = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(s1, s1));
+      const __m256i s_lo = SubBlockSum::scales(w.sc[2 * i]);
+      const __m256i s_hi = SubBlockSum::scales(w.sc[2 * i + 1]);
       for (int m = 0; m < MB; ++m) {
-        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(lo16[m], s_lo));
-        isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(hi16[m], s_hi));
+        isum[m] = SubBlockSum::scale(isum[m], lo[m], s_lo);
+        isum[m] = SubBlockSum::scale(isum[m], hi[m], s_hi);
       }
     }
     // The minimums: row r's mins of sub-blocks 2p, 2p + 1 in int16 lanes 2r, 2r + 1, met by one
-    // madd with the two sub-blocks' activation sums.
+    // madd with the two sub-blocks' activation sums (one 32-bit load of ActQ8_K::sums32).
     __m256i mins[4];
-    for (int p = 0; p < 4; ++p) {
-      const __m128i a = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn[2 * p]));
-      const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.mn[2 * p + 1]));
-      mins[p] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(a, c));
-    }
+    for (int p = 0; p < 4; ++p) mins[p] = pair_bytes(w.mn[2 * p], w.mn[2 * p + 1]);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
     const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dmin)));
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
       __m256i msum = _mm256_setzero_si256();
-      for (int p = 0; p < 4; ++p) {
-        const int16_t lo = static_cast<int16_t>(a.bsums[4 * p] + a.bsums[4 * p + 1]);
-        const int16_t hi = static_cast<int16_t>(a.bsums[4 * p + 2] + a.bsums[4 * p + 3]);
-        const __m256i bs = _mm256_set1_epi32(static_cast<int>(
-            (static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16) | static_cast<uint16_t>(lo)));
-        msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[p], bs));
-      }
+      for (int p = 0; p < 4; ++p) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[p], broadcast4(a.sums32 + 2 * p)));
       const __m256 ad = _mm256_set1_ps(a.d);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, ad), acc[m]);
       acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), acc[m]);
@@ -327,63 +377,60 @@ template <int MB>
 inline void gemm_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, const ActQ8_K* const* act,
                          float* out, int64_t ldo, bool prefetch = true) {
 #ifdef PAGEDATTN_QUANT_X86
+  constexpr int kSpan = SubBlockSum::kQ6Pairs;
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < nb; ++b) {
     const BlockQ6_Kx8& w = grp[b];
     if (prefetch) prefetch_ahead(&w);
-    // isum: sum over groups of sc * (q . y); osum: of sc * bsum, twice (each int16 lane pair
-    // holds the scale twice), so the -32 offset is -16 * osum.
-    __m256i isum[MB], osum[MB];
-    for (int m = 0; m < MB; ++m) isum[m] = osum[m] = _mm256_setzero_si256();
+    __m256i isum[MB];  // sum over groups of sc * (q . y), q in 0..63
+    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) {
-      // the scales of groups 4i .. 4i + 3, row r's in int16 lanes 2r and 2r + 1
-      __m256i sc[4];
-      for (int g = 0; g < 4; ++g) {
-        const __m128i s = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[4 * i + g]));
-        sc[g] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s, s));
-      }
-      for (int m = 0; m < MB; ++m) {
-        for (int g = 0; g < 4; ++g) {
-          const __m256i bs = _mm256_set1_epi16(act[m][b].bsums[4 * i + g]);
-          osum[m] = _mm256_add_epi32(osum[m], _mm256_madd_epi16(sc[g], bs));
-        }
-      }
-      for (int cp = 0; cp < 4; ++cp) {
-        // columns 2cp, 2cp + 1: lo values in group 4i + cp / 2, hi values in 4i + 2 + cp / 2;
-        // column 2cp's highs at bits 0-1 (lo) and 2-3 (hi), column 2cp + 1's at 4-5 and 6-7,
-        // each moved to bits 4-5 by one constant shift and one mask.
-        const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qh[i][cp]));
-        __m256i lo16[MB], hi16[MB];
-        for (int m = 0; m < MB; ++m) lo16[m] = hi16[m] = _mm256_setzero_si256();
-        for (int e = 0; e < 2; ++e) {
-          const int c = 2 * cp + e;
-          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.ql[i][c]));
-          const __m256i h_lo = e == 0 ? _mm256_slli_epi16(hb, 4) : hb;
-          const __m256i h_hi = e == 0 ? _mm256_slli_epi16(hb, 2) : _mm256_srli_epi16(hb, 2);
-          const __m256i lo = _mm256_or_si256(_mm256_and_si256(q, m4), _mm256_and_si256(h_lo, m30));
-          const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
-                                             _mm256_and_si256(h_hi, m30));
-          for (int m = 0; m < MB; ++m) {
-            const int8_t* y = act[m][b].qs + 64 * i + 4 * c;
-            int32_t ylo, yhi;
-            std::memcpy(&ylo, y, 4);
-            std::memcpy(&yhi, y + 32, 4);
-            lo16[m] = _mm256_add_epi16(lo16[m], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(ylo)));
-            hi16[m] = _mm256_add_epi16(hi16[m], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(yhi)));
+      for (int cp0 = 0; cp0 < 4; cp0 += kSpan) {
+        // column pairs cp0 .. cp0 + kSpan - 1: lo values in group 4i + cp0 / 2, hi values in
+        // 4i + 2 + cp0 / 2; column 2cp's highs at bits 0-1 (lo) and 2-3 (hi), column 2cp + 1's
+        // at 4-5 and 6-7, each moved to bits 4-5 by one constant shift and one mask.
+        __m256i lo[MB], hi[MB];
+        for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+        for (int cp = cp0; cp < cp0 + kSpan; ++cp) {
+          const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qh[i][cp]));
+#pragma GCC unroll 2
+          for (int e = 0; e < 2; ++e) {
+            const int c = 2 * cp + e;
+            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.ql[i][c]));
+            const __m256i h_lo = e == 0 ? _mm256_slli_epi16(hb, 4) : hb;
+            const __m256i h_hi = e == 0 ? _mm256_slli_epi16(hb, 2) : _mm256_srli_epi16(hb, 2);
+            const __m256i ql = _mm256_or_si256(_mm256_and_si256(q, m4), _mm256_and_si256(h_lo, m30));
+            const __m256i qh = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q, 4), m4),
+                                               _mm256_and_si256(h_hi, m30));
+            for (int m = 0; m < MB; ++m) {
+              const int8_t* y = act[m][b].qs + 64 * i + 4 * c;
+              lo[m] = SubBlockSum::add(lo[m], ql, broadcast4(y));
+              hi[m] = SubBlockSum::add(hi[m], qh, broadcast4(y + 32));
+            }
           }
         }
+        const __m256i s_lo = SubBlockSum::scales(w.sc[4 * i + cp0 / 2]);
+        const __m256i s_hi = SubBlockSum::scales(w.sc[4 * i + 2 + cp0 / 2]);
         for (int m = 0; m < MB; ++m) {
-          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(lo16[m], sc[cp / 2]));
-          isum[m] = _mm256_add_epi32(isum[m], _mm256_madd_epi16(hi16[m], sc[2 + cp / 2]));
+          isum[m] = SubBlockSum::scale(isum[m], lo[m], s_lo);
+          isum[m] = SubBlockSum::scale(isum[m], hi[m], s_hi);
         }
       }
     }
+    // The -32 offset: 32 * sum over groups of sc * bsum, groups 2p and 2p + 1 in one madd (row
+    // r's two scales in int16 lanes 2r, 2r + 1; the two sums in one 32-bit load of bsums).
+    __m256i scp[8];
+    for (int p = 0; p < 8; ++p) scp[p] = pair_bytes(w.sc[2 * p], w.sc[2 * p + 1]);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
     for (int m = 0; m < MB; ++m) {
-      const __m256i total = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(osum[m], 4));
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(act[m][b].d)), acc[m]);
+      const ActQ8_K& a = act[m][b];
+      __m256i osum = _mm256_setzero_si256();
+      for (int p = 0; p < 8; ++p) osum = _mm256_add_epi32(osum, _mm256_madd_epi16(scp[p], broadcast4(a.bsums + 2 * p)));
+      const __m256i total = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(osum, 5));
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[m]);
     }
   }
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
