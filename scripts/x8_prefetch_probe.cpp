@@ -5,14 +5,19 @@
 //
 //   TI=$(.venv/bin/python -c "import torch,os;print(os.path.dirname(torch.__file__)+'/include')")
 //   g++ -O3 -std=c++17 -march=x86-64-v3 -DCPU_CAPABILITY_AVX2 -fopenmp -Ipagedattn/csrc -I$TI \
-//       -DPAGEDATTN_X8_PREFETCH=3 -DPAGEDATTN_QUANT_HINT=_MM_HINT_NTA \
+//       -DPAGEDATTN_X8_PREFETCH=3 -DPAGEDATTN_X8_HINT=_MM_HINT_T1 -DPAGEDATTN_QUANT_HINT=_MM_HINT_NTA \
 //       -o /tmp/x8_probe scripts/x8_prefetch_probe.cpp
 //   OMP_NUM_THREADS=2 /tmp/x8_probe [rows=1] [N=8192] [copies=12]     (K = 2048)
 //
 // AMD EPYC Zen 2, 2 threads, 2026-12-05, one row, GB/s Q6_K / Q4_K. From DRAM: 3 blocks ahead
 // T0 18.9-19.0 / 20.9-21.5, 6 ahead T0 18.0 / 21.1, 3 ahead NTA 19.5-22.0 / 24.0-27.2, 6 ahead
 // NTA 19.5 / 26. From L2 (N=1024, copies=1): T0 50 / 51, NTA 24 / 36 (the NTA lines leave the
-// cache); a model's weights stream from DRAM at every step, so the extension prefetches NTA.
+// cache); a model's weights stream from DRAM at every step, so the extension prefetched NTA.
+// AMD EPYC Zen 4, 2 threads, 2026-12-06 (-march=native), one row from DRAM, 3 ahead: NTA
+// Q6_K 17.6-21.6, T1 (into L2) 30.2-35.5, Q4_K NTA 37.6-48.3, T1 33.1-36.4; 4 rows NTA
+// leads for both (28.4 / 32.7 against 23.7 / 23.9). In QuantLinear Q4_K ran 5% faster with T1
+// at 1 and 4 rows, Q6_K 8% slower at 4 rows: the x8 kernels prefetch T1 (PAGEDATTN_X8_HINT),
+// Q6_K from 2 rows NTA (PAGEDATTN_QUANT_HINT).
 #include <omp.h>
 
 #include <algorithm>

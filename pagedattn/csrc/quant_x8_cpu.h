@@ -163,29 +163,29 @@ inline void dequant_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, int r, float* y)
 
 // The first call on a group (its later activation rows find it in cache) starts each block by
 // prefetching the x8 block kPrefetchBlocks ahead (into the next group past a group's end: a
-// thread takes consecutive groups), all its cache lines at once, into L2 (T1). Without it one
-// activation row ran a Q6_K layer from DRAM at 10.5 GB/s (the kernel reads a block's ql and qh
-// areas by turns and the hardware prefetcher fell behind), Q4_K at 15.8. AMD Zen 2, 2 threads,
-// [8192 x 2048] layers cycled from DRAM, the kernels alone (scripts/x8_prefetch_probe.cpp), GB/s
-// at 2 / 3 / 6 blocks ahead into L1 (T0): Q6_K 16.3 / 18.9 / 18.0, Q4_K 20.0 / 21.5 / 21.1; at
-// 3 / 6 ahead NTA: Q6_K 19.5-22 / 19.5, Q4_K 24-27 / 26 (T1 not measured there). AMD Zen 4,
-// the same, 2 / 3 / 5 ahead: Q6_K NTA 16-18, T0 16-17, T1 27 / 31 / 30-32; Q4_K 21-36 for all
-// three hints (noisy), T1 29-37. In QuantLinear at 1 row, Zen 4: Q6_K 16.7 GB/s NTA, T1 below.
+// thread takes consecutive groups), all its cache lines at once: into L2 (T1), but Q6_K from 2
+// rows non-temporal. Without it one activation row ran a Q6_K layer from DRAM at 10.5 GB/s (the
+// kernel reads a block's ql and qh areas by turns and the hardware prefetcher fell behind),
+// Q4_K at 15.8. AMD Zen 2, 2 threads, [8192 x 2048] layers cycled from DRAM, the kernels alone
+// (scripts/x8_prefetch_probe.cpp), GB/s at 2 / 3 / 6 blocks ahead into L1 (T0): Q6_K 16.3 /
+// 18.9 / 18.0, Q4_K 20.0 / 21.5 / 21.1; at 3 / 6 ahead NTA: Q6_K 19.5-22 / 19.5, Q4_K 24-27 /
+// 26 (T1 not measured there). AMD Zen 4, QuantLinear, 12 such layers, 3 ahead, ms per layer,
+// NTA against T1 (three alternating runs; Q6_K at 1 row: two builds minutes apart): 1 row Q6_K
+// 0.82 against 0.36-0.44, Q4_K 0.26-0.29 against 0.24-0.26; 4 rows Q6_K 0.48-0.53 against
+// 0.55, Q4_K 0.34-0.35 against 0.32-0.33.
 #ifndef PAGEDATTN_X8_PREFETCH
 #define PAGEDATTN_X8_PREFETCH 3
 #endif
+constexpr int kPrefetchBlocks = PAGEDATTN_X8_PREFETCH;
+#ifdef PAGEDATTN_QUANT_X86
 #ifndef PAGEDATTN_X8_HINT
 #define PAGEDATTN_X8_HINT _MM_HINT_T1
 #endif
-constexpr int kPrefetchBlocks = PAGEDATTN_X8_PREFETCH;
-template <typename Block>
+template <typename Block, int Hint = PAGEDATTN_X8_HINT>
 inline void prefetch_ahead(const Block* blk) {
-#ifdef PAGEDATTN_QUANT_X86
-  prefetch_span<PAGEDATTN_X8_HINT>(blk + kPrefetchBlocks, sizeof(Block));
-#else
-  (void)blk;
-#endif
+  prefetch_span<Hint>(blk + kPrefetchBlocks, sizeof(Block));
 }
+#endif
 
 #ifdef PAGEDATTN_QUANT_X86
 // 4 bytes (4 int8 activations, or two int16 sums) in every 32-bit lane.
@@ -383,7 +383,7 @@ inline void gemm_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, const ActQ8_K* cons
   const __m256i m4 = _mm256_set1_epi8(0x0F), m30 = _mm256_set1_epi8(0x30);
   for (int64_t b = 0; b < nb; ++b) {
     const BlockQ6_Kx8& w = grp[b];
-    if (prefetch) prefetch_ahead(&w);
+    if (prefetch) prefetch_ahead<BlockQ6_Kx8, MB == 1 ? PAGEDATTN_X8_HINT : PAGEDATTN_QUANT_HINT>(&w);
     __m256i isum[MB];  // sum over groups of sc * (q . y), q in 0..63
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) {
