@@ -77,7 +77,7 @@ inline void unpack_legacy_scalar(const typename LegacyBlock<T>::type* b, int* q)
 template <int Hint = PAGEDATTN_QUANT_HINT>
 inline void prefetch_span(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t l = 0; l < bytes; l += 64) _mm_prefetch(c + l, static_cast<_mm_hint>(Hint));
+  for (int64_t l = 0; l < bytes; l += 64) __builtin_prefetch(c + l, 0, Hint & 3);  // _mm_prefetch's mapping
 }
 #else
 template <int Hint = 0>
