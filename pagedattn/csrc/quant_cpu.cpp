@@ -536,7 +536,7 @@ at::Tensor quant_dequantize(const at::Tensor& data, int64_t type, int64_t K) {
 
 // Whether the dot kernels run on x86 vector instructions here (AVX2 maddubs / VNNI).
 std::string quant_kernel_isa() {
-#if defined(PAGEDATTN_QUANT_X86) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef PAGEDATTN_QUANT_VNNI
   return "avx512vnni";
 #elif defined(PAGEDATTN_QUANT_X86)
   return "avx2";

@@ -19,6 +19,9 @@
 #if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #define PAGEDATTN_QUANT_X86 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define PAGEDATTN_QUANT_VNNI 1  // u8 x s8 dot products straight into int32 (vpdpbusd)
+#endif
 #endif
 
 namespace pagedattn_quant {
@@ -95,8 +98,15 @@ inline void prefetch_span(const void*, int64_t) {}
 constexpr int64_t kRowPrefetchBytes = PAGEDATTN_ROW_PREFETCH_BYTES;
 
 #ifdef PAGEDATTN_QUANT_X86
+// 4 bytes (4 int8 activations, or two int16 sums) in every 32-bit lane.
+inline __m256i broadcast4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef PAGEDATTN_QUANT_VNNI
   return _mm256_dpbusd_epi32(acc, u, s);
 #else
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));

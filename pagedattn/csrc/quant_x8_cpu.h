@@ -188,13 +188,6 @@ inline void prefetch_ahead(const Block* blk) {
 #endif
 
 #ifdef PAGEDATTN_QUANT_X86
-// 4 bytes (4 int8 activations, or two int16 sums) in every 32-bit lane.
-inline __m256i broadcast4(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm256_set1_epi32(v);
-}
-
 // Two int8 values per row (a[r], b[r]) as int16 lanes 2r, 2r + 1: one madd meets them with a
 // pair of activation sums.
 inline __m256i pair_bytes(const void* a, const void* b) {
@@ -212,7 +205,7 @@ inline __m256i pair_bytes(const void* a, const void* b) {
 // same either way. AMD Zen 4, 1 thread, cached blocks, 8 activation rows: Q4_K 305 against 184
 // GOP/s for the int16 form at 4 rows, Q6_K 221 against 170.
 struct SubBlockSum {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#ifdef PAGEDATTN_QUANT_VNNI
   static constexpr int kQ6Pairs = 2;
   static __m256i add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
   static __m256i scales(const int8_t* sc) {
@@ -233,13 +226,11 @@ struct SubBlockSum {
 #endif
   static __m256i scales(const uint8_t* sc) { return scales(reinterpret_cast<const int8_t*>(sc)); }
 };
+#endif
 
 // Activation rows one call of the x8 kernels meets: 8 where 32 vector registers hold their sums.
-#ifdef __AVX512VL__
+#if defined(PAGEDATTN_QUANT_X86) && defined(__AVX512VL__)
 constexpr int kX8Rows = 8;
-#else
-constexpr int kX8Rows = 4;
-#endif
 #else
 constexpr int kX8Rows = 4;
 #endif
@@ -261,9 +252,7 @@ inline void gemm_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, const ActQ8_0* cons
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[c]));
       const __m256i qabs = _mm256_sign_epi8(q, q);  // -128 becomes 0x80: 128 unsigned
       for (int m = 0; m < MB; ++m) {
-        int32_t y4;
-        std::memcpy(&y4, act[m][b].qs + 4 * c, 4);
-        isum[m] = dot_u8s8(isum[m], qabs, _mm256_sign_epi8(_mm256_set1_epi32(y4), q));
+        isum[m] = dot_u8s8(isum[m], qabs, _mm256_sign_epi8(broadcast4(act[m][b].qs + 4 * c), q));
       }
     }
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
