@@ -342,6 +342,13 @@ def amx_available() -> bool:
     return ext is not None and ext.linear_amx_available()
 
 
+def quant_amx_available() -> bool:
+    """Whether interleaved GGUF layers can run on AMX-INT8 tiles: the extension was built for
+    them (-march=native on an AMX CPU) and the OS granted this process the tiles."""
+    ext = get_extension()
+    return ext is not None and hasattr(ext, "quant_amx_available") and ext.quant_amx_available()
+
+
 def flush_denormals_all_threads() -> bool:
     """Flush denormals to zero in this thread and every intra-op worker (False if unavailable).
 

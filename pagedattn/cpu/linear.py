@@ -315,6 +315,7 @@ class GGUFLinear(LinearKernel):
         bias,
         prefill_rows: int = GGUF_PREFILL_ROWS,
         interleave: bool = True,
+        amx_rows: int = 0,
     ):
         ext = extension.load_extension()
         index = []
@@ -331,6 +332,7 @@ class GGUFLinear(LinearKernel):
             fp32_bias,
             prefill_rows,
             interleave,
+            amx_rows,
         )
         # NOTE: ``b`` keeps the parts: those the compiled layer computes on as stored (no copy),
         # and a description of those it repacked, whose blocks as stored are let go.
@@ -354,12 +356,14 @@ def pack_quantized(
     bias: torch.Tensor | None,
     prefill_rows: int,
     interleave: bool = True,
+    amx_rows: int = 0,
 ) -> PackedLinear:
     """``weight``'s blocks packed for the gguf kernel, which dequantises tiles into at::mm from
     ``prefill_rows`` rows and runs its int8 dot kernels below. Q4_K, Q6_K and Q8_0 parts of
     8n rows are repacked 8 rows interleaved (their own kernel at every row count) unless
-    ``interleave`` is off (the blocks then stay as stored: the row-major dot kernel)."""
-    return LINEAR_KERNELS["gguf"].pack(weight, bias, prefill_rows, interleave)
+    ``interleave`` is off (the blocks then stay as stored: the row-major dot kernel); from
+    ``amx_rows`` rows (0: never) those run on AMX-INT8 tiles where the CPU and build have them."""
+    return LINEAR_KERNELS["gguf"].pack(weight, bias, prefill_rows, interleave, amx_rows)
 
 
 def compiled_linear(ext, packed: PackedLinear):

@@ -168,6 +168,9 @@ class KernelPlan:
     # GGUF layers run their int8 dot kernels below this many rows, dequantised tiles from it
     # (measured per CPU and model shape: tuner.tune_quant_rows).
     quant_prefill_rows: int = GGUF_PREFILL_ROWS
+    # ... and their interleaved parts run on AMX-INT8 tiles from this many rows (0: never; only
+    # where the tiles measured faster: tuner.tune_quant_amx_rows).
+    quant_amx_rows: int = 0
 
     @classmethod
     def single(cls, kernel: str, **fields) -> KernelPlan:
@@ -342,13 +345,15 @@ def choose_plan(
     return dataclasses.replace(plan, **verify_fields(options, dtype, plan))
 
 
-QUANT_PLAN_VERSION = 2  # 2: the switch timed on blocks as stored (v1 timed Q4_K interleaved twice)
+# 2: the switch timed on blocks as stored (v1 timed Q4_K interleaved twice); 3: the AMX switch.
+QUANT_PLAN_VERSION = 3
 
 
 def with_quant_rows(plan: KernelPlan, shapes: ModelShapes) -> KernelPlan:
-    """``plan`` with its GGUF layers' switch from dot kernels to tiles for ``shapes`` on this
-    CPU: cached, or measured (tuner.tune_quant_rows, about a second) and cached. Asked only for
-    a model that holds GGUF blocks."""
+    """``plan`` with its GGUF layers' switches for ``shapes`` on this CPU (from dot kernels to
+    tiles; from the interleaved AVX kernels to AMX-INT8 tiles): cached, or measured
+    (tuner.tune_quant_rows and tune_quant_amx_rows, about a second each) and cached. Asked
+    only for a model that holds GGUF blocks."""
     digest = hashlib.sha256(json.dumps(shapes.layers).encode()).hexdigest()[:16]
     key = (
         f"quant v{QUANT_PLAN_VERSION}|{features.cpu_signature()}|{digest}|torch "
@@ -356,29 +361,34 @@ def with_quant_rows(plan: KernelPlan, shapes: ModelShapes) -> KernelPlan:
     )
     path = disk_cache.cache_root() / CACHE_FILE
     entry = {} if envs.PAGEDATTN_RETUNE else disk_cache.read_json(path).get(key, {})
-    rows = entry.get("quant_prefill_rows") if isinstance(entry, dict) else None
-    if isinstance(rows, int) and rows > 0:
-        _announce(
-            key,
-            f"GGUF layers: int8 dot kernels below {rows} rows, dequantised tiles "
-            "from there (measured earlier; Q4_K, Q6_K and Q8_0 run interleaved at every row count)",
-        )
-        return dataclasses.replace(plan, quant_prefill_rows=rows)
+    entry = entry if isinstance(entry, dict) else {}
+    rows, amx_rows = entry.get("quant_prefill_rows"), entry.get("quant_amx_rows")
+    if isinstance(rows, int) and rows > 0 and isinstance(amx_rows, int):
+        _announce(key, f"{_quant_switches(rows, amx_rows)} (measured earlier)")
+        return dataclasses.replace(plan, quant_prefill_rows=rows, quant_amx_rows=amx_rows)
     start = time.perf_counter()
     rows, times = tuner.tune_quant_rows(shapes.layers)
+    amx_rows, amx_times = tuner.tune_quant_amx_rows(shapes.layers)
     disk_cache.update_json(
         path,
         key,
-        _measured_entry(times, quant_prefill_rows=rows),
+        _measured_entry(times | amx_times, quant_prefill_rows=rows, quant_amx_rows=amx_rows),
     )
     _announced.add(key)
     print(
-        f"[kernels] GGUF layers: int8 dot kernels below {rows} rows, dequantised tiles from "
-        f"there (measured in {time.perf_counter() - start:.1f} s; cached in {path}; Q4_K, Q6_K "
-        "and Q8_0 run interleaved at every row count)",
+        f"[kernels] {_quant_switches(rows, amx_rows)} (measured in "
+        f"{time.perf_counter() - start:.1f} s; cached in {path})",
         file=sys.stderr,
     )
-    return dataclasses.replace(plan, quant_prefill_rows=rows)
+    return dataclasses.replace(plan, quant_prefill_rows=rows, quant_amx_rows=amx_rows)
+
+
+def _quant_switches(rows: int, amx_rows: int) -> str:
+    amx = f"; AMX-INT8 tiles from {amx_rows} rows" if amx_rows else ""
+    return (
+        f"GGUF layers: int8 dot kernels below {rows} rows, dequantised tiles from there (Q4_K, "
+        f"Q6_K and Q8_0 run interleaved at every row count{amx})"
+    )
 
 
 def _measured_entry(times: dict[str, dict[str, float]], **fields: object) -> dict:

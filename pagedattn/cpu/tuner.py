@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedattn.cpu import features
+from pagedattn.cpu import extension, features
 from pagedattn.cpu.linear import QuantizedParts, pack_quantized, pack_weight, shares_weights
 from pagedattn.cpu.quant import quantize
 
@@ -255,3 +255,30 @@ def tune_quant_rows(layer_shapes: Sequence[Shape]) -> tuple[int, dict[str, dict[
         if t["tiles"] <= t["dot"]:
             return rows, times
     return 2 * QUANT_SPLIT_ROWS[-1], times
+
+
+def tune_quant_amx_rows(layer_shapes: Sequence[Shape]) -> tuple[int, dict[str, dict[str, float]]]:
+    """The row count from which an interleaved GGUF layer runs faster on AMX-INT8 tiles than
+    on the AVX kernels (0: at none of QUANT_SPLIT_ROWS, or no tiles here), timed as
+    tune_quant_rows times its switch, on the layer interleaved, and the seconds per row count."""
+    if not extension.quant_amx_available():
+        return 0, {}
+    out, cols = max(layer_shapes, key=lambda s: s[0] * s[1])
+    kind = "q4_k" if cols % 256 == 0 else "q8_0"
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(min(out, QUANT_TUNE_MAX_OUT) // 16 * 16, cols, generator=gen).mul_(0.02)
+    block = quantize(weight, kind)
+    parts = QuantizedParts((block,), (0,), block.shape[0], cols)
+    modes = {
+        "avx": pack_quantized(parts, None, 1 << 30),
+        "amx": pack_quantized(parts, None, 1 << 30, amx_rows=1),
+    }
+    times: dict[str, dict[str, float]] = {}
+    for rows in QUANT_SPLIT_ROWS:
+        x = torch.randn(rows, cols, generator=gen)
+        times[f"{kind}_x8_rows_{rows}"] = t = fastest_passes(
+            {mode: (lambda layer=layer, x=x: layer(x)) for mode, layer in modes.items()}
+        )
+        if t["amx"] <= t["avx"]:
+            return rows, times
+    return 0, times

@@ -1,11 +1,16 @@
-// AMX helpers shared by the tile kernels (linear_amx_cpu.cpp, paged_attention_cpu.cpp).
-// PAGEDATTN_HAS_AMX is defined where the compiler targets AMX-BF16 (-march=native on an AMX CPU)
-// on Linux; elsewhere the tile code is not compiled and linear_amx_available() is false.
+// AMX helpers shared by the tile kernels (linear_amx_cpu.cpp, paged_attention_cpu.cpp,
+// quant_amx_cpu.h). PAGEDATTN_HAS_AMX is defined where the compiler targets AMX-BF16
+// (-march=native on an AMX CPU) on Linux; elsewhere the tile code is not compiled and
+// linear_amx_available() is false. PAGEDATTN_AMX_EMULATE: the tile instructions come from
+// tests/cpu/amx_emulator.h (a test build on a CPU without AMX).
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && \
     defined(__linux__)
 #define PAGEDATTN_HAS_AMX 1
+#endif
+
+#if defined(PAGEDATTN_HAS_AMX) || defined(PAGEDATTN_AMX_EMULATE)
 #include <immintrin.h>
 
 #include <cstdint>
@@ -43,4 +48,4 @@ class TileConfig {
 };
 
 }  // namespace pagedattn_amx
-#endif  // PAGEDATTN_HAS_AMX
+#endif  // PAGEDATTN_HAS_AMX || PAGEDATTN_AMX_EMULATE

@@ -23,6 +23,8 @@
 #include <cmath>
 #include <vector>
 
+#include "ops_cpu.h"
+#include "quant_amx_cpu.h"
 #include "quant_dot_cpu.h"
 #include "quant_linear_cpu.h"
 #include "quant_x8_cpu.h"
@@ -170,14 +172,6 @@ void dot_rows(int type, const uint8_t* row, int64_t K, const void* const* act, f
   }
 }
 
-// Whether QuantLinear repacks parts of this type 8 rows interleaved (quant_x8_cpu.h).
-bool has_x8(int type) { return type == kQ4_K || type == kQ6_K || type == kQ8_0; }
-
-// The bytes of one x8 block of this type.
-int64_t x8_block_bytes(int type) {
-  return type == kQ4_K ? sizeof(BlockQ4_Kx8) : (type == kQ6_K ? sizeof(BlockQ6_Kx8) : sizeof(BlockQ8_0x8));
-}
-
 // A Q4_K, Q6_K or Q8_0 tensor [rows, bytes] (rows a multiple of 8) as [rows / 8, blocks * x8
 // block bytes] (quant_x8_cpu.h).
 at::Tensor interleave_rows(const at::Tensor& data, int type, int64_t K) {
@@ -202,45 +196,19 @@ at::Tensor interleave_rows(const at::Tensor& data, int type, int64_t K) {
   return out;
 }
 
-// act[m]: activation row m's blocks (ActQ8_0 for Q8_0, ActQ8_K for the K types).
-template <int MB>
-void gemm_x8(int type, const uint8_t* grp, int64_t nb, const void* const* act, float* out,
-             bool prefetch) {
-  if (type == kQ8_0) {
-    gemm_q8_0_x8<MB>(reinterpret_cast<const BlockQ8_0x8*>(grp), nb,
-                     reinterpret_cast<const ActQ8_0* const*>(act), out, 8, prefetch);
-    return;
-  }
-  const auto* ak = reinterpret_cast<const ActQ8_K* const*>(act);
-  if (type == kQ4_K) {
-    gemm_q4_k_x8<MB>(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, ak, out, 8, prefetch);
-  } else {
-    gemm_q6_k_x8<MB>(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, ak, out, 8, prefetch);
-  }
-}
-
-// gemm_x8 for mb activation rows, 1 <= mb <= MB.
-template <int MB = kX8Rows>
-void gemm_x8_rows(int mb, int type, const uint8_t* grp, int64_t nb, const void* const* act,
-                  float* out, bool prefetch) {
-  if constexpr (MB > 1) {
-    if (mb < MB) return gemm_x8_rows<MB - 1>(mb, type, grp, nb, act, out, prefetch);
-  }
-  gemm_x8<MB>(type, grp, nb, act, out, prefetch);
-}
-
-// Every row of x [M, K] as Q8_0 blocks (M * K / 32), on the threads.
-std::vector<ActQ8_0> quantize_rows_q8_0(const float* x, int64_t M, int64_t K) {
-  std::vector<ActQ8_0> out(M * (K / kBlock));
+// Every row of x [M, K] as Q8_0 blocks (M * K / 32), on the threads, then zero blocks up to
+// `rows` rows (the AMX tiles' whole sixteens).
+std::vector<ActQ8_0> quantize_rows_q8_0(const float* x, int64_t M, int64_t K, int64_t rows) {
+  std::vector<ActQ8_0> out(std::max(M, rows) * (K / kBlock));
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) quantize_row_q8_0(x + m * K, K, out.data() + m * (K / kBlock));
   });
   return out;
 }
 
-// Every row of x [M, K] as Q8_K blocks (M * K / 256), on the threads.
-std::vector<ActQ8_K> quantize_rows_q8_k(const float* x, int64_t M, int64_t K) {
-  std::vector<ActQ8_K> out(M * (K / kBlockK));
+// Every row of x [M, K] as Q8_K blocks (M * K / 256), on the threads; zeros up to `rows` rows.
+std::vector<ActQ8_K> quantize_rows_q8_k(const float* x, int64_t M, int64_t K, int64_t rows) {
+  std::vector<ActQ8_K> out(std::max(M, rows) * (K / kBlockK));
   at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
     for (int64_t m = b; m < e; ++m) quantize_row_q8_k(x + m * K, K, out.data() + m * (K / kBlockK));
   });
@@ -276,12 +244,33 @@ void check_blocks(const at::Tensor& data, int type, int64_t K) {
   TORCH_CHECK(data.stride(1) == 1 && data.stride(0) == data.size(1), "quantised rows must be contiguous");
 }
 
+#ifdef PAGEDATTN_QUANT_AMX
+// Groups [0, pairs * 2) of an x8 part on the AMX tiles, two at a time: every activation row
+// (act: rows16 rows, the rows past M zeros) against each pair; y[m * N + cols[n]] for m < M.
+void run_x8_amx(int type, const uint8_t* blocks, int64_t group_bytes, int64_t pairs, int64_t nb,
+                const void* act, int64_t M, int64_t rows16, const int32_t* cols, int64_t N, float* y) {
+  at::parallel_for(0, pairs, 1, [&](int64_t p0, int64_t p1) {
+    x8_amx::configure(x8_amx::values(type));
+    std::vector<float> tmp(rows16 * 16);
+    for (int64_t pair = p0; pair < p1; ++pair) {
+      const uint8_t* g0 = blocks + 2 * pair * group_bytes;
+      x8_amx::gemm_pair(type, g0, g0 + group_bytes, nb, act, rows16, tmp.data());
+      for (int64_t m = 0; m < M; ++m) {
+        for (int n = 0; n < 16; ++n) y[m * N + cols[16 * pair + n]] = tmp[m * 16 + n];
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 QuantLinear::QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> types,
                          std::vector<c10::optional<at::Tensor>> index, int64_t N, int64_t K,
-                         c10::optional<at::Tensor> bias, int64_t prefill_rows, bool interleave)
-    : data_(std::move(data)), types_(std::move(types)), N_(N), K_(K), prefill_rows_(prefill_rows) {
+                         c10::optional<at::Tensor> bias, int64_t prefill_rows, bool interleave,
+                         int64_t amx_rows)
+    : data_(std::move(data)), types_(std::move(types)), N_(N), K_(K), prefill_rows_(prefill_rows),
+      amx_rows_(amx_rows) {
   TORCH_CHECK(data_.size() == types_.size() && index.size() == data_.size(),
               "QuantLinear: one type and one index per part");
   int64_t rows = 0;
@@ -369,8 +358,9 @@ int64_t QuantLinear::nbytes() const {
 void QuantLinear::decode(const at::Tensor& x32, at::Tensor& out) const {
   const int64_t M = x32.size(0), K = K_;
   const float* x = x32.data_ptr<float>();
-  const std::vector<ActQ8_0> a0 = needs_q8_0_ ? quantize_rows_q8_0(x, M, K) : std::vector<ActQ8_0>();
-  const std::vector<ActQ8_K> ak = needs_q8_k_ ? quantize_rows_q8_k(x, M, K) : std::vector<ActQ8_K>();
+  const int64_t R = act_rows(M);
+  const std::vector<ActQ8_0> a0 = needs_q8_0_ ? quantize_rows_q8_0(x, M, K, R) : std::vector<ActQ8_0>();
+  const std::vector<ActQ8_K> ak = needs_q8_k_ ? quantize_rows_q8_k(x, M, K, R) : std::vector<ActQ8_K>();
   run_x8(a0, ak, M, out);
   if (std::all_of(x8_.begin(), x8_.end(), [](bool b) { return b; })) return;
   float* y = out.data_ptr<float>();
@@ -420,8 +410,27 @@ void QuantLinear::decode(const at::Tensor& x32, at::Tensor& out) const {
   }
 }
 
+// Whether the x8 parts can run on AMX-INT8 tiles here (quant_amx_cpu.h): built for them, and
+// Linux granted the tiles.
+bool quant_amx_available() {
+#ifdef PAGEDATTN_QUANT_AMX
+  return linear_amx_available();
+#else
+  return false;
+#endif
+}
+
+// Whether the x8 parts run on the AMX tiles at this many rows.
+bool QuantLinear::amx(int64_t M) const {
+  return amx_rows_ > 0 && M >= amx_rows_ && quant_amx_available();
+}
+
+// Rows the activations are quantised into: whole sixteens where the tiles run.
+int64_t QuantLinear::act_rows(int64_t M) const { return amx(M) ? (M + 15) / 16 * 16 : M; }
+
 // The interleaved parts: each thread takes whole groups of 8 rows; activation rows are met in
-// chunks that stay in L2 (kChunkBytes), kX8Rows at a time (fewer for the last).
+// chunks that stay in L2 (kChunkBytes), kX8Rows at a time (fewer for the last). From amx_rows_
+// rows the tiles take the groups two at a time (an odd count's last one stays here).
 void QuantLinear::run_x8(const std::vector<ActQ8_0>& a0, const std::vector<ActQ8_K>& ak, int64_t M,
                          at::Tensor& out) const {
   constexpr int64_t kChunkBytes = 256 << 10;
@@ -436,9 +445,17 @@ void QuantLinear::run_x8(const std::vector<ActQ8_0>& a0, const std::vector<ActQ8
     const int64_t act_bytes = nb * static_cast<int64_t>(q8_0 ? sizeof(ActQ8_0) : sizeof(ActQ8_K));
     const int64_t chunk = std::max<int64_t>(kX8Rows, kChunkBytes / act_bytes / kX8Rows * kX8Rows);
     const uint8_t* blocks = data_[p].data_ptr<uint8_t>();
-    const int64_t group_bytes = data_[p].size(1);
+    const int64_t group_bytes = data_[p].size(1), groups = data_[p].size(0);
     const std::vector<int32_t>& cols = cols_[p];
-    at::parallel_for(0, data_[p].size(0), 1, [&](int64_t g0, int64_t g1) {
+    int64_t first = 0;  // the groups from here run the AVX kernels
+#ifdef PAGEDATTN_QUANT_AMX
+    if (amx(M)) {
+      first = groups / 2 * 2;
+      const void* act = q8_0 ? static_cast<const void*>(a0.data()) : static_cast<const void*>(ak.data());
+      run_x8_amx(type, blocks, group_bytes, groups / 2, nb, act, M, act_rows(M), cols.data(), N, y);
+    }
+#endif
+    at::parallel_for(first, groups, 1, [&](int64_t g0, int64_t g1) {
       float tmp[kX8Rows * 8];
       for (int64_t c0 = 0; c0 < M; c0 += chunk) {
         const int64_t c1 = std::min(M, c0 + chunk);
@@ -481,8 +498,9 @@ void QuantLinear::prefill(const at::Tensor& x32, at::Tensor& out) const {
   if (x8_q8_0 || x8_q8_k) {
     const float* x = x32.data_ptr<float>();
     const int64_t M = x32.size(0);
-    run_x8(x8_q8_0 ? quantize_rows_q8_0(x, M, K) : std::vector<ActQ8_0>(),
-           x8_q8_k ? quantize_rows_q8_k(x, M, K) : std::vector<ActQ8_K>(), M, out);
+    const int64_t R = act_rows(M);
+    run_x8(x8_q8_0 ? quantize_rows_q8_0(x, M, K, R) : std::vector<ActQ8_0>(),
+           x8_q8_k ? quantize_rows_q8_k(x, M, K, R) : std::vector<ActQ8_K>(), M, out);
   }
   for (size_t p = 0; p < data_.size(); ++p) {
     if (x8_[p]) continue;
@@ -554,9 +572,10 @@ void bind_quant(pybind11::module_& m) {
   py::class_<QuantLinear, std::shared_ptr<QuantLinear>>(m, "QuantLinear")
       .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>,
                     std::vector<c10::optional<at::Tensor>>, int64_t, int64_t,
-                    c10::optional<at::Tensor>, int64_t, bool>(),
+                    c10::optional<at::Tensor>, int64_t, bool, int64_t>(),
            py::arg("data"), py::arg("types"), py::arg("index"), py::arg("N"), py::arg("K"),
-           py::arg("bias"), py::arg("prefill_rows"), py::arg("interleave") = true)
+           py::arg("bias"), py::arg("prefill_rows"), py::arg("interleave") = true,
+           py::arg("amx_rows") = 0)
       .def("forward", &QuantLinear::forward, "y = x @ W^T (+ bias), W in GGUF blocks")
       .def("nbytes", &QuantLinear::nbytes, "Bytes of the stored blocks")
       .def("rows", &QuantLinear::rows,
@@ -571,6 +590,8 @@ void bind_quant(pybind11::module_& m) {
         py::arg("ids"), py::arg("dtype"));
   m.def("quant_dequantize", &pagedattn_quant::quant_dequantize,
         "A GGUF-block tensor [rows, K] as float32", py::arg("data"), py::arg("type"), py::arg("K"));
+  m.def("quant_amx_available", &pagedattn_quant::quant_amx_available,
+        "Whether interleaved Q4_K, Q6_K and Q8_0 layers can run on AMX-INT8 tiles here");
   m.def("quant_kernel_isa", &pagedattn_quant::quant_kernel_isa,
         "The instructions the quantised dot kernels run on: avx512vnni, avx2 or scalar");
 }

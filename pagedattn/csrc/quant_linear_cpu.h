@@ -18,10 +18,13 @@ class QuantLinear {
   // column of each of its rows (none: rows in order from the part's start); prefill_rows: rows
   // from which forward dequantises tiles into at::mm instead of the int8 dot kernels;
   // interleave: repack Q4_K, Q6_K and Q8_0 parts of 8n rows (quant_x8_cpu.h), which then run that kernel at
-  // every row count (off where the blocks must stay as stored: a tied embedding's table).
+  // every row count (off where the blocks must stay as stored: a tied embedding's table);
+  // amx_rows: rows from which those parts run on AMX-INT8 tiles where the CPU has them
+  // (quant_amx_cpu.h; 0: never).
   QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> types,
               std::vector<c10::optional<at::Tensor>> index, int64_t N, int64_t K,
-              c10::optional<at::Tensor> bias, int64_t prefill_rows, bool interleave);
+              c10::optional<at::Tensor> bias, int64_t prefill_rows, bool interleave,
+              int64_t amx_rows = 0);
 
   // y = x @ W^T (+ bias): x float32 or bfloat16 [..., K] -> [..., N] in x's dtype.
   at::Tensor forward(const at::Tensor& x) const;
@@ -37,6 +40,8 @@ class QuantLinear {
   void prefill(const at::Tensor& x32, at::Tensor& out) const;
   void run_x8(const std::vector<ActQ8_0>& a0, const std::vector<ActQ8_K>& ak, int64_t M,
               at::Tensor& out) const;
+  bool amx(int64_t M) const;
+  int64_t act_rows(int64_t M) const;
 
   std::vector<at::Tensor> data_;
   std::vector<int64_t> types_;
@@ -44,7 +49,7 @@ class QuantLinear {
   std::vector<int64_t> starts_;
   std::vector<std::vector<int32_t>> cols_;
   std::vector<std::pair<int32_t, int32_t>> row_of_col_;  // output column -> (part, row)
-  int64_t N_, K_, prefill_rows_;
+  int64_t N_, K_, prefill_rows_, amx_rows_;
   at::Tensor bias_;
   bool needs_q8_0_ = false, needs_q8_k_ = false;
 };

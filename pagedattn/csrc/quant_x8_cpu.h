@@ -447,4 +447,39 @@ inline void gemm_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, const ActQ8_K* cons
 #endif
 }
 
+// Whether QuantLinear repacks parts of this type 8 rows interleaved (this file).
+inline bool has_x8(int type) { return type == kQ4_K || type == kQ6_K || type == kQ8_0; }
+
+// The bytes of one x8 block of this type.
+inline int64_t x8_block_bytes(int type) {
+  return type == kQ4_K ? sizeof(BlockQ4_Kx8) : (type == kQ6_K ? sizeof(BlockQ6_Kx8) : sizeof(BlockQ8_0x8));
+}
+
+// act[m]: activation row m's blocks (ActQ8_0 for Q8_0, ActQ8_K for the K types).
+template <int MB>
+inline void gemm_x8(int type, const uint8_t* grp, int64_t nb, const void* const* act, float* out,
+                    bool prefetch) {
+  if (type == kQ8_0) {
+    gemm_q8_0_x8<MB>(reinterpret_cast<const BlockQ8_0x8*>(grp), nb,
+                     reinterpret_cast<const ActQ8_0* const*>(act), out, 8, prefetch);
+    return;
+  }
+  const auto* ak = reinterpret_cast<const ActQ8_K* const*>(act);
+  if (type == kQ4_K) {
+    gemm_q4_k_x8<MB>(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, ak, out, 8, prefetch);
+  } else {
+    gemm_q6_k_x8<MB>(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, ak, out, 8, prefetch);
+  }
+}
+
+// gemm_x8 for mb activation rows, 1 <= mb <= MB.
+template <int MB = kX8Rows>
+inline void gemm_x8_rows(int mb, int type, const uint8_t* grp, int64_t nb, const void* const* act,
+                         float* out, bool prefetch) {
+  if constexpr (MB > 1) {
+    if (mb < MB) return gemm_x8_rows<MB - 1>(mb, type, grp, nb, act, out, prefetch);
+  }
+  gemm_x8<MB>(type, grp, nb, act, out, prefetch);
+}
+
 }  // namespace pagedattn_quant

@@ -49,6 +49,7 @@ def linear_kernels(plan: KernelPlan) -> LinearKernels:
         plan.prefill_rows,
         plan.linear_verify,
         plan.quant_prefill_rows,
+        plan.quant_amx_rows,
     )
 
 
@@ -59,6 +60,7 @@ def head_kernels(plan: KernelPlan) -> LinearKernels:
         plan.linear_head,
         verify=plan.linear_verify,
         quant_rows=plan.quant_prefill_rows,
+        quant_amx_rows=plan.quant_amx_rows,
     )
 
 
@@ -145,7 +147,9 @@ class PagedCausalLM(nn.Module):
             # table's blocks as stored are let go).
             h = table.cols
             parts = QuantizedParts((table,), (0,), table.shape[0], h)
-            self.tied_head = pack_quantized(parts, None, self.plan.quant_prefill_rows)
+            self.tied_head = pack_quantized(
+                parts, None, self.plan.quant_prefill_rows, amx_rows=self.plan.quant_amx_rows
+            )
             self.model.embed_tokens.lookup = self.tied_head.a
             self.model.embed_tokens.quantized = self.tied_head.b.parts[0]
             return

@@ -45,8 +45,10 @@ class LinearKernels(NamedTuple):
     prefill: str
     prefill_rows: float = math.inf
     verify: str | None = None
-    # GGUF blocks (the gguf kernel): int8 dot kernels below this many rows, tiles from it.
+    # GGUF blocks (the gguf kernel): int8 dot kernels below this many rows, tiles from it;
+    # interleaved parts on AMX-INT8 tiles from quant_amx_rows rows (0: never).
     quant_rows: int = GGUF_PREFILL_ROWS
+    quant_amx_rows: int = 0
 
 
 class Linear(nn.Module):
@@ -104,8 +106,9 @@ class Linear(nn.Module):
                 self.in_features,
             )
             b = None if self.bias is None else self.bias.detach()
-            rows = GGUF_PREFILL_ROWS if self.kernels is None else self.kernels.quant_rows
-            self.decode = self.prefill = pack_quantized(weight, b, rows)
+            k = self.kernels or LinearKernels("torch", "torch")
+            packed = pack_quantized(weight, b, k.quant_rows, amx_rows=k.quant_amx_rows)
+            self.decode = self.prefill = packed
             self.prefill_rows = math.inf  # NOTE: the compiled layer splits decode from prefill
             self.weight = None
             return True
