@@ -234,27 +234,16 @@ def tune_quant_rows(layer_shapes: Sequence[Shape]) -> tuple[int, dict[str, dict[
     kernels, timed on (up to QUANT_TUNE_MAX_OUT rows of) the model's largest projection in Q4_K
     blocks (Q8_0 where its inputs are not whole Q4_K blocks), and the seconds per row count.
     Twice the last row count tried where the dot kernels win at all of them."""
-    out, cols = max(layer_shapes, key=lambda s: s[0] * s[1])
-    kind = "q4_k" if cols % 256 == 0 else "q8_0"
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(min(out, QUANT_TUNE_MAX_OUT), cols, generator=gen).mul_(0.02)
-    block = quantize(weight, kind)
-    parts = QuantizedParts((block,), (0,), block.shape[0], cols)
+    kind, parts = _quant_layer(layer_shapes, gen)
     # NOTE: as stored: an interleaved part runs its own kernel at every row count (so would time
     # the same kernel twice); the switch is the other parts'
     modes = {
         "dot": pack_quantized(parts, None, 1 << 30, interleave=False),
         "tiles": pack_quantized(parts, None, 1, interleave=False),
     }
-    times: dict[str, dict[str, float]] = {}
-    for rows in QUANT_SPLIT_ROWS:
-        x = torch.randn(rows, cols, generator=gen)
-        times[f"{kind}_rows_{rows}"] = t = fastest_passes(
-            {mode: (lambda layer=layer, x=x: layer(x)) for mode, layer in modes.items()}
-        )
-        if t["tiles"] <= t["dot"]:
-            return rows, times
-    return 2 * QUANT_SPLIT_ROWS[-1], times
+    rows, times = _first_win(modes, "dot", "tiles", kind, gen)
+    return rows or 2 * QUANT_SPLIT_ROWS[-1], times
 
 
 def tune_quant_amx_rows(layer_shapes: Sequence[Shape]) -> tuple[int, dict[str, dict[str, float]]]:
@@ -263,22 +252,40 @@ def tune_quant_amx_rows(layer_shapes: Sequence[Shape]) -> tuple[int, dict[str, d
     tune_quant_rows times its switch, on the layer interleaved, and the seconds per row count."""
     if not extension.quant_amx_available():
         return 0, {}
-    out, cols = max(layer_shapes, key=lambda s: s[0] * s[1])
-    kind = "q4_k" if cols % 256 == 0 else "q8_0"
     gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(min(out, QUANT_TUNE_MAX_OUT) // 16 * 16, cols, generator=gen).mul_(0.02)
-    block = quantize(weight, kind)
-    parts = QuantizedParts((block,), (0,), block.shape[0], cols)
+    kind, parts = _quant_layer(layer_shapes, gen, multiple=16)
     modes = {
         "avx": pack_quantized(parts, None, 1 << 30),
         "amx": pack_quantized(parts, None, 1 << 30, amx_rows=1),
     }
+    rows, times = _first_win(modes, "avx", "amx", f"{kind}_x8", gen)
+    return rows or 0, times
+
+
+def _quant_layer(
+    layer_shapes: Sequence[Shape], gen: torch.Generator, multiple: int = 1
+) -> tuple[str, QuantizedParts]:
+    """Up to QUANT_TUNE_MAX_OUT rows (a multiple of ``multiple``) of the largest projection,
+    random, in Q4_K blocks (Q8_0 where its inputs are not whole Q4_K blocks)."""
+    out, cols = max(layer_shapes, key=lambda s: s[0] * s[1])
+    kind = "q4_k" if cols % 256 == 0 else "q8_0"
+    rows = max(multiple, min(out, QUANT_TUNE_MAX_OUT) // multiple * multiple)
+    block = quantize(torch.randn(rows, cols, generator=gen).mul_(0.02), kind)
+    return kind, QuantizedParts((block,), (0,), block.shape[0], cols)
+
+
+def _first_win(
+    modes: dict, slow: str, fast: str, label: str, gen: torch.Generator
+) -> tuple[int | None, dict[str, dict[str, float]]]:
+    """The first of QUANT_SPLIT_ROWS at which layer ``modes[fast]`` is no slower than
+    ``modes[slow]`` (None: at none), and the seconds of both per row count."""
+    cols = modes[slow].in_features
     times: dict[str, dict[str, float]] = {}
     for rows in QUANT_SPLIT_ROWS:
         x = torch.randn(rows, cols, generator=gen)
-        times[f"{kind}_x8_rows_{rows}"] = t = fastest_passes(
+        times[f"{label}_rows_{rows}"] = t = fastest_passes(
             {mode: (lambda layer=layer, x=x: layer(x)) for mode, layer in modes.items()}
         )
-        if t["amx"] <= t["avx"]:
+        if t[fast] <= t[slow]:
             return rows, times
-    return 0, times
+    return None, times

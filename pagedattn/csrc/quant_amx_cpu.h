@@ -95,12 +95,24 @@ inline void scale_into(__m512* sum, const int32_t (*c)[kRows][16], __m512 s0, __
   }
 }
 
+// sum[m] = the sum over a superblock's Subs sub-blocks (of Values values) s of the products of
+// activation row m's sub-block s (rows at a + m * stride) with the weights' (wt[s]), * sc[s].
+template <int Subs, int Values>
+inline void superblock_sums(const int8_t (*wt)[Values / 4][64], const int8_t* a, int64_t stride,
+                            const __m512* sc, __m512* sum) {
+  alignas(64) int32_t c[2][kRows][16];
+  for (int m = 0; m < kRows; ++m) sum[m] = _mm512_setzero_ps();
+  for (int s = 0; s < Subs; s += 2) {
+    products(wt[s][0], wt[s + 1][0], a + Values * s, a + Values * (s + 1), stride, c);
+    scale_into(sum, c, sc[s], sc[s + 1]);
+  }
+}
+
 // out[m * 16 + n] = row n of the groups (g0: rows 0-7, g1: 8-15) . activation row m, for
 // rows16 activation rows (a multiple of 16; row m's nb blocks at act + m * nb). Per type:
 inline void q4_k(const BlockQ4_Kx8* g0, const BlockQ4_Kx8* g1, int64_t nb, const ActQ8_K* act,
                  int64_t rows16, float* out) {
   alignas(64) int8_t wt[8][8][64];  // [sub-block][tile row]
-  alignas(64) int32_t c[2][kRows][16];
   const int64_t stride = nb * static_cast<int64_t>(sizeof(ActQ8_K));
   const __m512i m4 = _mm512_set1_epi8(0x0F);
   std::memset(out, 0, sizeof(float) * 16 * rows16);
@@ -126,11 +138,7 @@ inline void q4_k(const BlockQ4_Kx8* g0, const BlockQ4_Kx8* g1, int64_t nb, const
     for (int64_t m0 = 0; m0 < rows16; m0 += kRows) {
       const ActQ8_K* a = act + m0 * nb + b;
       __m512 sum[kRows];
-      for (auto& s : sum) s = _mm512_setzero_ps();
-      for (int j = 0; j < 8; j += 2) {
-        products(wt[j][0], wt[j + 1][0], a->qs + 32 * j, a->qs + 32 * (j + 1), stride, c);
-        scale_into(sum, c, sc[j], sc[j + 1]);
-      }
+      superblock_sums<8, 32>(wt, a->qs, stride, sc, sum);
       for (int m = 0; m < kRows; ++m) {
         const ActQ8_K& am = a[m * nb];
         __m512i msum = _mm512_setzero_si512();
@@ -153,7 +161,6 @@ inline void q4_k(const BlockQ4_Kx8* g0, const BlockQ4_Kx8* g1, int64_t nb, const
 inline void q6_k(const BlockQ6_Kx8* g0, const BlockQ6_Kx8* g1, int64_t nb, const ActQ8_K* act,
                  int64_t rows16, float* out) {
   alignas(64) int8_t wt[16][4][64];  // [16-value group][tile row]
-  alignas(64) int32_t c[2][kRows][16];
   const int64_t stride = nb * static_cast<int64_t>(sizeof(ActQ8_K));
   const __m512i m4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30), k32 = _mm512_set1_epi8(32);
   std::memset(out, 0, sizeof(float) * 16 * rows16);
@@ -185,11 +192,7 @@ inline void q6_k(const BlockQ6_Kx8* g0, const BlockQ6_Kx8* g1, int64_t nb, const
     for (int64_t m0 = 0; m0 < rows16; m0 += kRows) {
       const ActQ8_K* a = act + m0 * nb + b;
       __m512 sum[kRows];
-      for (auto& s : sum) s = _mm512_setzero_ps();
-      for (int g = 0; g < 16; g += 2) {
-        products(wt[g][0], wt[g + 1][0], a->qs + 16 * g, a->qs + 16 * (g + 1), stride, c);
-        scale_into(sum, c, sc[g], sc[g + 1]);
-      }
+      superblock_sums<16, 16>(wt, a->qs, stride, sc, sum);
       for (int m = 0; m < kRows; ++m) {
         float* o = out + (m0 + m) * 16;
         const __m512 ad = _mm512_set1_ps(a[m * nb].d);
