@@ -14,13 +14,15 @@
 // - Each product's int32 tile is stored and its rows scaled into float sums with the sub-block's
 //   16 integer scales (float products of integers below 2^24 are exact), then each superblock
 //   ends as the VNNI kernel's does: d, dmin, the mins (Q4_K). The sums are the VNNI kernels'
-//   integer sums, so the outputs are the same bit for bit (while a superblock's sum stays below
-//   2^24 in magnitude) and a token's output does not depend on whether its step ran the tiles.
+//   integer sums, so the outputs are the same bit for bit while every partial sum of a
+//   superblock stays below 2^24 in magnitude (one Q6_K group's product can reach 2^23 only with
+//   every activation at +-127 and every value at its extreme), and a token's output does not
+//   depend on whether its step ran the tiles.
 //
 // Compiled where the compiler targets AMX-INT8 (-march=native on an AMX CPU, PAGEDATTN_HAS_AMX
 // in amx_cpu.h); tests/cpu/amx_emulator.h runs the same code with the tile instructions done in
 // software on CPUs without AMX (PAGEDATTN_AMX_EMULATE). Untimed on AMX hardware as written:
-// the tuner (tune_quant_rows) decides from how many rows it runs, never by default.
+// the tuner (tune_quant_amx_rows) decides from how many rows it runs, never by default.
 #pragma once
 
 #include "amx_cpu.h"
@@ -74,6 +76,9 @@ inline __m512 signed_scales(const int8_t* a, const int8_t* b) {
 // Two tile products of one row tile: C0 = A(a0) . B0, C1 = A(a1) . B1, stored as int32 [16][16].
 inline void products(const int8_t* w0, const int8_t* w1, const int8_t* a0, const int8_t* a1,
                      int64_t stride, int32_t (*c)[kRows][16]) {
+  // NOTE: GCC's tileloadd does not say it reads memory: without the clobber the stores that
+  // unpacked the weights could be dropped as dead (linear_amx_cpu.cpp's widen_tile does the same).
+  asm volatile("" : : "r"(w0), "r"(w1) : "memory");
   _tile_loadd(0, w0, 64);
   _tile_loadd(1, w1, 64);
   _tile_loadd(2, a0, stride);

@@ -259,6 +259,7 @@ void run_x8_amx(int type, const uint8_t* blocks, int64_t group_bytes, int64_t pa
         for (int n = 0; n < 16; ++n) y[m * N + cols[16 * pair + n]] = tmp[m * 16 + n];
       }
     }
+    _tile_release();
   });
 }
 #endif

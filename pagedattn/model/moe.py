@@ -213,15 +213,17 @@ class SparseMoEBlock(nn.Module):
         step_ops: bool = True,
         kernel: str | None = None,
         quant_rows: int = GGUF_PREFILL_ROWS,
+        quant_amx_rows: int = 0,
     ) -> None:
         """kernel: the linear kernel each expert's projections are packed for after loading
         (the plan's decode kernel); None: F.linear on the stacked weights. quant_rows: rows
-        from which experts stored as GGUF blocks dequantise tiles (the plan's)."""
+        from which experts stored as GGUF blocks dequantise tiles, quant_amx_rows: from which
+        their interleaved parts run on AMX-INT8 tiles (0: never; both the plan's)."""
         super().__init__()
         self.spec = spec
         self.step_ops = step_ops
         self.kernel = kernel
-        self.quant_rows = quant_rows
+        self.quant_rows, self.quant_amx_rows = quant_rows, quant_amx_rows
         self.gate = MoERouter(hidden_size, spec.num_experts)
         self.experts = MoEExperts(hidden_size, spec)
         # GGUF blocks of experts' projections (ExpertLoader): (parameter, expert, shard) -> blocks.
@@ -272,11 +274,11 @@ class SparseMoEBlock(nn.Module):
         for e in range(spec.num_experts):
             parts = (self.quantized[("gate_up_proj", e, 0)], self.quantized[("gate_up_proj", e, 1)])
             fused = QuantizedParts(parts, (0, size), 2 * size, hidden)
-            gate_up.append(pack_quantized(fused, None, self.quant_rows))
+            rows, amx_rows = self.quant_rows, self.quant_amx_rows
+            gate_up.append(pack_quantized(fused, None, rows, amx_rows=amx_rows))
             blocks = self.quantized[("down_proj", e, None)]
-            down.append(
-                pack_quantized(QuantizedParts((blocks,), (0,), hidden, size), None, self.quant_rows)
-            )
+            down_parts = QuantizedParts((blocks,), (0,), hidden, size)
+            down.append(pack_quantized(down_parts, None, rows, amx_rows=amx_rows))
         self.quantized = {}
         return gate_up, down
 

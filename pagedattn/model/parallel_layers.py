@@ -201,7 +201,14 @@ class RowParallelMoEBlock(SparseMoEBlock):
 
     def __init__(self, block: SparseMoEBlock, group: TensorParallelGroup) -> None:
         hidden = block.gate.weight.shape[1]
-        super().__init__(hidden, block.spec, block.step_ops, block.kernel, block.quant_rows)
+        super().__init__(
+            hidden,
+            block.spec,
+            block.step_ops,
+            block.kernel,
+            block.quant_rows,
+            block.quant_amx_rows,
+        )
         self.tp_group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

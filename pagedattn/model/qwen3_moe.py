@@ -49,7 +49,12 @@ class MoECausalLM(LlamaForCausalLM):
             if self.is_sparse(config, i):
                 kernel = plan.linear_decode
                 layer.mlp = SparseMoEBlock(
-                    config.hidden_size, spec, plan.step_ops, kernel, plan.quant_prefill_rows
+                    config.hidden_size,
+                    spec,
+                    plan.step_ops,
+                    kernel,
+                    plan.quant_prefill_rows,
+                    plan.quant_amx_rows,
                 )
         self._experts: ExpertLoader | None = None
 
