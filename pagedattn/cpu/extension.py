@@ -346,7 +346,7 @@ def quant_amx_available() -> bool:
     """Whether interleaved GGUF layers can run on AMX-INT8 tiles: the extension was built for
     them (-march=native on an AMX CPU) and the OS granted this process the tiles."""
     ext = get_extension()
-    return ext is not None and hasattr(ext, "quant_amx_available") and ext.quant_amx_available()
+    return ext is not None and ext.quant_amx_available()
 
 
 def flush_denormals_all_threads() -> bool:

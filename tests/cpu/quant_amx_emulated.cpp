@@ -69,8 +69,7 @@ std::vector<uint8_t> random_groups(int type, int64_t N, int64_t nb) {
       reinterpret_cast<BlockQ8_0*>(blk)->d = half(scale());
     }
   }
-  const int64_t group_bytes = nb * (type == kQ4_K ? sizeof(BlockQ4_Kx8)
-                                    : type == kQ6_K ? sizeof(BlockQ6_Kx8) : sizeof(BlockQ8_0x8));
+  const int64_t group_bytes = nb * x8_block_bytes(type);
   std::vector<uint8_t> groups(N / 8 * group_bytes);
   for (int64_t g = 0; g < N / 8; ++g) {
     const uint8_t* from = rows.data() + g * 8 * rows_bytes;
@@ -82,26 +81,12 @@ std::vector<uint8_t> random_groups(int type, int64_t N, int64_t nb) {
   return groups;
 }
 
-// One activation row against one x8 group on the VNNI kernel: 8 outputs.
-void vnni(int type, const uint8_t* grp, int64_t nb, const void* row, float* out) {
-  if (type == kQ4_K) {
-    const ActQ8_K* a[1] = {static_cast<const ActQ8_K*>(row)};
-    gemm_q4_k_x8<1>(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, a, out, 8, false);
-  } else if (type == kQ6_K) {
-    const ActQ8_K* a[1] = {static_cast<const ActQ8_K*>(row)};
-    gemm_q6_k_x8<1>(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, a, out, 8, false);
-  } else {
-    const ActQ8_0* a[1] = {static_cast<const ActQ8_0*>(row)};
-    gemm_q8_0_x8<1>(reinterpret_cast<const BlockQ8_0x8*>(grp), nb, a, out, 8, false);
-  }
-}
-
 // Returns the number of outputs that differ from the VNNI kernel's.
 int check(int type, int64_t K, int64_t rows16) {
   const bool k_type = type != kQ8_0;
   const int64_t nb = K / (k_type ? kBlockK : kBlock), N = 32;
   const std::vector<uint8_t> groups = random_groups(type, N, nb);
-  const int64_t group_bytes = static_cast<int64_t>(groups.size()) / (N / 8);
+  const int64_t group_bytes = nb * x8_block_bytes(type);
   const std::vector<ActQ8_K> ak = k_type ? act_k(rows16, nb) : std::vector<ActQ8_K>();
   const std::vector<ActQ8_0> a0 = k_type ? std::vector<ActQ8_0>() : act_0(rows16, nb);
   const void* act = k_type ? static_cast<const void*>(ak.data()) : static_cast<const void*>(a0.data());
@@ -114,10 +99,11 @@ int check(int type, int64_t K, int64_t rows16) {
     const uint8_t* g0 = groups.data() + 2 * pair * group_bytes;
     x8_amx::gemm_pair(type, g0, g0 + group_bytes, nb, act, rows16, out.data());
     for (int64_t m = 0; m < rows16; ++m) {
-      const auto* row = static_cast<const uint8_t*>(act) + m * nb * act_bytes;
+      // the VNNI kernels, one activation row against each group: 8 outputs each
+      const void* row[1] = {static_cast<const uint8_t*>(act) + m * nb * act_bytes};
       float ref[16];
-      vnni(type, g0, nb, row, ref);
-      vnni(type, g0 + group_bytes, nb, row, ref + 8);
+      gemm_x8<1>(type, g0, nb, row, ref, false);
+      gemm_x8<1>(type, g0 + group_bytes, nb, row, ref + 8, false);
       for (int n = 0; n < 16; ++n) {
         const float got = out[m * 16 + n];
         max_abs = std::max(max_abs, std::fabs(ref[n]));
