@@ -297,7 +297,7 @@ class ModelConfig:
         "the CPU linear kernel; auto: each one timed on the model's shapes at the first start on "
         "a machine (cached per CPU, dtype and shapes), the fastest per batch size "
         "(PAGEDATTN_RETUNE=1 measures again); a kernel this CPU cannot run is an error",
-        choices=("auto", "panels", "amx", "mkl", "onednn", "torch", "int8", "int8_amx"),
+        choices=("auto", "panels", "dpbf16", "amx", "mkl", "onednn", "torch", "int8", "int8_amx"),
     )
     attention_kernel: str = option(
         "auto",

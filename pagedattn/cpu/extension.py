@@ -1,7 +1,7 @@
 """The compiled CPU extension (pagedattn/csrc): build and load it for this CPU's ISA level.
 
 One library holds every compiled kernel: paged decode attention (paged_attention_cpu.cpp), the
-panel and AMX GEMMs (linear_cpu.cpp, linear_amx_cpu.cpp), the per-layer step ops
+panel, AVX512-BF16 and AMX GEMMs (linear_cpu.cpp, linear_dpbf16_cpu.cpp, linear_amx_cpu.cpp), the per-layer step ops
 (step_ops_cpu.cpp: cache write, rotary, RMSNorm, SwiGLU/GeGLU, argmax), the decode stack and the
 fused MoE block (moe_cpu.cpp). The
 sources are written over ATen's ``at::vec::Vectorized`` and compiled for one ISA level
@@ -41,6 +41,7 @@ SOURCES = (
     SOURCE,
     CSRC / "linear_cpu.cpp",
     CSRC / "linear_amx_cpu.cpp",
+    CSRC / "linear_dpbf16_cpu.cpp",
     CSRC / "step_ops_cpu.cpp",
     CSRC / "decode_stack_cpu.cpp",
     CSRC / "moe_cpu.cpp",

@@ -7,6 +7,8 @@ layers hold one for few rows (decode) and one for many (prefill), as the KernelP
 
 - ``panels``: the panel GEMM of ``csrc/linear_cpu.cpp``: k-major panels of 32 output columns in
   the weight's dtype, fp32 sums (written over at::vec, so it vectorizes on AVX2, AVX-512, NEON).
+- ``dpbf16``: bf16 panels of 32 columns by k pairs through AVX512-BF16's dot product
+  (``csrc/linear_dpbf16_cpu.cpp``; builds for CPUs that have it: AMD Zen 4 and 5).
 - ``amx``: the AMX-BF16 tile GEMM of ``csrc/linear_amx_cpu.cpp`` (bf16, CPUs with AMX).
 - ``mkl``: MKL's packed sgemm (float32).
 - ``onednn``: oneDNN's inner product on a weight reordered once at load.
@@ -142,6 +144,40 @@ class PanelLinear(LinearKernel):
             x2 = x2.float()
         out = ext.linear_packed(x2.contiguous(), packed.a, packed.out_features, packed.bias)
         return out.to(x.dtype).reshape(*x.shape[:-1], packed.out_features)
+
+
+def pack_dpbf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 weight (K even) -> [ceil(N / 32), K / 2, 32, 2] panels of k pairs.
+
+    Panel p, pair j holds W[32p + c, 2j] and W[32p + c, 2j + 1] side by side for c = 0..31 (one
+    64-byte load is 16 columns' pair, as VDPBF16PS reads it); columns past N are zero.
+    """
+    n, k = weight.shape
+    num_panels = -(-n // PANEL)
+    padded = torch.zeros(num_panels * PANEL, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    return padded.view(num_panels, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+
+
+class DpBf16Linear(LinearKernel):
+    name, cpp_id = "dpbf16", 7
+
+    def available(self, dtype):
+        ext = extension.get_extension()
+        return dtype == torch.bfloat16 and ext is not None and ext.linear_dpbf16_available()
+
+    def fits(self, weight):
+        return weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0
+
+    def pack(self, weight, bias):
+        fp32_bias = None if bias is None else bias.float().contiguous()
+        return self._packed(weight, pack_dpbf16(weight), None, fp32_bias)
+
+    def apply(self, packed, x):
+        ext = extension.load_extension()
+        x2 = x.reshape(-1, packed.in_features).to(torch.bfloat16).contiguous()  # [M, K]
+        out = ext.linear_dpbf16(x2, packed.a, packed.out_features, packed.bias)  # [M, N]
+        return out.reshape(*x.shape[:-1], packed.out_features)
 
 
 def pack_amx(weight: torch.Tensor) -> torch.Tensor:
@@ -389,6 +425,7 @@ LINEAR_KERNELS: dict[str, LinearKernel] = {
     k.name: k
     for k in (
         PanelLinear(),
+        DpBf16Linear(),
         AmxLinear(),
         MklLinear(),
         OneDnnLinear(),
@@ -399,7 +436,7 @@ LINEAR_KERNELS: dict[str, LinearKernel] = {
     )
 }
 # The candidates for unquantized weights and for int8 weights, in the tuner's order.
-KERNELS = ("panels", "amx", "mkl", "onednn", "torch")
+KERNELS = ("panels", "dpbf16", "amx", "mkl", "onednn", "torch")
 INT8_KERNELS = ("int8", "int8_amx")
 # --quantization: int8 (the kernels above), or a GGUF block type (GGUFLinear, quantised at load).
 QUANTIZATIONS = ("int8", *QUANTIZE_TYPES)

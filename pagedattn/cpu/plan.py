@@ -249,18 +249,20 @@ def _check_forced(options: KernelOptions, dtype: torch.dtype) -> None:
 # at 5 (1.32x); panels 30.9 / 35.4 ms (1.15x); F.linear 29.5 / 55.7 ms. The decode kernel stays
 # what the tuner chose at 32 rows (MKL there: ~8% ahead of panels) for plain decode steps.
 VERIFY_KERNEL = "panels"
+# Decode kernels that already stream each weight once for a few rows (no verify kernel beside).
+PANEL_KERNELS = (VERIFY_KERNEL, "dpbf16")
 
 
 def verify_fields(options: KernelOptions, dtype: torch.dtype, plan: KernelPlan) -> dict:
     """The plan's linear_verify and verify_rows for ``options`` (replace() keywords): the panel
     kernel for verify steps where speculation asks for it, the decode stack may run them, auto
-    chose another decode kernel and panels run ``dtype`` here."""
+    chose a decode kernel that is not a panel GEMM and panels run ``dtype`` here."""
     use = (
         options.verify_rows > 2
         and options.decode_stack
         and options.linear_kernel == AUTO
         and options.quantization is None
-        and plan.linear_decode != VERIFY_KERNEL
+        and plan.linear_decode not in PANEL_KERNELS
         and get_linear_kernel(VERIFY_KERNEL).available(dtype)
     )
     if not use:

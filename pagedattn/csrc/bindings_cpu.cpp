@@ -15,6 +15,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_packed", &linear_packed, "y = x @ W^T (+ bias) over 32-column weight panels");
   m.def("linear_packed_vectorized", &linear_packed_vectorized,
         "Whether linear_packed runs on vector instructions (AVX2, AVX-512, NEON)");
+  m.def("linear_dpbf16", &linear_dpbf16,
+        "y = x @ W^T (+ bias) in bf16 over 32-column panels of k pairs (AVX512-BF16 dot products)");
+  m.def("linear_dpbf16_available", &linear_dpbf16_available,
+        "Whether this build runs linear_dpbf16 (compiled with AVX512-BF16)");
   m.def("linear_amx", &linear_amx, "y = x @ W^T (+ bias) in bf16 on AMX tiles (decode rows)",
         py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("bias"),
         py::arg("scale") = py::none());

@@ -14,7 +14,8 @@ namespace pagedattn_linear {
 
 // The kernels of pagedattn.cpu.linear.LINEAR_KERNELS, numbered as their cpp_id.
 enum class Kernel : int64_t {
-  kTorch = 0, kPanels = 1, kMkl = 2, kOnednn = 3, kInt8 = 4, kAmx = 5, kInt8Amx = 6, kGGUF = 8
+  kTorch = 0, kPanels = 1, kMkl = 2, kOnednn = 3, kInt8 = 4, kAmx = 5, kInt8Amx = 6, kDpBf16 = 7,
+  kGGUF = 8
 };
 
 inline torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
@@ -44,7 +45,8 @@ inline torch::Tensor mkl_linear(const torch::Tensor& x, const torch::Tensor& pac
 // One linear layer on the kernel the tuner chose, as PackedLinear calls it for a 2-D, contiguous
 // input in the layer's dtype. kernel: 0 torch (a = weight), 1 panels (a = panels), 2 mkl (a =
 // packed, b = weight), 3 onednn (a = packed), 4 int8 (a = int8 weight, b = scales), 5 amx
-// (a = AMX tiles; bias float32), 6 int8_amx (a = int8 AMX tiles, b = float32 scales), 8 gguf
+// (a = AMX tiles; bias float32), 6 int8_amx (a = int8 AMX tiles, b = float32 scales), 7 dpbf16
+// (a = k-pair panels; bias float32), 8 gguf
 // (quant: the layer's QuantLinear, the very object Python packed; bias inside it).
 struct DecodeLinear {
   int64_t kernel;
@@ -61,6 +63,8 @@ struct DecodeLinear {
         return at::linear(x, a, bias);
       case Kernel::kPanels:
         return linear_packed(x, a, out_features, bias);
+      case Kernel::kDpBf16:
+        return linear_dpbf16(x, a, out_features, bias);
       case Kernel::kMkl:
         return pagedattn_linear::mkl_linear(x, a, b, bias);
       case Kernel::kOnednn:

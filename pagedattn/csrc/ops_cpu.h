@@ -41,6 +41,10 @@ int64_t set_flush_denormal_all_threads(bool on);
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
                             c10::optional<torch::Tensor> bias);
 bool linear_packed_vectorized();
+// linear_dpbf16_cpu.cpp
+torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t N,
+                            c10::optional<torch::Tensor> bias);
+bool linear_dpbf16_available();
 // linear_amx_cpu.cpp
 torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, int64_t N,
                          c10::optional<torch::Tensor> bias, c10::optional<torch::Tensor> scale);

@@ -36,6 +36,7 @@ CASES = [
     ("float32", "torch"),
     ("bfloat16", "onednn"),
     ("bfloat16", "panels"),
+    ("bfloat16", "dpbf16"),
     ("bfloat16", "torch"),
     ("bfloat16", "int8"),
     ("bfloat16", "amx"),

@@ -18,6 +18,7 @@ from pagedattn.cpu.linear import (
     get_kernel,
     kernel_available,
     pack_amx,
+    pack_dpbf16,
     pack_panels,
     pack_weight,
     quantize_int8,
@@ -31,6 +32,9 @@ needs_panels = pytest.mark.skipif(
 )
 needs_mkl = pytest.mark.skipif(
     not kernel_available("mkl", torch.float32), reason="torch built without MKL"
+)
+needs_dpbf16 = pytest.mark.skipif(
+    not kernel_available("dpbf16", torch.bfloat16), reason="no AVX512-BF16 in this build"
 )
 needs_amx = pytest.mark.skipif(
     not kernel_available("amx", torch.bfloat16), reason="no AMX-BF16 on this CPU"
@@ -169,9 +173,52 @@ def test_panels_interleave_bf16_halves():
     assert torch.equal(pack_panels(w.float())[0, 1, :4], torch.tensor([1.0, 3.0, 5.0, 7.0]))
 
 
+def test_dpbf16_packing_puts_each_columns_k_pair_side_by_side():
+    w = torch.arange(40 * 4, dtype=torch.float32).view(40, 4).bfloat16()  # w[n, k] = 4n + k
+    panels = pack_dpbf16(w)  # [2, 2, 32, 2]
+    assert panels.shape == (2, 2, 32, 2)
+    assert panels[0, 0, 0].tolist() == [0, 1] and panels[0, 0, 1].tolist() == [4, 5]
+    assert panels[0, 1, 3].tolist() == [14, 15]  # column 3, k pair 1
+    assert panels[1, 0, 7].tolist() == [156, 157] and not panels[1, :, 8:].any()  # padding
+
+
+@needs_dpbf16
+@pytest.mark.parametrize("num_tokens", [0, 1, 2, 5, 12, 13, 16, 33, 300])
+@pytest.mark.parametrize(("out_features", "in_features"), [(70, 64), (32, 2), (200, 1030)])
+def test_dpbf16_linear_is_a_bf16_gemm_with_fp32_sums(num_tokens, out_features, in_features):
+    # Pairs of bf16 products (exact in fp32) added into fp32 sums, rounded to bf16 once: within
+    # a bf16 rounding of the exact product, every row count (1 row: two panels at a time; 13:
+    # blocks of 7 and 6; 300: several 12-row blocks; 0: an empty result) and ragged panels.
+    torch.manual_seed(num_tokens)
+    w = torch.randn(out_features, in_features).bfloat16()
+    bias = torch.randn(out_features)
+    x = torch.randn(num_tokens, in_features).bfloat16()
+    got = pack_weight("dpbf16", w, bias)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (num_tokens, out_features)
+    exact = x.double() @ w.double().t() + bias.double()
+    assert torch.allclose(got.double(), exact, rtol=2**-8, atol=1e-3 * in_features**0.5)
+    # Each row's sums do not depend on the rows beside it.
+    if num_tokens > 1:
+        alone = pack_weight("dpbf16", w, bias)(x[-1:])
+        assert torch.equal(got[-1:], alone)
+
+
+@needs_dpbf16
+def test_dpbf16_layers_hold_only_the_panels():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48), nn.Linear(48, 33, bias=False)).bfloat16()
+    x = torch.randn(5, 64).bfloat16()
+    expected = model(x)
+    assert pack_linear_layers(model, "dpbf16") == 2
+    assert all(m.weight is None for m in model)
+    assert torch.allclose(model(x).float(), expected.float(), rtol=2**-6, atol=2e-2)
+    assert fitted_kernel(torch.zeros(8, 7, dtype=torch.bfloat16), "dpbf16") == "torch"  # odd K
+
+
 def test_kernel_registry_names_every_kernel_and_refuses_unknown_ones():
     assert set(LINEAR_KERNELS) == {
         "panels",
+        "dpbf16",
         "amx",
         "mkl",
         "onednn",

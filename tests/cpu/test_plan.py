@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedattn.cpu import extension, tuner
 from pagedattn.cpu import plan as plan_module
-from pagedattn.cpu.linear import KERNELS, candidates, shares_weights
+from pagedattn.cpu.linear import KERNELS, candidates, kernel_available, shares_weights
 from pagedattn.cpu.plan import (
     KernelChoiceError,
     KernelOptions,
@@ -397,6 +397,10 @@ def test_speculation_runs_verify_rows_on_panels_where_decode_chose_another():
     other = SHAPES._replace(layers=((64, 32),))
     on_panels = choose(fake_measure(panels), shapes=other, verify_rows=9)
     assert on_panels.linear_decode == "panels" and on_panels.linear_verify is None
+    if kernel_available("dpbf16", torch.bfloat16):  # itself a panel GEMM: no second packing
+        dp = {r: dict.fromkeys(ALL, 1.0) | {"dpbf16": 0.5} for r in (DECODE_ROWS, PREFILL_ROWS)}
+        on_dp = choose(fake_measure(dp), dtype=torch.bfloat16, verify_rows=9)
+        assert on_dp.linear_decode == "dpbf16" and on_dp.linear_verify is None
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["u8", "fp8"])
