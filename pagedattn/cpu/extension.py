@@ -8,8 +8,9 @@ the decode stack and the fused MoE block (moe_cpu.cpp). The sources are written 
 ISA level (``BUILD_FLAGS``): ``avx2`` (x86-64-v3), ``avx512`` (x86-64-v4), ``native``
 (-march=native: AVX512-BF16 and AMX where the CPU has them) or ``scalar``; the level is
 ``features.isa_level()``, i.e. the CPU's own unless ``PAGEDATTN_CPU_ISA`` caps it. The first
-use builds it with ``torch.utils.cpp_extension.load`` (about a minute) under ``PAGEDATTN_EXT_DIR``, one folder per
-level, CPU and source hash; later processes load the cached library in well under a second.
+use builds it with ``torch.utils.cpp_extension.load`` (about a minute) under
+``PAGEDATTN_EXT_DIR``, one folder per level, CPU and source hash; later processes load the
+cached library in well under a second.
 ``PAGEDATTN_DISABLE_CPU_EXT=1`` turns all compiled code off. If the build fails,
 ``get_extension`` logs why once and returns None, and callers keep the PyTorch path.
 """
