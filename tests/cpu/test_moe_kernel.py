@@ -71,6 +71,7 @@ def _inputs(num_tokens, dtype, seed=1):
 CASES = [
     pytest.param(torch.float32, "panels", None, 1e-5, id="f32-panels"),
     pytest.param(torch.bfloat16, "panels", None, 1e-2, id="bf16-panels"),
+    pytest.param(torch.bfloat16, "dpbf16", None, 1e-2, id="bf16-dpbf16"),
     pytest.param(torch.float32, "gguf", "q8_0", 2e-2, id="f32-q8_0"),
     pytest.param(torch.bfloat16, "gguf", "q4_k", 3e-2, id="bf16-q4_k"),
     pytest.param(torch.float32, "gguf", "q4_0", 3e-2, id="f32-q4_0"),
@@ -82,9 +83,9 @@ CASES = [
 def test_fused_block_matches_per_expert_reference(num_tokens, dtype, kernel, quant, tol):
     if not kernel_available(kernel, dtype):
         pytest.skip(f"the {kernel} kernel is not built here")
-    block, gate_up, down = _block(dtype, quant=quant)
+    block, gate_up, down = _block(dtype, "panels" if quant else kernel, quant=quant)
     assert block.fused is not None
-    assert block.packed[0][0].name == ("panels" if quant is None else "gguf")
+    assert block.packed[0][0].name == (kernel if quant is None else "gguf")
     x, weights, ids = _inputs(num_tokens, dtype)
     out = block.fused.forward(x, weights, ids)
     assert out.dtype == dtype and out.shape == x.shape
