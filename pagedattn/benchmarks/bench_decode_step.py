@@ -30,6 +30,7 @@ CONFIGS: dict[str, tuple[dict[str, object], dict[str, str], str]] = {
     ),
     "omp_passive": ({}, {"OMP_WAIT_POLICY": "passive"}, "OpenMP threads sleep between ops"),
     "linear_panels": ({"linear_kernel": "panels"}, {}, "the panel GEMM for every linear"),
+    "linear_dpbf16": ({"linear_kernel": "dpbf16"}, {}, "bf16 panels on AVX512-BF16 dot products"),
     "linear_onednn": ({"linear_kernel": "onednn"}, {}, "oneDNN packed at load (AMX for bf16)"),
     "linear_mkl": ({"linear_kernel": "mkl"}, {}, "MKL packed GEMM (float32 only)"),
     "linear_torch": ({"linear_kernel": "torch"}, {}, "plain F.linear"),
