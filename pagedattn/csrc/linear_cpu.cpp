@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "claims_cpu.h"
+#include "ops_cpu.h"
 #include "vec_cpu.h"
 
 namespace {
@@ -39,6 +40,7 @@ using pagedattn_vec::kWidth;
 constexpr int64_t kPanel = 32;  // output columns per panel
 constexpr int kPanelVecs = kPanel / kWidth;
 static_assert(kWidth <= 16 && kPanel % kWidth == 0, "a panel row must be whole vectors");
+static_assert(kPanel == 32, "panel_linear_bias (ops_cpu.h) counts panels of 32 columns");
 // MR: rows per micro-kernel call: accumulators in all registers but two, at most 12: 12 on
 // AVX-512 (24 accumulators), 3 on AVX2 and NEON (12 and 24; there the MR broadcasts and one
 // weight vector take the rest, see kBroadcastsFirst). NOTE: on AVX2 (x86-64-v3 build on the
@@ -520,17 +522,9 @@ torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
               "packed must be a contiguous [panels, K, 32] tensor from pack_linear_weight");
   TORCH_CHECK(packed.size(1) == x.size(1), "x has K=", x.size(1), ", the weight K=",
               packed.size(1));
-  TORCH_CHECK(N > (packed.size(0) - 1) * kPanel && N <= packed.size(0) * kPanel,
-              "N=", N, " does not match ", packed.size(0), " panels");
   TORCH_CHECK(packed.scalar_type() == torch::kFloat32 || packed.scalar_type() == torch::kBFloat16,
               "packed weights are float32 or bfloat16");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
-                    bias->numel() == N,
-                "bias must be a contiguous float32 [N] tensor");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = panel_linear_bias(bias, N, packed.size(0));
   const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;

@@ -22,6 +22,7 @@
 #include <memory>
 
 #include "claims_cpu.h"
+#include "ops_cpu.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #define PAGEDATTN_DPBF16 1
@@ -30,6 +31,7 @@
 
 namespace {
 constexpr int64_t kPanelColumns = 32;  // output columns per panel
+static_assert(kPanelColumns == 32, "panel_linear_bias (ops_cpu.h) counts panels of 32 columns");
 }  // namespace
 
 #ifdef PAGEDATTN_DPBF16
@@ -264,15 +266,7 @@ torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t N,
               "packed must be a contiguous bfloat16 [panels, K / 2, 32, 2] tensor");
   TORCH_CHECK(packed.size(1) * 2 == x.size(1), "x has K=", x.size(1), ", the weight K=",
               packed.size(1) * 2);
-  TORCH_CHECK(N > (packed.size(0) - 1) * kPanelColumns && N <= packed.size(0) * kPanelColumns,
-              "N=", N, " does not match ", packed.size(0), " panels");
-  const float* b = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
-                    bias->numel() == N,
-                "bias must be a contiguous float32 [N] tensor");
-    b = bias->data_ptr<float>();
-  }
+  const float* b = panel_linear_bias(bias, N, packed.size(0));
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
 #ifdef PAGEDATTN_DPBF16

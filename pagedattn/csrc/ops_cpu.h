@@ -37,6 +37,19 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
 // Flush denormals to zero (FTZ/DAZ) in the calling thread and every intra-op thread; returns the
 // number of pool threads set (0 where the build has no such mode).
 int64_t set_flush_denormal_all_threads(bool on);
+// The checks shared by the 32-column panel GEMMs (linear_cpu.cpp, linear_dpbf16_cpu.cpp): N
+// outputs fit the packing's `panels`, and the optional bias is a float32 [N] tensor, whose data
+// this returns (nullptr without one).
+inline const float* panel_linear_bias(const c10::optional<torch::Tensor>& bias, int64_t N,
+                                      int64_t panels) {
+  TORCH_CHECK(N > (panels - 1) * 32 && N <= panels * 32, "N=", N, " does not match ", panels,
+              " panels");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == torch::kFloat32 && bias->is_contiguous() &&
+                  bias->numel() == N,
+              "bias must be a contiguous float32 [N] tensor");
+  return bias->data_ptr<float>();
+}
 // linear_cpu.cpp
 torch::Tensor linear_packed(torch::Tensor x, torch::Tensor packed, int64_t N,
                             c10::optional<torch::Tensor> bias);
