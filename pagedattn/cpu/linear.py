@@ -108,17 +108,23 @@ class TorchLinear(LinearKernel):
         return F.linear(x, packed.a, packed.bias)
 
 
+def _panel_rows(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] weight -> [ceil(N / 32), 32, K]: its rows by panel of 32, zero rows past N."""
+    n, k = weight.shape
+    num_panels = -(-n // PANEL)
+    padded = torch.zeros(num_panels * PANEL, k, dtype=weight.dtype)
+    padded[:n] = weight
+    return padded.view(num_panels, PANEL, k)
+
+
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] float32/bfloat16 weight -> [ceil(N / 32), K, 32] panels in the same dtype.
 
     Panel p, row k holds W[32p + j, k] for j < 32 (zero past N). bf16 rows are interleaved:
     lane 2j holds column j and lane 2j + 1 column 16 + j, so one 64-byte load yields both halves.
     """
-    n, k = weight.shape
-    num_panels = -(-n // PANEL)
-    padded = torch.zeros(num_panels * PANEL, k, dtype=weight.dtype)
-    padded[:n] = weight
-    panels = padded.view(num_panels, PANEL, k).transpose(1, 2)  # [P, K, 32]
+    num_panels, k = -(-weight.shape[0] // PANEL), weight.shape[1]
+    panels = _panel_rows(weight).transpose(1, 2)  # [P, K, 32]
     if weight.dtype == torch.bfloat16:
         half = PANEL // 2
         panels = torch.stack((panels[..., :half], panels[..., half:]), dim=-1)  # [P, K, 16, 2]
@@ -152,11 +158,8 @@ def pack_dpbf16(weight: torch.Tensor) -> torch.Tensor:
     Panel p, pair j holds W[32p + c, 2j] and W[32p + c, 2j + 1] side by side for c = 0..31 (one
     64-byte load is 16 columns' pair, as VDPBF16PS reads it); columns past N are zero.
     """
-    n, k = weight.shape
-    num_panels = -(-n // PANEL)
-    padded = torch.zeros(num_panels * PANEL, k, dtype=torch.bfloat16)
-    padded[:n] = weight
-    return padded.view(num_panels, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+    rows = _panel_rows(weight.bfloat16())  # [P, 32, K]
+    return rows.unflatten(2, (-1, 2)).transpose(1, 2).contiguous()
 
 
 class DpBf16Linear(LinearKernel):

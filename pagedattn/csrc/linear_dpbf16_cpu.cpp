@@ -58,10 +58,9 @@ inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
 inline __m512bh load_pair(const bf16* w) { return as_bh(_mm512_loadu_si512(w)); }
 
-inline __m512bh broadcast_pair(const bf16* x) {
-  int32_t pair;
-  std::memcpy(&pair, x, sizeof(pair));
-  return as_bh(_mm512_set1_epi32(pair));
+// The k pair x[2j .. 2j + 1] of an activation row packed by pack_rows, in every lane.
+inline __m512bh broadcast_pair(const int32_t* pairs, int64_t j) {
+  return as_bh(_mm512_set1_epi32(pairs[j]));
 }
 
 inline void prefetch_pair(const bf16* w) {
@@ -83,8 +82,8 @@ inline void store_half(bf16* y, __m512 v, __mmask16 mask) {
 }
 
 // y[r, 0..32) = acc[r] + bias for the panel's columns inside N.
-template <int MR, typename O>
-inline void store_rows(const __m512 (&acc)[MR][2], O* y, int64_t ldy, int cols, const float* bias) {
+template <int MR>
+inline void store_rows(const __m512 (&acc)[MR][2], bf16* y, int64_t ldy, int cols, const float* bias) {
   __mmask16 mask[2];
   half_masks(cols, mask);
   __m512 b[2];
@@ -103,8 +102,8 @@ inline void store_rows(const __m512 (&acc)[MR][2], O* y, int64_t ldy, int cols, 
 // through one pointer (x's rows read directly took 12 pointers, more than the free registers).
 // next: the thread's next panel, of which this block fetches the pairs block, block + blocks,
 // ... over the loop; nullptr for none.
-template <int MR, typename O>
-[[gnu::noinline]] void rows_kernel(const int32_t* xa, const bf16* w, int64_t KP, O* y,
+template <int MR>
+[[gnu::noinline]] void rows_kernel(const int32_t* xa, const bf16* w, int64_t KP, bf16* y,
                                    int64_t ldy, int cols, const float* bias, const bf16* next,
                                    int64_t block, int64_t blocks) {
   __m512 acc[MR][2];
@@ -121,29 +120,30 @@ template <int MR, typename O>
     const __m512bh w1 = load_pair(w + j * kPairElems + 32);
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) {
-      const __m512bh xr = as_bh(_mm512_set1_epi32(xa[r]));
+      const __m512bh xr = broadcast_pair(xa, r);
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xr, w0);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xr, w1);
     }
   }
-  store_rows<MR, O>(acc, y, ldy, cols, bias);
+  store_rows<MR>(acc, y, ldy, cols, bias);
 }
 
 // 1..kMaxRows rows (a compile-time count per call, so the accumulators stay in registers).
-template <typename O, int MR = kMaxRows>
-void rows_through_panel(int rows, const int32_t* xa, const bf16* w, int64_t KP, O* y,
+template <int MR = kMaxRows>
+void rows_through_panel(int rows, const int32_t* xa, const bf16* w, int64_t KP, bf16* y,
                         int64_t ldy, int cols, const float* bias, const bf16* next, int64_t block,
                         int64_t blocks) {
   if constexpr (MR > 1) {
     if (rows < MR) {
-      rows_through_panel<O, MR - 1>(rows, xa, w, KP, y, ldy, cols, bias, next, block, blocks);
+      rows_through_panel<MR - 1>(rows, xa, w, KP, y, ldy, cols, bias, next, block, blocks);
       return;
     }
   }
-  rows_kernel<MR, O>(xa, w, KP, y, ldy, cols, bias, next, block, blocks);
+  rows_kernel<MR>(xa, w, KP, y, ldy, cols, bias, next, block, blocks);
 }
 
-// Rows [m, m + r) of x [., K] by k pair into xa: xa[j * r + i] = x[m + i, 2j .. 2j + 1].
+// Rows [m, m + r) of x [., K] by k pair into xa: xa[j * r + i] = x[m + i, 2j .. 2j + 1] (one row:
+// the row as it is, read as pairs).
 inline void pack_rows(const bf16* x, int64_t K, int64_t m, int r, int32_t* xa) {
   const int64_t KP = K / 2;
   for (int i = 0; i < r; ++i) {
@@ -155,46 +155,43 @@ inline void pack_rows(const bf16* x, int64_t K, int64_t m, int r, int32_t* xa) {
 // One row through two panels at once: two weight streams per thread. NOTE: AMD Zen 4, 2
 // threads, 16 [8192 x 2048] layers at 1 row, two runs: one panel at a time 1.12 / 1.23 ms,
 // two 1.04 / 1.10, three 1.08 / 1.19, four 1.04 / 1.14.
-template <typename O>
-void row_through_two_panels(const bf16* x, const bf16* w0, const bf16* w1, int64_t KP, O* y0,
-                            O* y1, int cols0, int cols1, const float* bias0, const float* bias1) {
+void row_through_two_panels(const int32_t* x, const bf16* w0, const bf16* w1, int64_t KP,
+                            bf16* y0, bf16* y1, int cols0, int cols1, const float* bias0,
+                            const float* bias1) {
   __m512 acc[2][1][2];
   for (auto& a : acc) a[0][0] = a[0][1] = _mm512_setzero_ps();
   for (int64_t j = 0; j < KP; ++j) {
-    const __m512bh xr = broadcast_pair(x + 2 * j);
+    const __m512bh xr = broadcast_pair(x, j);
     const bf16* w[2] = {w0 + j * kPairElems, w1 + j * kPairElems};
     for (int p = 0; p < 2; ++p) {
       acc[p][0][0] = _mm512_dpbf16_ps(acc[p][0][0], xr, load_pair(w[p]));
       acc[p][0][1] = _mm512_dpbf16_ps(acc[p][0][1], xr, load_pair(w[p] + 32));
     }
   }
-  store_rows<1, O>(acc[0], y0, 0, cols0, bias0);
-  store_rows<1, O>(acc[1], y1, 0, cols1, bias1);
+  store_rows<1>(acc[0], y0, 0, cols0, bias0);
+  store_rows<1>(acc[1], y1, 0, cols1, bias1);
 }
 
-template <typename O>
 void run(const bf16* xp, int64_t M, int64_t K, const bf16* wp, int64_t P, const float* bias,
-         O* yp, int64_t N) {
+         bf16* yp, int64_t N) {
   const int64_t KP = K / 2, panel_elems = K * kPanel;
   const int64_t fit = kChunkBytes / (K * 2) / kMaxRows * kMaxRows;
   const int64_t row_chunk = std::max(kMinRowChunk, fit);
   auto cols_of = [&](int64_t p) { return static_cast<int>(std::min(kPanel, N - p * kPanel)); };
   auto bias_of = [&](int64_t p) { return bias != nullptr ? bias + p * kPanel : nullptr; };
-  std::unique_ptr<int32_t[]> packed_rows;  // NOTE: not value-initialised: pack_rows fills it
-  if (M > 1) packed_rows.reset(new int32_t[std::min(M, row_chunk) * KP]);
+  // NOTE: not value-initialised: pack_rows fills it
+  std::unique_ptr<int32_t[]> packed_rows(new int32_t[std::min(M, row_chunk) * KP]);
   for (int64_t m0 = 0; m0 < M; m0 += row_chunk) {
     const int64_t m1 = std::min(M, m0 + row_chunk), rows = m1 - m0;
     const int64_t blocks = (rows + kMaxRows - 1) / kMaxRows;
     // Blocks of equal size (16 rows: 8 + 8, not 12 + 4); block b is rows [first(b), first(b + 1)).
     auto first = [&](int64_t b) { return rows * b / blocks; };
-    if (rows > 1) {
-      at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-        for (int64_t b = b0; b < b1; ++b) {
-          pack_rows(xp + m0 * K, K, first(b), static_cast<int>(first(b + 1) - first(b)),
-                    packed_rows.get() + first(b) * KP);
-        }
-      });
-    }
+    at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) {
+        pack_rows(xp + m0 * K, K, first(b), static_cast<int>(first(b + 1) - first(b)),
+                  packed_rows.get() + first(b) * KP);
+      }
+    });
     pagedattn_claims::Claims panels(P, kPanelsPerClaim);
     panels.run([&](pagedattn_claims::Claims& claims) {
       int64_t begin = 0, end = 0;
@@ -205,15 +202,10 @@ void run(const bf16* xp, int64_t M, int64_t K, const bf16* wp, int64_t P, const 
         int64_t p = begin;
         if (rows == 1) {
           for (; p + 1 < end; p += 2) {
-            O* y = yp + m0 * N + p * kPanel;
-            row_through_two_panels<O>(xp + m0 * K, wp + p * panel_elems,
-                                      wp + (p + 1) * panel_elems, KP, y, y + kPanel, cols_of(p),
-                                      cols_of(p + 1), bias_of(p), bias_of(p + 1));
-          }
-          for (; p < end; ++p) {
-            rows_through_panel<O>(1, reinterpret_cast<const int32_t*>(xp + m0 * K),
-                                  wp + p * panel_elems, KP, yp + m0 * N + p * kPanel, N,
-                                  cols_of(p), bias_of(p), nullptr, 0, 1);
+            bf16* y = yp + m0 * N + p * kPanel;
+            row_through_two_panels(packed_rows.get(), wp + p * panel_elems,
+                                   wp + (p + 1) * panel_elems, KP, y, y + kPanel, cols_of(p),
+                                   cols_of(p + 1), bias_of(p), bias_of(p + 1));
           }
         }
         for (; p < end; ++p) {
@@ -228,10 +220,10 @@ void run(const bf16* xp, int64_t M, int64_t K, const bf16* wp, int64_t P, const 
           }
           for (int64_t b = 0; b < blocks; ++b) {
             const int64_t m = m0 + first(b);
-            rows_through_panel<O>(static_cast<int>(first(b + 1) - first(b)),
-                                  packed_rows.get() + first(b) * KP, wp + p * panel_elems, KP,
-                                  yp + m * N + p * kPanel, N, cols_of(p), bias_of(p), next, b,
-                                  blocks);
+            rows_through_panel(static_cast<int>(first(b + 1) - first(b)),
+                               packed_rows.get() + first(b) * KP, wp + p * panel_elems, KP,
+                               yp + m * N + p * kPanel, N, cols_of(p), bias_of(p), next, b,
+                               blocks);
           }
         }
         claimed = next_claimed;
@@ -271,7 +263,7 @@ torch::Tensor linear_dpbf16(torch::Tensor x, torch::Tensor packed, int64_t N,
   auto y = torch::empty({M, N}, x.options());
 #ifdef PAGEDATTN_DPBF16
   if (M > 0) {
-    run<bf16>(x.data_ptr<bf16>(), M, x.size(1), reinterpret_cast<const bf16*>(packed.data_ptr()),
+    run(x.data_ptr<bf16>(), M, x.size(1), reinterpret_cast<const bf16*>(packed.data_ptr()),
               packed.size(0), b, y.data_ptr<bf16>(), N);
   }
 #else
