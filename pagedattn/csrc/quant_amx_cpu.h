@@ -26,7 +26,7 @@
 #pragma once
 
 #include "amx_cpu.h"
-#include "quant_x8_cpu.h"
+#include "quant_x8_legacy_cpu.h"
 
 #if (defined(PAGEDATTN_HAS_AMX) && defined(__AMX_INT8__) || defined(PAGEDATTN_AMX_EMULATE)) && \
     defined(PAGEDATTN_QUANT_VNNI) && defined(__AVX512BW__)

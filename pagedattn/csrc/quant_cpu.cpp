@@ -9,9 +9,10 @@
 //   tile, so no whole float copy of the weight ever exists; the activations are the decode
 //   path's int8 blocks widened back (as_int8_activations), as llama.cpp quantises them at every
 //   batch size.
-// - Q4_K, Q6_K and Q8_0 parts whose rows come in eights are repacked at load into rows interleaved
-//   8 at a time (quant_x8_cpu.h) and multiplied by that kernel at every row count, prefill included: the
-//   part is held once, in that layout (its rows as stored are not kept).
+// - Parts of every type but Q5_K whose rows come in eights are repacked at load into rows
+//   interleaved 8 at a time (quant_x8_cpu.h, quant_x8_legacy_cpu.h) and multiplied by that
+//   kernel at every row count, prefill included: the part is held once, in that layout (its
+//   rows as stored are not kept).
 // - A layer is one or more parts (a fused qkv or gate/up projection whose pieces were stored in
 //   different types); row r of a part lands in output column index[r] (llama.cpp's permuted
 //   q/k rows are put back in place this way, without copying the weight).
@@ -27,7 +28,7 @@
 #include "quant_amx_cpu.h"
 #include "quant_dot_cpu.h"
 #include "quant_linear_cpu.h"
-#include "quant_x8_cpu.h"
+#include "quant_x8_legacy_cpu.h"
 #include "vec_cpu.h"
 
 namespace pagedattn_quant {
@@ -172,8 +173,8 @@ void dot_rows(int type, const uint8_t* row, int64_t K, const void* const* act, f
   }
 }
 
-// A Q4_K, Q6_K or Q8_0 tensor [rows, bytes] (rows a multiple of 8) as [rows / 8, blocks * x8
-// block bytes] (quant_x8_cpu.h).
+// A tensor [rows, bytes] of an x8 type (rows a multiple of 8) as [rows / 8, blocks * x8 block
+// bytes] (quant_x8_cpu.h, quant_x8_legacy_cpu.h).
 at::Tensor interleave_rows(const at::Tensor& data, int type, int64_t K) {
   const int64_t groups = data.size(0) / 8, nb = K / block_values(type), row_bytes = data.size(1);
   const int64_t block = x8_block_bytes(type);
@@ -181,17 +182,7 @@ at::Tensor interleave_rows(const at::Tensor& data, int type, int64_t K) {
   const uint8_t* src = data.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 16, [&](int64_t b, int64_t e) {
-    for (int64_t g = b; g < e; ++g) {
-      uint8_t* to = dst + g * nb * block;
-      const uint8_t* from = src + g * 8 * row_bytes;
-      if (type == kQ4_K) {
-        repack_q4_k_x8(from, nb, reinterpret_cast<BlockQ4_Kx8*>(to));
-      } else if (type == kQ6_K) {
-        repack_q6_k_x8(from, nb, reinterpret_cast<BlockQ6_Kx8*>(to));
-      } else {
-        repack_q8_0_x8(from, nb, reinterpret_cast<BlockQ8_0x8*>(to));
-      }
-    }
+    for (int64_t g = b; g < e; ++g) repack_x8(type, src + g * 8 * row_bytes, nb, dst + g * nb * block);
   });
   return out;
 }
@@ -332,14 +323,10 @@ at::Tensor QuantLinear::rows(const at::Tensor& ids, at::ScalarType dtype) const 
     const uint8_t* base = data_[p].data_ptr<uint8_t>();
     const int64_t stride = data_[p].size(1), nb = K / block_values(type);
     const uint8_t* grp = base + r / 8 * stride;
-    if (!x8_[p]) {
-      dequant_row(type, base + r * stride, K, y);
-    } else if (type == kQ4_K) {
-      dequant_q4_k_x8(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, r % 8, y);
-    } else if (type == kQ6_K) {
-      dequant_q6_k_x8(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, r % 8, y);
+    if (x8_[p]) {
+      dequant_x8(type, grp, nb, r % 8, y);
     } else {
-      dequant_q8_0_x8(reinterpret_cast<const BlockQ8_0x8*>(grp), nb, r % 8, y);
+      dequant_row(type, base + r * stride, K, y);
     }
   });
 }
@@ -441,18 +428,18 @@ void QuantLinear::run_x8(const std::vector<ActQ8_0>& a0, const std::vector<ActQ8
   for (size_t p = 0; p < data_.size(); ++p) {
     if (!x8_[p]) continue;
     const int type = static_cast<int>(types_[p]);
-    const bool q8_0 = type == kQ8_0;
+    const bool legacy = !is_k_type(type);  // Q8_0 activation blocks
     const int64_t nb = K_ / block_values(type);
-    const int64_t act_bytes = nb * static_cast<int64_t>(q8_0 ? sizeof(ActQ8_0) : sizeof(ActQ8_K));
+    const int64_t act_bytes = nb * static_cast<int64_t>(legacy ? sizeof(ActQ8_0) : sizeof(ActQ8_K));
     const int64_t chunk = std::max<int64_t>(kX8Rows, kChunkBytes / act_bytes / kX8Rows * kX8Rows);
     const uint8_t* blocks = data_[p].data_ptr<uint8_t>();
     const int64_t group_bytes = data_[p].size(1), groups = data_[p].size(0);
     const std::vector<int32_t>& cols = cols_[p];
     int64_t first = 0;  // the groups from here run the AVX kernels
 #ifdef PAGEDATTN_QUANT_AMX
-    if (amx(M)) {
+    if (amx(M) && has_x8_amx(type)) {
       first = groups / 2 * 2;
-      const void* act = q8_0 ? static_cast<const void*>(a0.data()) : static_cast<const void*>(ak.data());
+      const void* act = legacy ? static_cast<const void*>(a0.data()) : static_cast<const void*>(ak.data());
       run_x8_amx(type, blocks, group_bytes, groups / 2, nb, act, M, act_rows(M), cols.data(), N, y);
     }
 #endif
@@ -466,7 +453,7 @@ void QuantLinear::run_x8(const std::vector<ActQ8_0>& a0, const std::vector<ActQ8
             const int mb = static_cast<int>(std::min<int64_t>(kX8Rows, c1 - m0));
             const void* act[kX8Rows];
             for (int i = 0; i < mb; ++i) {
-              act[i] = q8_0 ? static_cast<const void*>(a0.data() + (m0 + i) * nb)
+              act[i] = legacy ? static_cast<const void*>(a0.data() + (m0 + i) * nb)
                             : static_cast<const void*>(ak.data() + (m0 + i) * nb);
             }
             const bool first = m0 == c0;  // the chunk's later rows find the group in cache

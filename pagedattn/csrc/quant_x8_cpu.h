@@ -1,7 +1,8 @@
-// Q4_K, Q6_K and Q8_0 weights interleaved 8 rows at a time (llama.cpp's block_q4_Kx8 idea, our
-// own layouts): QuantLinear (quant_cpu.cpp) repacks a part of these types whose row count is a
-// multiple of 8 into this form once, at load, and multiplies it at every row count, so the
-// layer is held once.
+// Q4_K and Q6_K weights interleaved 8 rows at a time (llama.cpp's block_q4_Kx8 idea, our own
+// layouts), and the helpers every x8 kernel shares (the legacy types' x8 blocks and the dispatch
+// over all x8 types: quant_x8_legacy_cpu.h). QuantLinear (quant_cpu.cpp) repacks a part of an x8
+// type whose row count is a multiple of 8 into this form once, at load, and multiplies it at
+// every row count, so the layer is held once.
 //
 // One BlockQ4_Kx8 holds superblock b of 8 rows: their d and dmin (fp16), their 6-bit scales and
 // mins unpacked to bytes, sub-block by sub-block, and their nibbles so that one 32-byte load
@@ -16,12 +17,6 @@
 // 16 int8 scales per row and d; 1,680 bytes per 8 rows, as Q6_K's 210 per row. A maddubs of
 // 6-bit values reaches 2 * 63 * 127, so two of them add in int16 before the scales' madd, and
 // the -32 offset is taken out with the activation's 16-value sums (ActQ8_K::bsums).
-//
-// BlockQ8_0x8 is Q8_0's 32-value block of 8 rows: their 8 d (fp16) and their int8 values so
-// that one 32-byte load holds 4 consecutive values of each row, as above; 272 bytes per 8 rows,
-// as stored (34 per row). The sign goes to the activation side (_mm256_sign_epi8, as the
-// row-major kernel does), and one conversion, multiply and fma apply the 8 rows' scales: the
-// row-major kernel converts and broadcasts one scale per row and block, and sums 8 lanes per row.
 //
 // Standalone measurements: scripts/q4k_interleave_probe.cpp, scripts/x8_prefetch_probe.cpp.
 // Elsewhere than x86 the same integer sums in plain C++.
@@ -45,26 +40,9 @@ struct BlockQ6_Kx8 {
   uint8_t ql[4][8][32];   // as BlockQ4_Kx8::qs: low nibbles of values 64i + 4c + k, + 32
   uint8_t qh[4][4][32];   // [chunk][column pair]: 2-bit highs of (c lo, c hi, c+1 lo, c+1 hi)
 };
-struct BlockQ8_0x8 {
-  uint16_t d[8];
-  int8_t qs[8][32];  // [4-byte column c][row r: bytes 4r..4r+3]: values 4c..4c+3
-};
 #pragma pack(pop)
 static_assert(sizeof(BlockQ4_Kx8) == 1184, "Q4_K x8 block size");
 static_assert(sizeof(BlockQ6_Kx8) == 1680, "Q6_K x8 block size");
-static_assert(sizeof(BlockQ8_0x8) == 8 * sizeof(BlockQ8_0), "Q8_0 x8 block size");
-
-// Rows [8g, 8g + 8) of a row-major Q8_0 tensor (nb blocks of 32 per row) as nb x8 blocks.
-inline void repack_q8_0_x8(const uint8_t* rows, int64_t nb, BlockQ8_0x8* out) {
-  const BlockQ8_0* w = reinterpret_cast<const BlockQ8_0*>(rows);
-  for (int64_t b = 0; b < nb; ++b) {
-    for (int r = 0; r < 8; ++r) {
-      const BlockQ8_0& blk = w[r * nb + b];
-      out[b].d[r] = blk.d;
-      for (int c = 0; c < 8; ++c) std::memcpy(&out[b].qs[c][4 * r], blk.qs + 4 * c, 4);
-    }
-  }
-}
 
 // Rows [8g, 8g + 8) of a row-major Q4_K tensor (nb superblocks per row) as nb x8 blocks.
 inline void repack_q4_k_x8(const uint8_t* rows, int64_t nb, BlockQ4_Kx8* out) {
@@ -154,13 +132,6 @@ inline void dequant_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, int r, float* y)
   }
 }
 
-inline void dequant_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, int r, float* y) {
-  for (int64_t b = 0; b < nb; ++b) {
-    const float d = half_to_float(grp[b].d[r]);
-    for (int l = 0; l < 32; ++l) y[32 * b + l] = d * static_cast<float>(grp[b].qs[l / 4][4 * r + l % 4]);
-  }
-}
-
 // The first call on a group (its later activation rows find it in cache) starts each block by
 // prefetching the x8 block kPrefetchBlocks ahead (into the next group past a group's end: a
 // thread takes consecutive groups), all its cache lines at once: into L2 (T1), but Q6_K from 2
@@ -234,51 +205,6 @@ constexpr int kX8Rows = 8;
 #else
 constexpr int kX8Rows = 4;
 #endif
-
-// As gemm_q4_k_x8, for BlockQ8_0x8 and Q8_0 activation blocks. Its blocks are small (272
-// bytes): it asks kRowPrefetchBytes ahead, as the row-major kernels do.
-template <int MB>
-inline void gemm_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, const ActQ8_0* const* act,
-                         float* out, int64_t ldo, bool prefetch = true) {
-#ifdef PAGEDATTN_QUANT_X86
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const BlockQ8_0x8& w = grp[b];
-    if (prefetch) prefetch_span(reinterpret_cast<const char*>(&w) + kRowPrefetchBytes, sizeof(w));
-    __m256i isum[MB];
-    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
-    for (int c = 0; c < 8; ++c) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[c]));
-      const __m256i qabs = _mm256_sign_epi8(q, q);  // -128 becomes 0x80: 128 unsigned
-      for (int m = 0; m < MB; ++m) {
-        isum[m] = dot_u8s8(isum[m], qabs, _mm256_sign_epi8(broadcast4(act[m][b].qs + 4 * c), q));
-      }
-    }
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
-    for (int m = 0; m < MB; ++m) {
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, _mm256_set1_ps(act[m][b].d)), acc[m]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
-#else
-  float acc[MB][8] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    const BlockQ8_0x8& w = grp[b];
-    for (int m = 0; m < MB; ++m) {
-      const ActQ8_0& a = act[m][b];
-      for (int r = 0; r < 8; ++r) {
-        int s = 0;
-        for (int l = 0; l < 32; ++l) s += w.qs[l / 4][4 * r + l % 4] * a.qs[l];
-        acc[m][r] += static_cast<float>(s) * (half_to_float(w.d[r]) * a.d);
-      }
-    }
-  }
-  for (int m = 0; m < MB; ++m) {
-    for (int r = 0; r < 8; ++r) out[m * ldo + r] = acc[m][r];
-  }
-#endif
-}
 
 // out[m * ldo + r] = row r of the group . activation row m, for MB activation rows (act[m]:
 // its nb Q8_K blocks). Each row's sum does not depend on MB (bit-identical at any row count).
@@ -445,41 +371,6 @@ inline void gemm_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, const ActQ8_K* cons
     for (int r = 0; r < 8; ++r) out[m * ldo + r] = acc[m][r];
   }
 #endif
-}
-
-// Whether QuantLinear repacks parts of this type 8 rows interleaved (this file).
-inline bool has_x8(int type) { return type == kQ4_K || type == kQ6_K || type == kQ8_0; }
-
-// The bytes of one x8 block of this type.
-inline int64_t x8_block_bytes(int type) {
-  return type == kQ4_K ? sizeof(BlockQ4_Kx8) : (type == kQ6_K ? sizeof(BlockQ6_Kx8) : sizeof(BlockQ8_0x8));
-}
-
-// act[m]: activation row m's blocks (ActQ8_0 for Q8_0, ActQ8_K for the K types).
-template <int MB>
-inline void gemm_x8(int type, const uint8_t* grp, int64_t nb, const void* const* act, float* out,
-                    bool prefetch) {
-  if (type == kQ8_0) {
-    gemm_q8_0_x8<MB>(reinterpret_cast<const BlockQ8_0x8*>(grp), nb,
-                     reinterpret_cast<const ActQ8_0* const*>(act), out, 8, prefetch);
-    return;
-  }
-  const auto* ak = reinterpret_cast<const ActQ8_K* const*>(act);
-  if (type == kQ4_K) {
-    gemm_q4_k_x8<MB>(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, ak, out, 8, prefetch);
-  } else {
-    gemm_q6_k_x8<MB>(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, ak, out, 8, prefetch);
-  }
-}
-
-// gemm_x8 for mb activation rows, 1 <= mb <= MB.
-template <int MB = kX8Rows>
-inline void gemm_x8_rows(int mb, int type, const uint8_t* grp, int64_t nb, const void* const* act,
-                         float* out, bool prefetch) {
-  if constexpr (MB > 1) {
-    if (mb < MB) return gemm_x8_rows<MB - 1>(mb, type, grp, nb, act, out, prefetch);
-  }
-  gemm_x8<MB>(type, grp, nb, act, out, prefetch);
 }
 
 }  // namespace pagedattn_quant

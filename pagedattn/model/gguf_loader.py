@@ -93,9 +93,11 @@ class GGUFFormatError(ValueError):
 
 
 # The bytes of the interleaved layouts QuantLinear repacks these types into, over the stored
-# bytes (Q4_K's scales held as bytes: 148 per row and superblock, not 144; Q6_K and Q8_0: as
-# stored).
-X8_GROWTH = {"Q4_K": 148 / 144, "Q6_K": 1.0, "Q8_0": 1.0}
+# bytes (Q4_K's scales held as bytes: 148 per row and superblock, not 144; the others: as
+# stored). Q5_K has no interleaved form.
+X8_GROWTH = {"Q4_K": 148 / 144} | dict.fromkeys(
+    ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "Q8_0"), 1.0
+)
 
 
 class GGUFCheckpoint:
@@ -276,7 +278,7 @@ class GGUFCheckpoint:
                     if name.endswith("k_proj.weight"):
                         heads = config.num_key_value_heads
                     order = _stored_row_order(rows_cols[0], heads)
-                # NOTE: QuantLinear repacks Q4_K, Q6_K and Q8_0 rows in eights (quant_x8_cpu.h):
+                # NOTE: QuantLinear repacks rows in eights (every type but Q5_K, quant_x8_*_cpu.h):
                 # Q4_K's scales then take bytes (148 per row and superblock, not 144).
                 untied_table = (
                     name.endswith("embed_tokens.weight") and not config.tie_word_embeddings
