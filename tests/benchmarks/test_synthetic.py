@@ -36,7 +36,7 @@ NEEDS_LLAMA_CPP = "llama-cpp-python is not installed (`make bench-peers` install
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    kinds = ("hf", "f16", "q8_0") if HAS_LLAMA_CPP else ("hf", "f16")
+    kinds = ("hf", "f16", "q8_0", "q4_0") if HAS_LLAMA_CPP else ("hf", "f16")
     root = tmp_path_factory.mktemp("synthetic")
     return synthetic_checkpoint("tiny", kinds, shape=TINY, cache_dir=root)
 
@@ -111,6 +111,25 @@ def test_llama_cpp_reads_the_gguf_as_the_same_model_and_q8_0_loads(tiny):
     q_logits = SequenceRunner(quant, 64).forward(PROMPT, 0)
     assert torch.isfinite(q_logits).all()
     assert abs(pagedattn_nll(quant, tokens) - ours) < 0.05 * ours
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason=NEEDS_LLAMA_CPP)
+def test_the_q4_0_file_runs_interleaved_as_llama_cpp_runs_it(tiny):
+    """llama.cpp's own Q4_0 file: its projections stay Q4_0 blocks (interleaved 8 rows, the
+    legacy x8 kernel) and pagedattn's NLL on it is llama.cpp's on the same file."""
+    from pagedattn.benchmarks.llama_cpp_peer import run_isolated
+
+    reader = gguf.GGUFReader(str(tiny.gguf("q4_0")))
+    types = {t.tensor_type for t in reader.tensors if t.name.endswith("ffn_up.weight")}
+    assert types == {gguf.GGMLQuantizationType.Q4_0}
+    model = load_model(str(tiny.gguf("q4_0")), "float32", "cpu").model
+    packed = [getattr(m, "decode", None) for m in model.modules()]
+    layouts = {lay for p in packed if getattr(p, "name", None) == "gguf" for lay in p.a.layouts()}
+    assert layouts == {"x8"}
+    tokens = PROMPT * 4
+    theirs = run_isolated("nll", {"gguf": str(tiny.gguf("q4_0")), "tokens": tokens, "threads": 2})
+    # 12.795 against 12.801 (the bf16 folder: 12.937, 1.1% away)
+    assert abs(pagedattn_nll(model, tokens) - theirs["nll"]) < 0.002 * theirs["nll"]
 
 
 # A tiny Qwen3-MoE shape: 4 experts, top-2 (the qwen3-moe-scaled code path: qwen3moe GGUF).
