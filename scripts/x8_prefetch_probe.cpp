@@ -47,7 +47,7 @@ double gb_per_s(int64_t N, int64_t nb, int copies, int rows) {
       const uint8_t* src = stored.data() + g * 8 * nb * sizeof(Row);
       X8* dst = reinterpret_cast<X8*>(layer.data()) + g * nb;
       if constexpr (sizeof(X8) == sizeof(BlockQ6_Kx8)) repack_q6_k_x8(src, nb, dst);
-      else repack_q4_k_x8(src, nb, dst);
+      else repack_q45_k_x8(src, nb, dst);
     }
   }
   std::vector<ActQ8_K> act(4 * nb);
@@ -73,7 +73,7 @@ double gb_per_s(int64_t N, int64_t nb, int copies, int rows) {
         if constexpr (sizeof(X8) == sizeof(BlockQ6_Kx8)) {
           rows == 1 ? gemm_q6_k_x8<1>(grp, nb, ap, o, 8) : gemm_q6_k_x8<4>(grp, nb, ap, o, 8);
         } else {
-          rows == 1 ? gemm_q4_k_x8<1>(grp, nb, ap, o, 8) : gemm_q4_k_x8<4>(grp, nb, ap, o, 8);
+          rows == 1 ? gemm_q45_k_x8<1>(grp, nb, ap, o, 8) : gemm_q45_k_x8<4>(grp, nb, ap, o, 8);
         }
       }
     }

@@ -1,7 +1,7 @@
 """Synthetic checkpoints of real model shapes: seeded random weights, SmolLM2's tokenizer.
 
     pagedattn bench throughput --synthetic llama-1b [--synthetic-file q4_k_m]
-    python -m pagedattn.benchmarks.synthetic llama-3b [--files f16,q8_0,q4_k_m,q4_0] [--seed 0]
+    python -m pagedattn.benchmarks.synthetic llama-3b [--files f16,q8_0,q4_k_m,q4_0,q5_k_m] [--seed 0]
 
 A 135M model says little about the 1-8B models people run on CPUs. A synthetic checkpoint has
 the shape of one (Llama 3.2 1B or 3B: hidden size, layers, heads, FFN, tied embeddings, rope
@@ -40,7 +40,7 @@ import torch
 from pagedattn import envs
 
 # What a synthetic checkpoint's files are called: "hf" is the bf16 safetensors folder.
-FILE_KINDS = ("hf", "f16", "q8_0", "q4_k_m", "q4_0")
+FILE_KINDS = ("hf", "f16", "q8_0", "q4_k_m", "q4_0", "q5_k_m")
 # Bump when what is written changes: the cache folder's name carries it.
 BUILD_VERSION = 1
 # The smallest normal float16: smaller magnitudes are flushed so f16 holds every bf16 value.
@@ -376,7 +376,7 @@ def write_f16_gguf(dest: Path, hf_dir: Path, shape: SyntheticShape, name: str) -
 
 
 def quantize_gguf(src: Path, dest: Path, kind: str, threads: int) -> None:
-    """``src`` quantised to ``kind`` (q8_0, q4_k_m, q4_0) by llama.cpp's own quantizer."""
+    """``src`` quantised to ``kind`` (q8_0, q4_k_m, q4_0, q5_k_m) by llama.cpp's own quantizer."""
     try:
         import llama_cpp
     except ImportError as exc:

@@ -398,7 +398,7 @@ def pack_quantized(
     amx_rows: int = 0,
 ) -> PackedLinear:
     """``weight``'s blocks packed for the gguf kernel, which dequantises tiles into at::mm from
-    ``prefill_rows`` rows and runs its int8 dot kernels below. Parts of every type but Q5_K of
+    ``prefill_rows`` rows and runs its int8 dot kernels below. Parts of
     8n rows are repacked 8 rows interleaved (their own kernel at every row count) unless
     ``interleave`` is off (the blocks then stay as stored: the row-major dot kernel); from
     ``amx_rows`` rows (0: never) those run on AMX-INT8 tiles where the CPU and build have them."""

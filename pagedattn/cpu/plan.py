@@ -386,10 +386,10 @@ def with_quant_rows(plan: KernelPlan, shapes: ModelShapes) -> KernelPlan:
 
 
 def _quant_switches(rows: int, amx_rows: int) -> str:
-    amx = f"; AMX-INT8 tiles from {amx_rows} rows" if amx_rows else ""
+    amx = f"; Q4_K, Q6_K and Q8_0 on AMX-INT8 tiles from {amx_rows} rows" if amx_rows else ""
     return (
-        f"GGUF layers: int8 dot kernels below {rows} rows, dequantised tiles from there (Q4_K, "
-        f"Q6_K and Q8_0 run interleaved at every row count{amx})"
+        f"GGUF layers: interleaved 8 rows, one kernel at every row count{amx}; parts of other "
+        f"row counts: int8 dot kernels below {rows} rows, dequantised tiles from there"
     )
 
 

@@ -9,7 +9,7 @@
 //   tile, so no whole float copy of the weight ever exists; the activations are the decode
 //   path's int8 blocks widened back (as_int8_activations), as llama.cpp quantises them at every
 //   batch size.
-// - Parts of every type but Q5_K whose rows come in eights are repacked at load into rows
+// - Parts (of every type) whose rows come in eights are repacked at load into rows
 //   interleaved 8 at a time (quant_x8_cpu.h, quant_x8_legacy_cpu.h) and multiplied by that
 //   kernel at every row count, prefill included: the part is held once, in that layout (its
 //   rows as stored are not kept).

@@ -17,7 +17,7 @@ class QuantLinear {
   // data[p]: uint8 [rows_p, bytes per row] blocks of ggml type types[p]; index[p]: the output
   // column of each of its rows (none: rows in order from the part's start); prefill_rows: rows
   // from which forward dequantises tiles into at::mm instead of the int8 dot kernels;
-  // interleave: repack the parts of 8n rows of every type but Q5_K (quant_x8_*_cpu.h), which
+  // interleave: repack the parts of 8n rows (quant_x8_cpu.h, quant_x8_legacy_cpu.h), which
   // then run that kernel at every row count (off where the blocks must stay as stored: a tied
   // embedding's table);
   // amx_rows: rows from which those parts run on AMX-INT8 tiles where the CPU has them

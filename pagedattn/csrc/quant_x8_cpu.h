@@ -1,8 +1,8 @@
-// Q4_K and Q6_K weights interleaved 8 rows at a time (llama.cpp's block_q4_Kx8 idea, our own
-// layouts), and the helpers every x8 kernel shares (the legacy types' x8 blocks and the dispatch
-// over all x8 types: quant_x8_legacy_cpu.h). QuantLinear (quant_cpu.cpp) repacks a part of an x8
-// type whose row count is a multiple of 8 into this form once, at load, and multiplies it at
-// every row count, so the layer is held once.
+// Q4_K, Q5_K and Q6_K weights interleaved 8 rows at a time (llama.cpp's block_q4_Kx8 idea, our
+// own layouts), and the helpers every x8 kernel shares (the legacy types' x8 blocks and the
+// dispatch over all types: quant_x8_legacy_cpu.h). QuantLinear (quant_cpu.cpp) repacks a part
+// whose row count is a multiple of 8 into this form once, at load, and multiplies it at every
+// row count, so the layer is held once.
 //
 // One BlockQ4_Kx8 holds superblock b of 8 rows: their d and dmin (fp16), their 6-bit scales and
 // mins unpacked to bytes, sub-block by sub-block, and their nibbles so that one 32-byte load
@@ -11,6 +11,12 @@
 // add up over 8 maddubs (8 * 2 * 15 * 127 < 2^15) before one madd applies the 8 rows' scales:
 // the row-major kernel (quant_dot_cpu.h) follows every maddubs with a madd. 1,184 bytes per 8
 // rows and superblock: 148 B per row against Q4_K's 144 (the scales held as bytes, +2.8%).
+//
+// BlockQ5_Kx8 is BlockQ4_Kx8 plus the fifth bits: row r's 32 qh bytes as stored, 4 to a column
+// as the nibbles are (byte 4c + k holds the fifth bits of values 64i + 4c + k and 64i + 32 +
+// 4c + k at bits 2i and 2i + 1), so one shift and one mask put a column's bits under its
+// nibbles (fifth_bits). Its values reach 31: without VNNI 4 maddubs add in int16 before a madd
+// (kQ5Columns). 1,440 bytes per 8 rows: 180 B per row against Q5_K's 176.
 //
 // BlockQ6_Kx8 is the same for 6-bit values (0..63, x = d * sc * (q - 32)): their low nibbles
 // as above, their high bit pairs four to a byte (two 4-byte columns, low and high half), the
@@ -21,6 +27,8 @@
 // Standalone measurements: scripts/q4k_interleave_probe.cpp, scripts/x8_prefetch_probe.cpp.
 // Elsewhere than x86 the same integer sums in plain C++.
 #pragma once
+
+#include <type_traits>
 
 #include "quant_dot_cpu.h"
 
@@ -34,6 +42,14 @@ struct BlockQ4_Kx8 {
   uint8_t mn[8][8];  // [sub-block][row]
   uint8_t qs[4][8][32];  // [64-value chunk][4-byte column][row r: bytes 4r..4r+3]
 };
+struct BlockQ5_Kx8 {  // BlockQ4_Kx8 with the fifth bits
+  uint16_t d[8];
+  uint16_t dmin[8];
+  uint8_t sc[8][8];
+  uint8_t mn[8][8];
+  uint8_t qh[8][32];  // [4-byte column c][row r: bytes 4r..4r+3]: row r's qh bytes 4c..4c+3
+  uint8_t qs[4][8][32];
+};
 struct BlockQ6_Kx8 {
   uint16_t d[8];
   int8_t sc[16][8];       // [16-value group][row]
@@ -42,20 +58,30 @@ struct BlockQ6_Kx8 {
 };
 #pragma pack(pop)
 static_assert(sizeof(BlockQ4_Kx8) == 1184, "Q4_K x8 block size");
+static_assert(sizeof(BlockQ5_Kx8) == 1440, "Q5_K x8 block size");
 static_assert(sizeof(BlockQ6_Kx8) == 1680, "Q6_K x8 block size");
 
-// Rows [8g, 8g + 8) of a row-major Q4_K tensor (nb superblocks per row) as nb x8 blocks.
-inline void repack_q4_k_x8(const uint8_t* rows, int64_t nb, BlockQ4_Kx8* out) {
-  const BlockQ4_K* w = reinterpret_cast<const BlockQ4_K*>(rows);
+// Rows [8g, 8g + 8) of a row-major Q4_K or Q5_K tensor (nb superblocks per row) as nb x8 blocks
+// (Block: BlockQ4_Kx8 or BlockQ5_Kx8).
+template <typename Block>
+inline void repack_q45_k_x8(const uint8_t* rows, int64_t nb, Block* out) {
+  constexpr bool five = std::is_same_v<Block, BlockQ5_Kx8>;
+  constexpr int64_t stride = five ? sizeof(BlockQ5_K) : sizeof(BlockQ4_K);
   for (int64_t b = 0; b < nb; ++b) {
-    BlockQ4_Kx8& o = out[b];
+    Block& o = out[b];
     for (int r = 0; r < 8; ++r) {
-      const BlockQ4_K& blk = w[r * nb + b];
-      o.d[r] = blk.d;
-      o.dmin[r] = blk.dmin;
-      for (int j = 0; j < 8; ++j) scale_min_k4(j, blk.scales, &o.sc[j][r], &o.mn[j][r]);
+      const uint8_t* blk = rows + (r * nb + b) * stride;
+      const BlockQ4_K* head = reinterpret_cast<const BlockQ4_K*>(blk);  // d, dmin, scales first
+      const uint8_t* qs = five ? reinterpret_cast<const BlockQ5_K*>(blk)->qs : head->qs;
+      o.d[r] = head->d;
+      o.dmin[r] = head->dmin;
+      for (int j = 0; j < 8; ++j) scale_min_k4(j, head->scales, &o.sc[j][r], &o.mn[j][r]);
       for (int i = 0; i < 4; ++i) {
-        for (int c = 0; c < 8; ++c) std::memcpy(&o.qs[i][c][4 * r], blk.qs + 32 * i + 4 * c, 4);
+        for (int c = 0; c < 8; ++c) std::memcpy(&o.qs[i][c][4 * r], qs + 32 * i + 4 * c, 4);
+      }
+      if constexpr (five) {
+        const uint8_t* qh = reinterpret_cast<const BlockQ5_K*>(blk)->qh;
+        for (int c = 0; c < 8; ++c) std::memcpy(&o.qh[c][4 * r], qh + 4 * c, 4);
       }
     }
   }
@@ -105,14 +131,17 @@ inline void repack_q6_k_x8(const uint8_t* rows, int64_t nb, BlockQ6_Kx8* out) {
 
 // Row r (0..7) of a group of nb x8 blocks, dequantised as dequant_row does the rows as stored
 // (the same float operations: bit-identical values).
-inline void dequant_q4_k_x8(const BlockQ4_Kx8* grp, int64_t nb, int r, float* y) {
+template <typename Block>
+inline void dequant_q45_k_x8(const Block* grp, int64_t nb, int r, float* y) {
+  constexpr bool five = std::is_same_v<Block, BlockQ5_Kx8>;
   for (int64_t b = 0; b < nb; ++b) {
-    const BlockQ4_Kx8& w = grp[b];
+    const Block& w = grp[b];
     const float d = half_to_float(w.d[r]), dmin = half_to_float(w.dmin[r]);
     for (int j = 0; j < 8; ++j) {
       const float dj = d * w.sc[j][r], cj = dmin * w.mn[j][r];
       for (int l = 0; l < 32; ++l) {
-        const int q = (w.qs[j / 2][l / 4][4 * r + l % 4] >> (4 * (j % 2))) & 0xF;
+        int q = (w.qs[j / 2][l / 4][4 * r + l % 4] >> (4 * (j % 2))) & 0xF;
+        if constexpr (five) q |= ((w.qh[l / 4][4 * r + l % 4] >> j) & 1) << 4;
         y[256 * b + 32 * j + l] = dj * static_cast<float>(q) - cj;
       }
     }
@@ -159,6 +188,13 @@ inline void prefetch_ahead(const Block* blk) {
 #endif
 
 #ifdef PAGEDATTN_QUANT_X86
+// The fifth bits at bit `from` of each byte moved to bit 4 (the other bits cleared): a 16-bit
+// shift carries no set bit across a byte into bit 4 for `from` in 0..7.
+inline __m256i fifth_bits(__m256i hb, int from) {
+  const __m256i at = from <= 4 ? _mm256_slli_epi16(hb, 4 - from) : _mm256_srli_epi16(hb, from - 4);
+  return _mm256_and_si256(at, _mm256_set1_epi8(0x10));
+}
+
 // Two int8 values per row (a[r], b[r]) as int16 lanes 2r, 2r + 1: one madd meets them with a
 // pair of activation sums.
 inline __m256i pair_bytes(const void* a, const void* b) {
@@ -167,7 +203,7 @@ inline __m256i pair_bytes(const void* a, const void* b) {
   return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y));
 }
 
-// How the Q4_K and Q6_K kernels add a sub-block's u8 x s8 products (32 values of 8 rows, 4 per
+// How the K-type kernels add a sub-block's u8 x s8 products (32 values of 8 rows, 4 per
 // lane) before its scale (8 int8 values, one per row; Q4_K's are 0..63, so signed reads them).
 // With VNNI, dpbusd adds them straight into int32 lanes and one mullo scales each row's sum.
 // Without, maddubs' int16 pairs add up and one madd applies the scale, held twice (lanes 2r and
@@ -178,6 +214,7 @@ inline __m256i pair_bytes(const void* a, const void* b) {
 struct SubBlockSum {
 #ifdef PAGEDATTN_QUANT_VNNI
   static constexpr int kQ6Pairs = 2;
+  static constexpr int kQ5Columns = 8;
   static __m256i add(__m256i acc, __m256i u, __m256i s) { return _mm256_dpbusd_epi32(acc, u, s); }
   static __m256i scales(const int8_t* sc) {
     return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
@@ -187,6 +224,7 @@ struct SubBlockSum {
   }
 #else
   static constexpr int kQ6Pairs = 1;
+  static constexpr int kQ5Columns = 4;  // 4 * 2 * 31 * 127 < 2^15
   static __m256i add(__m256i acc, __m256i u, __m256i s) {
     return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u, s));
   }
@@ -207,39 +245,49 @@ constexpr int kX8Rows = 4;
 #endif
 
 // out[m * ldo + r] = row r of the group . activation row m, for MB activation rows (act[m]:
-// its nb Q8_K blocks). Each row's sum does not depend on MB (bit-identical at any row count).
-template <int MB>
-inline void gemm_q4_k_x8(const BlockQ4_Kx8* grp, int64_t nb, const ActQ8_K* const* act,
-                         float* out, int64_t ldo, bool prefetch = true) {
+// its nb Q8_K blocks), Block: BlockQ4_Kx8 or BlockQ5_Kx8. Each row's sum does not depend on MB
+// (bit-identical at any row count).
+template <int MB, typename Block>
+inline void gemm_q45_k_x8(const Block* grp, int64_t nb, const ActQ8_K* const* act, float* out,
+                          int64_t ldo, bool prefetch = true) {
+  constexpr bool five = std::is_same_v<Block, BlockQ5_Kx8>;
 #ifdef PAGEDATTN_QUANT_X86
+  constexpr int kSpan = five ? SubBlockSum::kQ5Columns : 8;  // columns summed before the scales
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
-    const BlockQ4_Kx8& w = grp[b];
+    const Block& w = grp[b];
     if (prefetch) prefetch_ahead(&w);
     __m256i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
     for (int i = 0; i < 4; ++i) {
-      // sub-blocks 2i (low nibbles) and 2i + 1 (high nibbles)
-      __m256i lo[MB], hi[MB];
-      for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
+      // sub-blocks 2i (low nibbles; Q5_K: fifth bits at bit 2i) and 2i + 1 (high, 2i + 1)
+      for (int c0 = 0; c0 < 8; c0 += kSpan) {
+        __m256i lo[MB], hi[MB];
+        for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-      for (int c = 0; c < 8; ++c) {
-        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[i][c]));
-        const __m256i ql = _mm256_and_si256(q, m4);
-        const __m256i qh = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        for (int m = 0; m < MB; ++m) {
-          const int8_t* y = act[m][b].qs + 64 * i + 4 * c;
-          lo[m] = SubBlockSum::add(lo[m], ql, broadcast4(y));
-          hi[m] = SubBlockSum::add(hi[m], qh, broadcast4(y + 32));
+        for (int c = c0; c < c0 + kSpan; ++c) {
+          const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[i][c]));
+          __m256i ql = _mm256_and_si256(q, m4);
+          __m256i qh = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+          if constexpr (five) {
+            const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qh[c]));
+            ql = _mm256_or_si256(ql, fifth_bits(hb, 2 * i));
+            qh = _mm256_or_si256(qh, fifth_bits(hb, 2 * i + 1));
+          }
+          for (int m = 0; m < MB; ++m) {
+            const int8_t* y = act[m][b].qs + 64 * i + 4 * c;
+            lo[m] = SubBlockSum::add(lo[m], ql, broadcast4(y));
+            hi[m] = SubBlockSum::add(hi[m], qh, broadcast4(y + 32));
+          }
         }
-      }
-      const __m256i s_lo = SubBlockSum::scales(w.sc[2 * i]);
-      const __m256i s_hi = SubBlockSum::scales(w.sc[2 * i + 1]);
-      for (int m = 0; m < MB; ++m) {
-        isum[m] = SubBlockSum::scale(isum[m], lo[m], s_lo);
-        isum[m] = SubBlockSum::scale(isum[m], hi[m], s_hi);
+        const __m256i s_lo = SubBlockSum::scales(w.sc[2 * i]);
+        const __m256i s_hi = SubBlockSum::scales(w.sc[2 * i + 1]);
+        for (int m = 0; m < MB; ++m) {
+          isum[m] = SubBlockSum::scale(isum[m], lo[m], s_lo);
+          isum[m] = SubBlockSum::scale(isum[m], hi[m], s_hi);
+        }
       }
     }
     // The minimums: row r's mins of sub-blocks 2p, 2p + 1 in int16 lanes 2r, 2r + 1, met by one
@@ -261,7 +309,7 @@ inline void gemm_q4_k_x8(const BlockQ4_Kx8* grp, int64_t nb, const ActQ8_K* cons
 #else
   float acc[MB][8] = {};
   for (int64_t b = 0; b < nb; ++b) {
-    const BlockQ4_Kx8& w = grp[b];
+    const Block& w = grp[b];
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
       for (int r = 0; r < 8; ++r) {
@@ -270,7 +318,8 @@ inline void gemm_q4_k_x8(const BlockQ4_Kx8* grp, int64_t nb, const ActQ8_K* cons
           const int i = j / 2, shift = 4 * (j % 2);
           int s = 0;
           for (int l = 0; l < 32; ++l) {
-            const int q = (w.qs[i][l / 4][4 * r + l % 4] >> shift) & 0xF;
+            int q = (w.qs[i][l / 4][4 * r + l % 4] >> shift) & 0xF;
+            if constexpr (five) q |= ((w.qh[l / 4][4 * r + l % 4] >> j) & 1) << 4;
             s += q * a.qs[32 * j + l];
           }
           isum += w.sc[j][r] * s;
@@ -287,7 +336,7 @@ inline void gemm_q4_k_x8(const BlockQ4_Kx8* grp, int64_t nb, const ActQ8_K* cons
 #endif
 }
 
-// As gemm_q4_k_x8, for BlockQ6_Kx8.
+// As gemm_q45_k_x8, for BlockQ6_Kx8.
 template <int MB>
 inline void gemm_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, const ActQ8_K* const* act,
                          float* out, int64_t ldo, bool prefetch = true) {

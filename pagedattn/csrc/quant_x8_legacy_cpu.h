@@ -1,5 +1,6 @@
 // The legacy GGUF types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 values) interleaved 8 rows
-// at a time, as quant_x8_cpu.h does the K types, and the dispatch over every x8 type.
+// at a time, as quant_x8_cpu.h does the K types, and the dispatch over every x8 type (every
+// supported type).
 //
 // BlockQ8_0x8 is Q8_0's 32-value block of 8 rows: their 8 d (fp16) and their int8 values so
 // that one 32-byte load holds 4 consecutive values of each row (row r at bytes 4r..4r+3); 272
@@ -13,7 +14,7 @@
 // holds bytes 4c..4c+3 of each row, whose low nibbles are values 4c..4c+3 and high nibbles
 // values 16 + 4c..16 + 4c + 3. The fifth bits (Q5_x) are regrouped by value: byte 4r + k holds
 // the fifth bits of row r's values 16h + 4c + k at bit 2c + h, so one shift and one mask move a
-// column's bits under its nibbles. The whole block's products add up before its float work:
+// column's bits under its nibbles (fifth_bits, as for Q5_K). The whole block's products add up before its float work:
 // with VNNI in one int32 sum per row; without, low and high halves in int16 (4 maddubs each:
 // 4 * 2 * 31 * 127 < 2^15), one madd apiece. The offset (Q4_0: -8, Q5_0: -16) or minimum m
 // (Q4_1, Q5_1) is taken out with the activation block's sum (ActQ8_0::s), 8 rows per fma. The
@@ -135,7 +136,7 @@ inline void dequant_legacy_x8(const typename LegacyX8<T>::type* grp, int64_t nb,
   }
 }
 
-// As gemm_q4_k_x8, for BlockQ8_0x8 and Q8_0 activation blocks. Its blocks are small (272
+// As gemm_q45_k_x8, for BlockQ8_0x8 and Q8_0 activation blocks. Its blocks are small (272
 // bytes): it asks kRowPrefetchBytes ahead, as the row-major kernels do.
 template <int MB>
 inline void gemm_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, const ActQ8_0* const* act,
@@ -179,15 +180,6 @@ inline void gemm_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, const ActQ8_0* cons
   }
 #endif
 }
-
-#ifdef PAGEDATTN_QUANT_X86
-// The fifth bits at bit `from` of each byte moved to bit 4 (the other bits cleared): a 16-bit
-// shift carries no set bit across a byte into bit 4 for `from` in 0..7.
-inline __m256i fifth_bits(__m256i hb, int from) {
-  const __m256i at = from <= 4 ? _mm256_slli_epi16(hb, 4 - from) : _mm256_srli_epi16(hb, from - 4);
-  return _mm256_and_si256(at, _mm256_set1_epi8(0x10));
-}
-#endif
 
 // As gemm_q8_0_x8, for the 4- and 5-bit legacy types (T).
 template <int T, int MB>
@@ -277,7 +269,7 @@ inline void gemm_legacy_x8(const typename LegacyX8<T>::type* grp, int64_t nb, co
 // Whether QuantLinear repacks parts of this type 8 rows interleaved.
 inline bool has_x8(int type) {
   switch (type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ6_K:
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K:
       return true;
     default:
       return false;
@@ -291,6 +283,7 @@ inline bool has_x8_amx(int type) { return type == kQ4_K || type == kQ6_K || type
 inline int64_t x8_block_bytes(int type) {
   switch (type) {
     case kQ4_K: return sizeof(BlockQ4_Kx8);
+    case kQ5_K: return sizeof(BlockQ5_Kx8);
     case kQ6_K: return sizeof(BlockQ6_Kx8);
     default: return 8 * block_bytes(type);  // the legacy types: as stored
   }
@@ -299,7 +292,8 @@ inline int64_t x8_block_bytes(int type) {
 // Rows [8g, 8g + 8) of a row-major tensor of this type as nb x8 blocks at out.
 inline void repack_x8(int type, const uint8_t* rows, int64_t nb, uint8_t* out) {
   switch (type) {
-    case kQ4_K: return repack_q4_k_x8(rows, nb, reinterpret_cast<BlockQ4_Kx8*>(out));
+    case kQ4_K: return repack_q45_k_x8(rows, nb, reinterpret_cast<BlockQ4_Kx8*>(out));
+    case kQ5_K: return repack_q45_k_x8(rows, nb, reinterpret_cast<BlockQ5_Kx8*>(out));
     case kQ6_K: return repack_q6_k_x8(rows, nb, reinterpret_cast<BlockQ6_Kx8*>(out));
     case kQ8_0: return repack_q8_0_x8(rows, nb, reinterpret_cast<BlockQ8_0x8*>(out));
     case kQ4_0: return repack_legacy_x8<kQ4_0>(rows, nb, reinterpret_cast<BlockQ4_0x8*>(out));
@@ -312,7 +306,8 @@ inline void repack_x8(int type, const uint8_t* rows, int64_t nb, uint8_t* out) {
 // Row r (0..7) of a group of nb x8 blocks of this type, dequantised.
 inline void dequant_x8(int type, const uint8_t* grp, int64_t nb, int r, float* y) {
   switch (type) {
-    case kQ4_K: return dequant_q4_k_x8(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, r, y);
+    case kQ4_K: return dequant_q45_k_x8(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, r, y);
+    case kQ5_K: return dequant_q45_k_x8(reinterpret_cast<const BlockQ5_Kx8*>(grp), nb, r, y);
     case kQ6_K: return dequant_q6_k_x8(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, r, y);
     case kQ8_0: return dequant_q8_0_x8(reinterpret_cast<const BlockQ8_0x8*>(grp), nb, r, y);
     case kQ4_0: return dequant_legacy_x8<kQ4_0>(reinterpret_cast<const BlockQ4_0x8*>(grp), nb, r, y);
@@ -330,7 +325,8 @@ inline void gemm_x8(int type, const uint8_t* grp, int64_t nb, const void* const*
   const auto* a0 = reinterpret_cast<const ActQ8_0* const*>(act);
   const auto* ak = reinterpret_cast<const ActQ8_K* const*>(act);
   switch (type) {
-    case kQ4_K: return gemm_q4_k_x8<MB>(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, ak, out, 8, prefetch);
+    case kQ4_K: return gemm_q45_k_x8<MB>(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, ak, out, 8, prefetch);
+    case kQ5_K: return gemm_q45_k_x8<MB>(reinterpret_cast<const BlockQ5_Kx8*>(grp), nb, ak, out, 8, prefetch);
     case kQ6_K: return gemm_q6_k_x8<MB>(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, ak, out, 8, prefetch);
     case kQ8_0: return gemm_q8_0_x8<MB>(reinterpret_cast<const BlockQ8_0x8*>(grp), nb, a0, out, 8, prefetch);
     case kQ4_0:

@@ -93,9 +93,9 @@ class GGUFFormatError(ValueError):
 
 
 # The bytes of the interleaved layouts QuantLinear repacks these types into, over the stored
-# bytes (Q4_K's scales held as bytes: 148 per row and superblock, not 144; the others: as
-# stored). Q5_K has no interleaved form.
-X8_GROWTH = {"Q4_K": 148 / 144} | dict.fromkeys(
+# bytes (Q4_K's and Q5_K's scales held as bytes: 148 and 180 per row and superblock, not 144
+# and 176; the others: as stored).
+X8_GROWTH = {"Q4_K": 148 / 144, "Q5_K": 180 / 176} | dict.fromkeys(
     ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "Q8_0"), 1.0
 )
 
@@ -278,8 +278,8 @@ class GGUFCheckpoint:
                     if name.endswith("k_proj.weight"):
                         heads = config.num_key_value_heads
                     order = _stored_row_order(rows_cols[0], heads)
-                # NOTE: QuantLinear repacks rows in eights (every type but Q5_K, quant_x8_*_cpu.h):
-                # Q4_K's scales then take bytes (148 per row and superblock, not 144).
+                # NOTE: QuantLinear repacks rows in eights (quant_x8_cpu.h): Q4_K's and
+                # Q5_K's scales then take bytes (148 and 180 per row and superblock).
                 untied_table = (
                     name.endswith("embed_tokens.weight") and not config.tie_word_embeddings
                 )

@@ -74,7 +74,7 @@ std::vector<uint8_t> random_groups(int type, int64_t N, int64_t nb) {
   for (int64_t g = 0; g < N / 8; ++g) {
     const uint8_t* from = rows.data() + g * 8 * rows_bytes;
     uint8_t* to = groups.data() + g * group_bytes;
-    if (type == kQ4_K) repack_q4_k_x8(from, nb, reinterpret_cast<BlockQ4_Kx8*>(to));
+    if (type == kQ4_K) repack_q45_k_x8(from, nb, reinterpret_cast<BlockQ4_Kx8*>(to));
     if (type == kQ6_K) repack_q6_k_x8(from, nb, reinterpret_cast<BlockQ6_Kx8*>(to));
     if (type == kQ8_0) repack_q8_0_x8(from, nb, reinterpret_cast<BlockQ8_0x8*>(to));
   }

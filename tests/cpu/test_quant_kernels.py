@@ -84,8 +84,8 @@ def test_dequantize_matches_gguf(kind):
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 37])
 @pytest.mark.parametrize("layout", ["x8", "rows"])
 def test_linear_matches_dequantised_matmul(kind, rows, layout):
-    """Every type's layer, its rows interleaved 8 at a time (every type but Q5_K, whose rows
-    stay as stored) or as stored (a row count not a multiple of 8: the row-major kernels)."""
+    """Every type's layer, its rows interleaved 8 at a time or as stored (a row count not a
+    multiple of 8: the row-major kernels)."""
     type_id = GGUF_TYPES[kind][0]
     cols, out = (512, 24) if type_id in K_TYPES else (160, 40)
     out = out if layout == "x8" else 13
@@ -94,7 +94,7 @@ def test_linear_matches_dequantised_matmul(kind, rows, layout):
     w = reference_weight(blocks, type_id)
     x = torch.from_numpy(rng.standard_normal((rows, cols)).astype(np.float32))
     layer = packed(blocks, type_id, cols)
-    assert layer.a.layouts() == ["rows" if kind == "q5_k" else layout]
+    assert layer.a.layouts() == [layout]
     y = layer(x)
     # Both paths (dot kernels below TILES_FROM rows, tiles from there) multiply the int8
     # activations, as llama.cpp does at every batch size.
@@ -105,7 +105,7 @@ def test_linear_matches_dequantised_matmul(kind, rows, layout):
     assert relative_error(y, x @ w.T, x, w) < 1e-2
 
 
-@pytest.mark.parametrize("kind", ["q4_1", "q5_0", "q4_k", "q6_k", "q8_0"])
+@pytest.mark.parametrize("kind", ["q4_1", "q5_0", "q4_k", "q5_k", "q6_k", "q8_0"])
 @pytest.mark.parametrize("interleave", [True, False])
 def test_a_row_computes_the_same_at_every_row_count(kind, interleave):
     """A token's output must not depend on how many rows its step had (issue 52: a prefix-
@@ -152,9 +152,9 @@ def test_fused_parts_row_order_bias_and_bf16(rows):
     assert relative_error(y16.float(), exact, x, w) < 2e-2
 
 
-@pytest.mark.parametrize("type_id", [12, 14, 8, 2, 3, 6, 7])
+@pytest.mark.parametrize("type_id", [12, 13, 14, 8, 2, 3, 6, 7])
 def test_interleaved_parts_are_held_once_and_agree_with_the_rows_as_stored(type_id):
-    """Parts of 8n rows of every type but Q5_K are repacked 8 rows interleaved (quant_x8_cpu.h,
+    """Parts of 8n rows of every type are repacked 8 rows interleaved (quant_x8_cpu.h,
     quant_x8_legacy_cpu.h) and the stored rows dropped; a part of another row count, or with
     interleave off (a tied embedding's table), keeps its blocks. Fused with such a part, in a
     permuted row order, the interleaved part agrees with the row-major dot kernel up to the
@@ -178,8 +178,8 @@ def test_interleaved_parts_are_held_once_and_agree_with_the_rows_as_stored(type_
     assert released == [1]
     assert x8.b.parts[0].data.is_meta and x8.b.parts[0].name == parts[0].name
     assert x8.b.parts[1] is parts[1] and stored.b.parts[0] is parts[0]
-    # Q4_K's scales held as bytes: +4 B per superblock; the others as stored
-    per_block = {12: 148, 14: 210, 8: 34, 2: 18, 3: 20, 6: 22, 7: 24}[type_id]
+    # Q4_K's and Q5_K's scales held as bytes: +4 B per superblock; the others as stored
+    per_block = {12: 148, 13: 180, 14: 210, 8: 34, 2: 18, 3: 20, 6: 22, 7: 24}[type_id]
     per_row = per_block * cols // (256 if type_id in K_TYPES else 32)
     assert x8.a.nbytes() == 16 * per_row + b.nbytes
     assert stored.a.nbytes() == a.nbytes + b.nbytes
@@ -194,7 +194,7 @@ def test_interleaved_parts_are_held_once_and_agree_with_the_rows_as_stored(type_
         assert torch.equal(x8(x[:rows])[:, :16], full[:rows, :16])
 
 
-@pytest.mark.parametrize("type_id", [12, 14, 8, 2, 3, 6, 7])
+@pytest.mark.parametrize("type_id", [12, 13, 14, 8, 2, 3, 6, 7])
 def test_a_layers_rows_dequantise_as_the_table(type_id):
     """A tied embedding looks its tokens up in the LM head's layer (QuantLinear.rows): the same
     values as the table's rows as stored, whether the layer repacked them or not."""
