@@ -33,14 +33,14 @@ def main() -> int:
         "- `attention_amx_u8_cpu.h`: the u8 cache's AMX-INT8 tile kernel.",
         "- `bindings_cpu.cpp`: the extension's Python module: every kernel's bindings.",
         "- `quant_cpu.cpp`: linear layers and embeddings on GGUF weights kept in their stored"
-        " blocks (int8 activations per block; parts of 8n rows of every type but Q5_K repacked 8"
-        " rows interleaved, that kernel at every row count; the others: dot kernels for decode"
-        " rows, dequantised tiles for prefill).",
-        "- `quant_x8_cpu.h`: Q4_K and Q6_K blocks of 8 rows interleaved, their repack, GEMM"
-        " (VNNI int32 or AVX2 maddubs int16 sums per sub-block, scalar) and row dequantisation;"
-        " the helpers every x8 kernel shares.",
+        " blocks (int8 activations per block; parts of 8n rows repacked 8 rows interleaved, that"
+        " kernel at every row count; parts of other row counts: dot kernels for decode rows,"
+        " dequantised tiles for prefill).",
+        "- `quant_x8_cpu.h`: Q4_K, Q5_K and Q6_K blocks of 8 rows interleaved, their repack,"
+        " GEMM (VNNI int32 or AVX2 maddubs int16 sums per sub-block, scalar) and row"
+        " dequantisation; the helpers every x8 kernel shares.",
         "- `quant_x8_legacy_cpu.h`: the same for the legacy types (Q4_0, Q4_1, Q5_0, Q5_1,"
-        " Q8_0; as many bytes as stored), and the dispatch over every x8 type.",
+        " Q8_0; as many bytes as stored), and the dispatch over every type's x8 form.",
         "- `quant_amx_cpu.h`: the same interleaved layers on AMX-INT8 tiles, two groups against"
         " 16 activation rows (one TDPBSSD per sub-block, scaled to the VNNI kernels' sums: bit"
         " for bit while partial sums stay below 2^24); `tests/cpu/amx_emulator.h` runs it on"
