@@ -1,7 +1,7 @@
 """Synthetic checkpoints of real model shapes: seeded random weights, SmolLM2's tokenizer.
 
     pagedattn bench throughput --synthetic llama-1b [--synthetic-file q4_k_m]
-    python -m pagedattn.benchmarks.synthetic llama-3b [--files f16,q8_0,q4_k_m,q4_0,q5_k_m] [--seed 0]
+    python -m pagedattn.benchmarks.synthetic llama-3b [--files f16,q8_0,q4_k_m] [--seed 0]
 
 A 135M model says little about the 1-8B models people run on CPUs. A synthetic checkpoint has
 the shape of one (Llama 3.2 1B or 3B: hidden size, layers, heads, FFN, tied embeddings, rope

@@ -185,14 +185,18 @@ def make_single(sizes: WorkloadSizes, tokens: TokenSampler) -> Workload:
 def make_single_grounded(tokenizer, scale: float = 1.0) -> Workload:
     """Batch-1 requests, one after another, whose answers copy spans of their prompt (edit a
     code file, correct a notice, answer by quoting a document): grounded_texts' fixed texts,
-    chat templated by the model's tokenizer."""
+    chat templated by the model's tokenizer (as plain text where it has no chat template: a
+    base model, such as the packaged Gemma 3 270M)."""
     from pagedattn.benchmarks.grounded_texts import GROUNDED_TASKS
 
     reqs = []
     for text, num_output in GROUNDED_TASKS:
-        messages = [{"role": "user", "content": text}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if isinstance(ids, dict) else ids
+        if getattr(tokenizer, "chat_template", None) is None:
+            ids = tokenizer.encode(text)
+        else:
+            messages = [{"role": "user", "content": text}]
+            ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) else ids
         reqs.append(BenchRequest(list(ids), max(1, round(num_output * scale))))
     return Workload("single_grounded", reqs, info={"sequential": True})
 

@@ -243,3 +243,25 @@ def test_single_workload_is_one_request_at_batch_one(tmp_path, tiny_model) -> No
     assert row["workload"] == "single" and row["status"] == "ok"
     assert row["num_output_tokens"] == sizes.single_output_len
     assert 0 < row["ttft_p50_s"] and 0 < row["tpot_p50_s"]
+
+
+def test_grounded_workload_takes_a_base_models_text_as_is():
+    """A tokenizer without a chat template (the packaged Gemma 3 270M is a base model) gets the
+    grounded texts encoded as they are: `bench throughput --model gemma3-270m` used to stop
+    building its workloads with "this tokenizer has no chat template"."""
+    from pagedattn.benchmarks.grounded_texts import GROUNDED_TASKS
+    from pagedattn.benchmarks.workloads import make_single_grounded
+
+    class BaseTokenizer:
+        chat_template = None
+
+        def encode(self, text):
+            return [len(word) for word in text.split()]
+
+        def apply_chat_template(self, *args, **kwargs):
+            raise ValueError("this tokenizer has no chat template")
+
+    workload = make_single_grounded(BaseTokenizer())
+    assert [r.prompt_token_ids for r in workload.requests] == [
+        BaseTokenizer().encode(text) for text, _ in GROUNDED_TASKS
+    ]
