@@ -7,6 +7,7 @@ reports belongs to that engine alone. ``measure_ceiling`` times the decode step'
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 import resource
@@ -115,11 +116,25 @@ def warmup_ids(workload: Workload) -> list[int]:
 # pagedattn.
 
 
-def auto_num_blocks(workload: Workload, block_size: int) -> int:
-    """Blocks for every request of the workload at once (no prefix sharing) plus the warm-ups."""
+def _sequence_lens(workload: Workload) -> list[int]:
     lens = [len(r.prompt_token_ids) + r.max_tokens for r in workload.requests]
-    lens += [len(workload.warm_prefix or []) + 1] + [WARMUP_PROMPT_LEN + WARMUP_MAX_TOKENS] * 2
-    return sum(-(-n // block_size) for n in lens) + 1
+    return (
+        lens + [len(workload.warm_prefix or []) + 1] + [WARMUP_PROMPT_LEN + WARMUP_MAX_TOKENS] * 2
+    )
+
+
+def auto_num_blocks(workload: Workload, block_size: int) -> int:
+    """Blocks for every request of the workload at once (no prefix sharing) plus the warm-ups,
+    for a model with one KV cache group (run_pagedattn sizes again for more)."""
+    return sum(-(-n // block_size) for n in _sequence_lens(workload)) + 1
+
+
+def _blocks_needed(llm, workload: Workload) -> int:
+    """auto_num_blocks by the engine's own count: every KV cache group's blocks (a model with
+    sliding-window layers holds blocks in two groups)."""
+    manager = llm.engine.kv_cache_manager
+    budget = llm.engine.scheduler.step_budget.max_tokens
+    return sum(manager.num_blocks_needed(n, budget) for n in _sequence_lens(workload)) + 1
 
 
 def run_pagedattn(
@@ -136,22 +151,36 @@ def run_pagedattn(
     from pagedattn import LLM, SamplingParams
 
     spec = {} if speculative_method is None else {"speculative_method": speculative_method}
-    llm = LLM(
-        opts.model,
-        dtype=opts.dtype,
-        block_size=opts.block_size,
-        num_blocks=opts.num_blocks or auto_num_blocks(workload, opts.block_size),
-        kv_cache_dtype=opts.kv_cache_dtype,
-        calculate_kv_scales=opts.kv_cache_dtype.startswith("fp8"),
-        # NOTE: the pool's pages are written before timing, as vLLM's cache is allocated up
-        # front: a first touch ran at 0.8-1.4 GB/s on the AMX Xeon VM, 3-5% of a uniform run
-        # spent in the OS zeroing pages while the other thread waited.
-        kv_cache_prefault=True,
-        enable_prefix_caching=prefix_caching,
-        num_threads=opts.threads,
-        seed=opts.seed,
-        **spec,
-    )
+
+    def engine(num_blocks: int):
+        return LLM(
+            opts.model,
+            dtype=opts.dtype,
+            block_size=opts.block_size,
+            num_blocks=num_blocks,
+            kv_cache_dtype=opts.kv_cache_dtype,
+            calculate_kv_scales=opts.kv_cache_dtype.startswith("fp8"),
+            # NOTE: the pool's pages are written before timing, as vLLM's cache is allocated up
+            # front: a first touch ran at 0.8-1.4 GB/s on the AMX Xeon VM, 3-5% of a uniform
+            # run spent in the OS zeroing pages while the other thread waited.
+            kv_cache_prefault=True,
+            enable_prefix_caching=prefix_caching,
+            num_threads=opts.threads,
+            seed=opts.seed,
+            **spec,
+        )
+
+    llm = engine(opts.num_blocks or auto_num_blocks(workload, opts.block_size))
+    if (
+        not opts.num_blocks
+        and _blocks_needed(llm, workload) > llm.engine.kv_cache_manager.num_usable_blocks
+    ):
+        # NOTE: more than one KV cache group (Gemma 3's sliding-window layers): built again
+        # with the blocks every group holds, which only the loaded model can count.
+        num_blocks = _blocks_needed(llm, workload)
+        del llm
+        gc.collect()
+        llm = engine(num_blocks)
     greedy = dict(temperature=0.0, ignore_eos=True)
     llm.generate([warmup_ids(workload)] * 2, SamplingParams(max_tokens=WARMUP_MAX_TOKENS, **greedy))
     if workload.warm_prefix:

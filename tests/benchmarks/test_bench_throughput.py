@@ -265,3 +265,19 @@ def test_grounded_workload_takes_a_base_models_text_as_is():
     assert [r.prompt_token_ids for r in workload.requests] == [
         BaseTokenizer().encode(text) for text, _ in GROUNDED_TASKS
     ]
+
+
+def test_a_model_with_two_kv_cache_groups_gets_the_blocks_both_hold(tmp_path):
+    """Gemma 3's sliding-window layers hold blocks in a second KV cache group: the workload's
+    blocks counted for one group (auto_num_blocks) were too few, and `bench throughput --model
+    gemma3-270m --workloads single` rejected its own prompt."""
+    from pagedattn.benchmarks.pagedattn_runner import RunOptions, auto_num_blocks, run_pagedattn
+    from pagedattn.benchmarks.workloads import BenchRequest, Workload
+    from tests.model.tiny import make_tiny_gemma3
+
+    model = make_tiny_gemma3(tmp_path)
+    workload = Workload("single", [BenchRequest(list(range(20, 120)), 8)])
+    result = run_pagedattn(RunOptions(model=str(model), threads=1), workload)
+    assert result.num_output_tokens == 8
+    # both groups hold every block of these short sequences (a window of 4, whole steps)
+    assert result.extra["num_blocks"] >= 2 * (auto_num_blocks(workload, 16) - 1)
