@@ -267,7 +267,8 @@ inline void gemm_q45_k_x8(const Block* grp, int64_t nb, const ActQ8_K* const* ac
         __m256i lo[MB], hi[MB];
         for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm256_setzero_si256();
 #pragma GCC unroll 8
-        for (int c = c0; c < c0 + kSpan; ++c) {
+        for (int cc = 0; cc < kSpan; ++cc) {  // NOTE: a constant trip count, fully unrolled
+          const int c = c0 + cc;
           const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[i][c]));
           __m256i ql = _mm256_and_si256(q, m4);
           __m256i qh = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
