@@ -171,13 +171,10 @@ def run_pagedattn(
         )
 
     llm = engine(opts.num_blocks or auto_num_blocks(workload, opts.block_size))
-    if (
-        not opts.num_blocks
-        and _blocks_needed(llm, workload) > llm.engine.kv_cache_manager.num_usable_blocks
-    ):
+    num_blocks = None if opts.num_blocks else _blocks_needed(llm, workload)
+    if num_blocks is not None and num_blocks > llm.engine.kv_cache_manager.num_usable_blocks:
         # NOTE: more than one KV cache group (Gemma 3's sliding-window layers): built again
         # with the blocks every group holds, which only the loaded model can count.
-        num_blocks = _blocks_needed(llm, workload)
         del llm
         gc.collect()
         llm = engine(num_blocks)

@@ -282,7 +282,8 @@ QuantLinear::QuantLinear(std::vector<at::Tensor> data, std::vector<int64_t> type
     rows += data_[p].size(0);
     needs_q8_0_ |= !is_k_type(static_cast<int>(types_[p]));
     needs_q8_k_ |= is_k_type(static_cast<int>(types_[p]));
-    const bool x8 = interleave && has_x8(static_cast<int>(types_[p])) && data_[p].size(0) % 8 == 0;
+    // NOTE: every supported type (check_blocks) has an x8 form (quant_x8_legacy_cpu.h)
+    const bool x8 = interleave && data_[p].size(0) % 8 == 0;
     x8_.push_back(x8);
     if (x8) data_[p] = interleave_rows(data_[p], static_cast<int>(types_[p]), K);
   }

@@ -266,16 +266,6 @@ inline void gemm_legacy_x8(const typename LegacyX8<T>::type* grp, int64_t nb, co
 
 // ---- every x8 type ----
 
-// Whether QuantLinear repacks parts of this type 8 rows interleaved.
-inline bool has_x8(int type) {
-  switch (type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kQ4_K: case kQ5_K: case kQ6_K:
-      return true;
-    default:
-      return false;
-  }
-}
-
 // Whether the AMX-INT8 tiles (quant_amx_cpu.h) have a kernel for this x8 type.
 inline bool has_x8_amx(int type) { return type == kQ4_K || type == kQ6_K || type == kQ8_0; }
 

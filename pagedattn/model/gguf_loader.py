@@ -94,10 +94,8 @@ class GGUFFormatError(ValueError):
 
 # The bytes of the interleaved layouts QuantLinear repacks these types into, over the stored
 # bytes (Q4_K's and Q5_K's scales held as bytes: 148 and 180 per row and superblock, not 144
-# and 176; the others: as stored).
-X8_GROWTH = {"Q4_K": 148 / 144, "Q5_K": 180 / 176} | dict.fromkeys(
-    ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q6_K", "Q8_0"), 1.0
-)
+# and 176); every other type with kernels is repacked into as many bytes as stored.
+X8_GROWTH = {"Q4_K": 148 / 144, "Q5_K": 180 / 176}
 
 
 class GGUFCheckpoint:
@@ -283,7 +281,7 @@ class GGUFCheckpoint:
                 untied_table = (
                     name.endswith("embed_tokens.weight") and not config.tie_word_embeddings
                 )
-                x8 = kind in X8_GROWTH and rows_cols[-2] % 8 == 0 and not untied_table
+                x8 = rows_cols[-2] % 8 == 0 and not untied_table
                 entry = summary[(kind, "interleaved 8 rows" if x8 else "as stored")]
                 entry[0] += 1
                 entry[1] += tensor.num_bytes
