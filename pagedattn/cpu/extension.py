@@ -338,6 +338,43 @@ def paged_decode(
     return out
 
 
+def paged_prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_len: int,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of the last ``len(query)`` positions of a sequence of ``seq_len`` tokens
+    over its keys and values, read through ``block_table`` -> [q_len, Hq, D] (flash-style: no
+    score matrix, no gathered copy). query [q_len, Hq, D] and the caches [num_blocks, B, Hkv, D]
+    share one dtype (float32 or bfloat16). Raises ExtensionBuildError if the extension cannot be
+    built."""
+    ext = load_extension()
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    if logits_soft_cap is not None and logits_soft_cap <= 0:
+        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+    query = query.contiguous()
+    out = torch.empty_like(query)
+    ext.paged_prefill(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        block_table.to(torch.int32).contiguous(),
+        int(seq_len),
+        float(scale),
+        sliding_window or NO_SLIDING_WINDOW,
+        float(logits_soft_cap or NO_SOFT_CAP),
+    )
+    return out
+
+
 def amx_available() -> bool:
     """Whether the extension was built for AMX-BF16 and the OS granted this process the tiles."""
     ext = get_extension()

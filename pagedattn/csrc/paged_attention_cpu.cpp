@@ -41,7 +41,8 @@
 // online softmax and walk_chunks, the chunk walk every kernel shares), attention_quant_cpu.h (the
 // u8 integer and fp8 pairs arithmetic), attention_vector_cpu.h (the vector kernel),
 // attention_amx_cpu.h and attention_amx_u8_cpu.h (the tile kernels); this file plans the work
-// items, runs them on the threads and merges the partitions. The extension's Python bindings are
+// items, runs them on the threads and merges the partitions. attention_prefill_cpu.h is the
+// prefill kernel (paged_prefill: a span of a sequence's queries, causal, flash-style). The extension's Python bindings are
 // in bindings_cpu.cpp.
 
 #include <ATen/Parallel.h>
@@ -71,6 +72,7 @@
 #include "attention_vector_cpu.h"
 #include "attention_amx_cpu.h"
 #include "attention_amx_u8_cpu.h"
+#include "attention_prefill_cpu.h"
 
 namespace {
 
@@ -414,6 +416,57 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
                             ptr(out));
   } else {
     TORCH_CHECK(false, "paged_decode supports float32 and bfloat16, got ", query.dtype());
+  }
+}
+
+// out/query: [q_len, Hq, D], the last q_len positions of a sequence of seq_len tokens;
+// key/value_cache: [num_blocks, B, Hkv, D] in the query's dtype (float32 or bfloat16);
+// block_table: [>= ceil(seq_len / B)] int32. Causal, over the window (0: none), soft cap (0: none).
+void paged_prefill(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
+                   torch::Tensor value_cache, torch::Tensor block_table, int64_t seq_len,
+                   double scale, int64_t sliding_window, double soft_cap) {
+  TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "query must be [q_len, Hq, D] and the caches [num_blocks, B, Hkv, D] (flash layout)");
+  TORCH_CHECK(query.dtype() == key_cache.dtype() && value_cache.dtype() == key_cache.dtype() &&
+                  out.dtype() == query.dtype() && out.sizes() == query.sizes(),
+              "query, caches and output must share one dtype and out the query's shape");
+  TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
+                  out.is_contiguous() && block_table.is_contiguous() && block_table.dim() == 1 &&
+                  block_table.scalar_type() == at::kInt,
+              "paged_prefill needs contiguous tensors and an int32 block table");
+  prefill::Params p;
+  p.q_len = query.size(0);
+  p.seq_len = seq_len;
+  p.num_heads = query.size(1);
+  p.head_size = query.size(2);
+  p.num_blocks = key_cache.size(0);
+  p.block_size = key_cache.size(1);
+  p.num_kv_heads = key_cache.size(2);
+  p.sliding_window = sliding_window;
+  p.scale = static_cast<float>(scale);
+  p.soft_cap = static_cast<float>(soft_cap);
+  TORCH_CHECK(key_cache.size(3) == p.head_size && p.head_size % 16 == 0,
+              "head_size must match the cache's and be a multiple of 16, got ", p.head_size);
+  TORCH_CHECK(p.num_heads % p.num_kv_heads == 0, "num_heads ", p.num_heads,
+              " is not a multiple of num_kv_heads ", p.num_kv_heads);
+  TORCH_CHECK(p.q_len <= seq_len, "q_len ", p.q_len, " exceeds seq_len ", seq_len);
+  const int64_t blocks = (seq_len + p.block_size - 1) / p.block_size;
+  TORCH_CHECK(block_table.numel() >= blocks, "the block table holds ", block_table.numel(),
+              " blocks, seq_len ", seq_len, " needs ", blocks);
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  for (int64_t b = 0; b < blocks; ++b) {
+    TORCH_CHECK(table[b] >= 0 && table[b] < p.num_blocks, "block id ", table[b],
+                " is outside the KV cache (", p.num_blocks, " blocks)");
+  }
+  if (p.q_len == 0) return;
+  if (query.scalar_type() == at::kFloat) {
+    prefill::run<float, float>(p, query.data_ptr<float>(), key_cache.data_ptr<float>(),
+                               value_cache.data_ptr<float>(), table, out.data_ptr<float>());
+  } else {
+    TORCH_CHECK(query.scalar_type() == at::kBFloat16, "paged_prefill supports float32 and "
+                "bfloat16, got ", query.dtype());
+    auto ptr = [](torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); };
+    prefill::run<bf16, bf16>(p, ptr(query), ptr(key_cache), ptr(value_cache), table, ptr(out));
   }
 }
 
