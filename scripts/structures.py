@@ -31,6 +31,8 @@ def main() -> int:
         "- `attention_quant_cpu.h`: the one-byte caches' arithmetic (u8 integer path, fp8 pairs).",
         "- `attention_amx_cpu.h`: the AMX tile kernels of paged attention for bf16 and fp8 caches.",
         "- `attention_amx_u8_cpu.h`: the u8 cache's AMX-INT8 tile kernel.",
+        "- `attention_prefill_cpu.h`: paged prefill attention (a span of a sequence's queries,"
+        " causal, flash-style; rows as vector lanes, bf16 pairs on AVX512-BF16).",
         "- `bindings_cpu.cpp`: the extension's Python module: every kernel's bindings.",
         "- `quant_cpu.cpp`: linear layers and embeddings on GGUF weights kept in their stored"
         " blocks (int8 activations per block; parts of 8n rows repacked 8 rows interleaved, that"
