@@ -348,12 +348,14 @@ def paged_prefill(
     scale: float,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of the last ``len(query)`` positions of a sequence of ``seq_len`` tokens
     over its keys and values, read through ``block_table`` -> [q_len, Hq, D] (flash-style: no
-    score matrix, no gathered copy). query [q_len, Hq, D] and the caches [num_blocks, B, Hkv, D]
-    share one dtype (float32 or bfloat16). Raises ExtensionBuildError if the extension cannot be
-    built."""
+    score matrix, no gathered copy). query [q_len, Hq, D] (float32 or bfloat16); the caches
+    [num_blocks, B, Hkv, D] in its dtype, fp8 (read as stored * k_scale / * v_scale) or u8
+    ([.., D + 8], attention.u8). Raises ExtensionBuildError if the extension cannot be built."""
     ext = load_extension()
     if sliding_window is not None and sliding_window <= 0:
         raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
@@ -371,6 +373,8 @@ def paged_prefill(
         float(scale),
         sliding_window or NO_SLIDING_WINDOW,
         float(logits_soft_cap or NO_SOFT_CAP),
+        float(k_scale),
+        float(v_scale),
     )
     return out
 

@@ -12,7 +12,8 @@
 // are the same product with value elements broadcast against the probability vectors. Masks
 // (causal, window, padding lanes) are applied only in the chunks where some lane needs them.
 // Everything sums in fp32 on the vector layer of vec_cpu.h (AVX2, AVX-512 and NEON builds share
-// the source); with AVX512-BF16 a bf16 cache runs both products as bf16 pairs (see kPairs).
+// the source); with AVX512-BF16 a bf16 cache runs both products as bf16 pairs (see kPairs). An
+// fp8 or u8 cache's rows are widened to fp32 per chunk (the u8 rows by their own scale and min).
 // Items run longest first (the causal tiles near the end), handed out by an atomic counter.
 //
 // Measured against the gather + SDPA path it replaces (Zen 4, 2 threads, bf16, 512-token
@@ -39,8 +40,10 @@ static_assert(kKeys % kBlockB == 0 && 16 % kBlockB == 0, "blocks must tile keys 
 
 struct Params {
   int64_t q_len, seq_len, num_heads, num_kv_heads, head_size, block_size, num_blocks;
+  int64_t head_stride;     // cache elements per (token, kv head) row: D, or D + 8 for u8
   int64_t sliding_window;  // 0: none
   float scale, soft_cap;   // soft_cap 0: none
+  float v_scale = 1.0f;    // what the value sums are multiplied by (an fp8 cache's v_scale)
 };
 
 // c[i][j] = c[i][j] * init[j] (init null: 0) + sum_k a[i * a_i + k * a_k] * b[k][j] for kBlockB
@@ -201,12 +204,22 @@ struct Scratch {
         pos(rows / kWidth), low(rows / kWidth), alpha(rows / kWidth) {}
 };
 
-// The chunk's count rows widened into dst [kKeys][D] fp32; rows past count are zero.
+// The chunk's count rows widened into dst [kKeys][D] fp32; rows past count are zero. A u8 row
+// reads as q * scale + min (its trailer's two floats); an fp8 row as stored (times kFp8Unit).
 template <typename C>
 void widen_chunk(const C* cache, const int64_t* offsets, int64_t count, int64_t D, float* dst) {
   for (int64_t t = 0; t < count; ++t) {
     const C* row = cache + offsets[t];
-    for (int64_t d = 0; d < D; d += kWidth) store(dst + t * D + d, load(row + d));
+    if constexpr (std::is_same_v<C, uint8_t>) {
+      float trailer[2];
+      std::memcpy(trailer, row + D, sizeof(trailer));
+      const fVec scale(trailer[0]), min(trailer[1]);
+      for (int64_t d = 0; d < D; d += kWidth) {
+        store(dst + t * D + d, at::vec::fmadd(load(row + d), scale, min));
+      }
+    } else {
+      for (int64_t d = 0; d < D; d += kWidth) store(dst + t * D + d, load(row + d));
+    }
   }
   std::memset(dst + count * D, 0, (kKeys - count) * D * sizeof(float));
 }
@@ -292,7 +305,7 @@ void run_item(const Params& p, const T* query, const C* key_cache, const C* valu
   std::fill(sc.ot.begin(), sc.ot.begin() + D * lanes, 0.0f);
   const int64_t key_end = first + i1;  // exclusive: the last position's own key
   const int64_t key_begin = W > 0 ? std::max<int64_t>(0, first + i0 - W + 1) : 0;
-  const int64_t row_stride = p.num_kv_heads * D;
+  const int64_t row_stride = p.num_kv_heads * p.head_stride;
   int64_t offsets[kKeys];
   const uint32_t* krows[kKeys];
   const uint32_t* vrows[kKeys];
@@ -300,7 +313,8 @@ void run_item(const Params& p, const T* query, const C* key_cache, const C* valu
     const int64_t count = std::min<int64_t>(kKeys, key_end - c0);
     for (int64_t t = 0; t < count; ++t) {
       const int64_t at = c0 + t;
-      offsets[t] = (table[at / p.block_size] * p.block_size + at % p.block_size) * row_stride + h * D;
+      offsets[t] = (table[at / p.block_size] * p.block_size + at % p.block_size) * row_stride +
+                   h * p.head_stride;
     }
     if constexpr (pairs) {
       for (int64_t t = 0; t < kKeys; ++t) {
@@ -346,7 +360,7 @@ void run_item(const Params& p, const T* query, const C* key_cache, const C* valu
       const int64_t r = j * kWidth + l;
       if (r >= rows) break;
       T* dst = out + ((i0 + r / G) * Hq + h * G + r % G) * D;
-      const float f = inv[l] > 0.0f ? 1.0f / inv[l] : 0.0f;
+      const float f = inv[l] > 0.0f ? p.v_scale / inv[l] : 0.0f;
       for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(sc.ot[d * lanes + r] * f);
     }
   }

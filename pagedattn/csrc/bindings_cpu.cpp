@@ -48,7 +48,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_prefill", &paged_prefill, "Causal prefill attention over a flash-layout KV cache",
         py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
         py::arg("block_table"), py::arg("seq_len"), py::arg("scale"), py::arg("sliding_window"),
-        py::arg("soft_cap"));
+        py::arg("soft_cap"), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0);
   m.def("set_flush_denormal_all_threads", &set_flush_denormal_all_threads,
         "Flush denormals to zero (FTZ/DAZ) in the calling thread and every intra-op thread");
   m.def("lora_apply", &lora_apply,

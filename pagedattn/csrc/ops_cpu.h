@@ -36,7 +36,8 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
                   bool amx, double k_scale = 1.0, double v_scale = 1.0);
 void paged_prefill(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                    torch::Tensor value_cache, torch::Tensor block_table, int64_t seq_len,
-                   double scale, int64_t sliding_window, double soft_cap);
+                   double scale, int64_t sliding_window, double soft_cap, double k_scale = 1.0,
+                   double v_scale = 1.0);
 // Flush denormals to zero (FTZ/DAZ) in the calling thread and every intra-op thread; returns the
 // number of pool threads set (0 where the build has no such mode).
 int64_t set_flush_denormal_all_threads(bool on);

@@ -420,16 +420,23 @@ void paged_decode(torch::Tensor out, torch::Tensor query, torch::Tensor key_cach
 }
 
 // out/query: [q_len, Hq, D], the last q_len positions of a sequence of seq_len tokens;
-// key/value_cache: [num_blocks, B, Hkv, D] in the query's dtype (float32 or bfloat16);
+// key/value_cache: [num_blocks, B, Hkv, D] in the query's dtype (float32 or bfloat16), fp8
+// (read times k_scale / v_scale) or u8 ([.., D + 8], each row with its scale and min);
 // block_table: [>= ceil(seq_len / B)] int32. Causal, over the window (0: none), soft cap (0: none).
 void paged_prefill(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
                    torch::Tensor value_cache, torch::Tensor block_table, int64_t seq_len,
-                   double scale, int64_t sliding_window, double soft_cap) {
+                   double scale, int64_t sliding_window, double soft_cap, double k_scale,
+                   double v_scale) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
               "query must be [q_len, Hq, D] and the caches [num_blocks, B, Hkv, D] (flash layout)");
-  TORCH_CHECK(query.dtype() == key_cache.dtype() && value_cache.dtype() == key_cache.dtype() &&
-                  out.dtype() == query.dtype() && out.sizes() == query.sizes(),
-              "query, caches and output must share one dtype and out the query's shape");
+  const bool e4m3 = key_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool fp8 = e4m3 || key_cache.scalar_type() == at::kFloat8_e5m2;
+  const bool u8 = key_cache.scalar_type() == at::kByte;
+  TORCH_CHECK((fp8 || u8 || query.dtype() == key_cache.dtype()) &&
+                  value_cache.dtype() == key_cache.dtype() && out.dtype() == query.dtype() &&
+                  out.sizes() == query.sizes(),
+              "query, caches and output must share one dtype (or the caches be fp8 or u8) and "
+              "out the query's shape");
   TORCH_CHECK(query.is_contiguous() && key_cache.is_contiguous() && value_cache.is_contiguous() &&
                   out.is_contiguous() && block_table.is_contiguous() && block_table.dim() == 1 &&
                   block_table.scalar_type() == at::kInt,
@@ -442,10 +449,16 @@ void paged_prefill(torch::Tensor out, torch::Tensor query, torch::Tensor key_cac
   p.num_blocks = key_cache.size(0);
   p.block_size = key_cache.size(1);
   p.num_kv_heads = key_cache.size(2);
+  p.head_stride = key_cache.size(3);
   p.sliding_window = sliding_window;
   p.scale = static_cast<float>(scale);
   p.soft_cap = static_cast<float>(soft_cap);
-  TORCH_CHECK(key_cache.size(3) == p.head_size && p.head_size % 16 == 0,
+  if (fp8) {
+    const float unit = e4m3 ? pagedattn_vec::kFp8Unit<fp8_e4m3> : 1.0f;
+    p.scale = static_cast<float>(scale * k_scale * unit);
+    p.v_scale = static_cast<float>(v_scale * unit);
+  }
+  TORCH_CHECK(p.head_stride - (u8 ? kU8ScaleBytes : 0) == p.head_size && p.head_size % 16 == 0,
               "head_size must match the cache's and be a multiple of 16, got ", p.head_size);
   TORCH_CHECK(p.num_heads % p.num_kv_heads == 0, "num_heads ", p.num_heads,
               " is not a multiple of num_kv_heads ", p.num_kv_heads);
@@ -458,15 +471,28 @@ void paged_prefill(torch::Tensor out, torch::Tensor query, torch::Tensor key_cac
     TORCH_CHECK(table[b] >= 0 && table[b] < p.num_blocks, "block id ", table[b],
                 " is outside the KV cache (", p.num_blocks, " blocks)");
   }
+  TORCH_CHECK(query.scalar_type() == at::kFloat || query.scalar_type() == at::kBFloat16,
+              "paged_prefill supports float32 and bfloat16 queries, got ", query.dtype());
   if (p.q_len == 0) return;
+  auto run = [&](auto* q, auto* o) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(q)>>;
+    const void* k = key_cache.data_ptr();
+    const void* v = value_cache.data_ptr();
+    if (u8) {
+      prefill::run(p, q, static_cast<const uint8_t*>(k), static_cast<const uint8_t*>(v), table, o);
+    } else if (e4m3) {
+      prefill::run(p, q, static_cast<const fp8_e4m3*>(k), static_cast<const fp8_e4m3*>(v), table, o);
+    } else if (fp8) {
+      prefill::run(p, q, static_cast<const fp8_e5m2*>(k), static_cast<const fp8_e5m2*>(v), table, o);
+    } else {
+      prefill::run(p, q, static_cast<const T*>(k), static_cast<const T*>(v), table, o);
+    }
+  };
   if (query.scalar_type() == at::kFloat) {
-    prefill::run<float, float>(p, query.data_ptr<float>(), key_cache.data_ptr<float>(),
-                               value_cache.data_ptr<float>(), table, out.data_ptr<float>());
+    run(query.data_ptr<float>(), out.data_ptr<float>());
   } else {
-    TORCH_CHECK(query.scalar_type() == at::kBFloat16, "paged_prefill supports float32 and "
-                "bfloat16, got ", query.dtype());
-    auto ptr = [](torch::Tensor& t) { return reinterpret_cast<bf16*>(t.data_ptr<at::BFloat16>()); };
-    prefill::run<bf16, bf16>(p, ptr(query), ptr(key_cache), ptr(value_cache), table, ptr(out));
+    run(reinterpret_cast<const bf16*>(query.data_ptr<at::BFloat16>()),
+        reinterpret_cast<bf16*>(out.data_ptr<at::BFloat16>()));
   }
 }
 

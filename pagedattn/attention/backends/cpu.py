@@ -12,9 +12,9 @@ contexts are not partitioned here: SDPA's CPU kernel already tiles over keys.
 
 When the compiled kernel (cpu_ext, csrc/paged_attention_cpu.cpp) builds, decode rows (pure-decode
 batches and the decode rows of mixed batches) skip the gather: it reads K/V through the block
-tables directly; so do prefill spans whose cache holds the query's dtype (its flash-style prefill
-kernel, csrc/attention_prefill_cpu.h). The PyTorch path above stays as the fallback and for the
-prefill spans of an fp8 or u8 cache. An fp8 cache's gathered blocks are dequantized in the same pass by the extension's gather_dequant_fp8
+tables directly; so do prefill spans (its flash-style prefill kernel,
+csrc/attention_prefill_cpu.h). The PyTorch path above stays as the fallback. An fp8 cache's
+gathered blocks are dequantized in the same pass by the extension's gather_dequant_fp8
 (torch's float8 -> float conversion costs ~3 ns an element: +45% on a 1,024-token prefill span).
 """
 
@@ -361,13 +361,9 @@ class CpuBackend(AttentionBackend):
         v_scale: float,
     ) -> torch.Tensor:
         """A span of q_len queries (the last q_len positions), causal over the cached prefix:
-        the compiled kernel reads K/V through the block table where the cache holds the query's
-        dtype; else the blocks are gathered for SDPA."""
-        if (
-            self._use_extension
-            and query.dtype == key_cache.dtype
-            and cpu_ext.supports(query, key_cache)
-        ):
+        the compiled kernel reads K/V through the block table; without it the blocks are
+        gathered for SDPA."""
+        if self._use_extension and cpu_ext.supports(query, key_cache):
             return cpu_ext.paged_prefill(
                 query,
                 key_cache,
@@ -377,6 +373,8 @@ class CpuBackend(AttentionBackend):
                 scale=scale,
                 sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         q_len, num_heads, head_size = query.shape
         _, block_size, num_kv_heads, _ = key_cache.shape

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedattn.attention import u8
 from pagedattn.attention.backends.cpu import CpuBackend
 from pagedattn.cpu import extension as cpu_ext
 
@@ -88,3 +89,27 @@ def test_bad_inputs_are_refused():
         cpu_ext.paged_prefill(case.query.bfloat16(), *args[1:], table, 40, scale=1.0)
     with pytest.raises(ValueError, match="sliding_window"):
         cpu_ext.paged_prefill(*args, table, 40, scale=1.0, sliding_window=0)
+
+
+@pytest.mark.parametrize("query_dtype", DTYPES)
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8])
+def test_quantized_caches_match_the_gathered_path(query_dtype, cache_dtype):
+    # fp8 (with scales) and u8 caches read as stored: the same values the fallback dequantizes.
+    case = make_case([(150, 120)], block_size=16, num_kv_heads=2, group=3, head_size=64)
+    if cache_dtype == torch.uint8:
+        key_cache, value_cache = u8.quantize(case.key_cache), u8.quantize(case.value_cache)
+        k_scale = v_scale = 1.0
+    else:
+        k_scale, v_scale = 0.02, 0.03
+        key_cache = (case.key_cache / k_scale).to(cache_dtype)
+        value_cache = (case.value_cache / v_scale).to(cache_dtype)
+    query = case.query.to(query_dtype)
+    table = case.metadata.block_tables[0]
+    kwargs = dict(scale=0.125, sliding_window=40, logits_soft_cap=None)
+    scales = dict(k_scale=k_scale, v_scale=v_scale)
+    compiled = cpu_ext.paged_prefill(query, key_cache, value_cache, table, 150, **kwargs, **scales)
+    gathered = CpuBackend(use_extension=False)._prefill(
+        query, key_cache, value_cache, table, 150, **kwargs, **scales
+    )
+    atol = 1e-5 if query_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(compiled.float(), gathered.float(), atol=atol, rtol=atol)
