@@ -51,7 +51,9 @@ def test_long_spans_match_dense(dtype, specs, block_size, num_kv_heads, group, h
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_the_gathered_sdpa_path(dtype):
     # The same span through the kernel and through the gather + SDPA fallback.
-    case = make_case([(300, 260)], block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=dtype)
+    case = make_case(
+        [(300, 260)], block_size=16, num_kv_heads=2, group=4, head_size=64, dtype=dtype
+    )
     kwargs = dict(scale=0.125, sliding_window=None, logits_soft_cap=None, k_scale=1.0, v_scale=1.0)
     args = (case.query, case.key_cache, case.value_cache, case.metadata.block_tables[0], 300)
     compiled = CpuBackend(use_extension=True)._prefill(*args, **kwargs)
@@ -66,7 +68,9 @@ def test_rows_do_not_depend_on_the_span():
     case = make_case([(180, 180)], block_size=16, num_kv_heads=2, group=3, head_size=64)
     table = case.metadata.block_tables[0]
     kwargs = dict(scale=0.125)
-    whole = cpu_ext.paged_prefill(case.query, case.key_cache, case.value_cache, table, 180, **kwargs)
+    whole = cpu_ext.paged_prefill(
+        case.query, case.key_cache, case.value_cache, table, 180, **kwargs
+    )
     tail = cpu_ext.paged_prefill(
         case.query[100:], case.key_cache, case.value_cache, table, 180, **kwargs
     )
