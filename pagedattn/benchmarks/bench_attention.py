@@ -1,11 +1,13 @@
-"""Paged decode attention on CPU: paged vs contiguous SDPA, block-size sweep, memory bandwidth.
+"""Paged attention on CPU: decode paged vs contiguous SDPA, block-size sweep, memory bandwidth,
+and prefill (the compiled kernel against gather + SDPA and SDPA on contiguous K/V).
 
-Paged rows: "cpu-torch" (the cpu backend's gather + SDPA path) and "cpu-ext" (the compiled kernel
-reading K/V through the block tables, when it builds). Peers are timed interleaved, call by call,
-so that load from other processes hits them alike.
+Paged rows: "cpu-torch" (the cpu backend's gather + SDPA path) and "cpu-ext" (the compiled kernels
+reading K/V through the block tables, when they build). Peers are timed interleaved, call by
+call, so that load from other processes hits them alike.
 
 Run: pagedattn bench attention --seed 0 [--threads 2] [--out bench_out/] [--quick]
      [--kv-cache-dtype fp8_e4m3 fp8_e5m2 u8 [--kv-only]]: fp8 / u8 K/V rows beside bf16
+     [--prefill-only]: only the prefill rows (--prefill-lens, --prefill-heads)
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from pagedattn.benchmarks.attention_kv import (
     kv_dtype_table,
 )
 from pagedattn.cpu import extension as cpu_ext
+from pagedattn.cpu.features import describe_cpu
 
 # (num_heads, num_kv_heads, head_size): SmolLM2-135M-like and Llama-3-8B-like.
-HEAD_CONFIGS = {"9/3x64": (9, 3, 64), "32/8x128": (32, 8, 128)}
+HEAD_CONFIGS = {"9/3x64": (9, 3, 64), "32/8x64": (32, 8, 64), "32/8x128": (32, 8, 128)}
 SWEEP_BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 DTYPE = torch.bfloat16
 # kernel_time_by_block_size: a fixed representative decode batch.
@@ -157,6 +160,51 @@ def bench_paged_vs_contiguous(args, gen: torch.Generator, bandwidth: float) -> l
     return rows
 
 
+def bench_prefill(args, gen: torch.Generator) -> list[dict]:
+    """One prompt's causal attention, whole (q_len = seq_len): the cpu backend's paths against
+    SDPA on contiguous K/V (its flash kernel, causal), bf16; GFLOP/s count the causal half."""
+    rows, backends = [], paged_backends()
+    for name in args.prefill_heads:
+        num_heads, num_kv_heads, head_size = HEAD_CONFIGS[name]
+        for length in args.prefill_lens:
+            key_cache, value_cache, decode, keys, values = build_decode_batch(
+                [length], args.block_size, num_kv_heads, head_size, gen
+            )
+            tables = [decode.block_tables[0].tolist()]
+            meta = AttentionMetadata.build([length], [length], tables, args.block_size)
+            query = torch.randn(length, num_heads, head_size, generator=gen).to(DTYPE)
+            key, value = keys[0].transpose(0, 1)[None], values[0].transpose(0, 1)[None]
+            q, scale = query.transpose(0, 1)[None], head_size**-0.5
+
+            def contiguous(q=q, key=key, value=value, scale=scale):
+                out = F.scaled_dot_product_attention(
+                    q, key, value, is_causal=True, scale=scale, enable_gqa=True
+                )
+                return out[0].transpose(0, 1)
+
+            fns = {"contiguous": contiguous}
+            for backend_name, backend in backends.items():
+                fns[backend_name] = functools.partial(
+                    backend.forward, query, key_cache, value_cache, meta, scale=scale
+                )
+            expected = contiguous().float()
+            diffs = {b: float((fns[b]().float() - expected).abs().max()) for b in backends}
+            times = interleaved_ms(fns, args.warmup, args.repeats)
+            flop = 4 * num_heads * head_size * length * (length + 1) / 2
+            for backend_name in backends:
+                ms = times[backend_name]
+                row = dict(heads=name, length=length, backend=backend_name, ms=ms,
+                           torch_ms=times["cpu-torch"], contiguous_ms=times["contiguous"],
+                           gflops=flop / ms / 1e6, diff=diffs[backend_name])  # fmt: skip
+                print(f"prefill {name} len={length} {backend_name}: {ms:.2f} ms "
+                      f"({row['gflops']:.0f} GFLOP/s), gather + SDPA {times['cpu-torch']:.2f} ms "
+                      f"(x{times['cpu-torch'] / ms:.2f}), contiguous SDPA "
+                      f"{times['contiguous']:.2f} ms (x{times['contiguous'] / ms:.2f}), "
+                      f"max|diff| {row['diff']:.2e}")  # fmt: skip
+                rows.append(row)
+    return rows
+
+
 def lognormal_seq_lens(num_seqs: int, mean: float, gen: torch.Generator) -> list[int]:
     """Sequence lengths drawn from a log-normal distribution with the given mean (sigma 0.8)."""
     sigma = 0.8
@@ -222,7 +270,13 @@ def kernel_time_by_block_size(
 
 
 def write_report(
-    out: Path, bandwidth: float, decode: list[dict], sweep: list[dict], args, kv_rows=()
+    out: Path,
+    bandwidth: float,
+    decode: list[dict],
+    sweep: list[dict],
+    args,
+    kv_rows=(),
+    prefill=(),
 ) -> None:
     """Markdown tables and a PNG (time and fragmentation vs block size)."""
     out.mkdir(parents=True, exist_ok=True)
@@ -230,7 +284,7 @@ def write_report(
         f"# Paged attention on CPU (bf16, {args.num_seqs} seqs, threads={args.threads}, "
         f"B={args.block_size}, seed={args.seed})",
         "",
-        f"Machine bandwidth (copy/sum, max): {bandwidth:.1f} GB/s",
+        f"Machine: {describe_cpu(args.threads)}; bandwidth (copy/sum, max): {bandwidth:.1f} GB/s",
         "",
         "| heads | context | backend | paged ms | contiguous SDPA ms | ratio | K/V GB/s "
         "| SDPA GB/s | of machine |",
@@ -248,9 +302,20 @@ def write_report(
               + f" | {r['fragmentation']:.1%} |" for r in sweep]  # fmt: skip
     if kv_rows:
         lines += kv_dtype_table(kv_rows)
+    if prefill:
+        lines += ["", "Prefill, one whole prompt (causal; GFLOP/s of the causal half)", "",
+                  "| heads | prompt | backend | ms | GFLOP/s | gather + SDPA ms "
+                  "| contiguous SDPA ms | speed-up over gather + SDPA |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['heads']} | {r['length']} | {r['backend']} | {r['ms']:.2f} | "
+                  f"{r['gflops']:.0f} | {r['torch_ms']:.2f} | {r['contiguous_ms']:.2f} | "
+                  f"{r['torch_ms'] / r['ms']:.2f}x |" for r in prefill]  # fmt: skip
     text = "\n".join(lines) + "\n"
     (out / "bench_attention.md").write_text(text)
     print(text)
+    if not sweep:
+        print(f"wrote {out / 'bench_attention.md'}")
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -298,9 +363,14 @@ def main() -> None:
     parser.add_argument("--kv-contexts", type=int, nargs="+", default=list(DEFAULT_KV_CONTEXTS))
     parser.add_argument("--kv-only", action="store_true",
                         help="with --kv-cache-dtype: only the KV dtype rows")  # fmt: skip
+    parser.add_argument("--prefill-lens", type=int, nargs="+", default=[128, 512, 2048])
+    parser.add_argument("--prefill-heads", nargs="+", choices=sorted(HEAD_CONFIGS),
+                        default=["9/3x64", "32/8x64"])  # fmt: skip
+    parser.add_argument("--prefill-only", action="store_true", help="only the prefill rows")
     args = parser.parse_args()
     if args.quick:
         args.num_seqs, args.contexts, args.repeats, args.warmup = 4, [64, 256], 3, 1
+        args.prefill_lens = [100]
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     gen = torch.Generator().manual_seed(args.seed)
@@ -309,9 +379,11 @@ def main() -> None:
     kv_rows = []
     if args.kv_cache_dtype:
         kv_rows = kv_dtype_rows(args, gen, build_decode_batch, interleaved_ms, HEAD_CONFIGS)
-    decode = [] if args.kv_only else bench_paged_vs_contiguous(args, gen, bandwidth)
-    sweep = [] if args.kv_only else bench_block_sizes(args, gen)
-    write_report(args.out, bandwidth, decode, sweep, args, kv_rows)
+    decode_runs = not (args.kv_only or args.prefill_only)
+    decode = bench_paged_vs_contiguous(args, gen, bandwidth) if decode_runs else []
+    sweep = bench_block_sizes(args, gen) if decode_runs else []
+    prefill = [] if args.kv_only else bench_prefill(args, gen)
+    write_report(args.out, bandwidth, decode, sweep, args, kv_rows, prefill)
 
 
 if __name__ == "__main__":

@@ -205,10 +205,11 @@ def test_gather_dequant_rejects_bad_ids():
 
 @pytest.mark.parametrize("cache_dtype", FP8)
 def test_backend_gather_paths_agree(cache_dtype):
-    """The cpu backend's gathered paths (prefill spans, torch decode rows) give the same bits
-    with the compiled gather as with torch's index_select + float8 conversion."""
+    """The cpu backend's gathered path (torch decode rows) gives the same bits with the
+    compiled gather as with torch's index_select + float8 conversion. (Prefill spans run the
+    prefill kernel where the extension builds: tests/attention/backends/test_prefill_cpu.py.)"""
     case = fp8_case(
-        mixed_specs(16), cache_dtype, k_scale=K_SCALE, v_scale=V_SCALE, block_size=16,
+        [(seq_len, 1) for seq_len, _ in mixed_specs(16)], cache_dtype, k_scale=K_SCALE, v_scale=V_SCALE, block_size=16,
         num_kv_heads=2, group=3, head_size=64,
     )  # fmt: skip
     query = case.query.to(torch.bfloat16)

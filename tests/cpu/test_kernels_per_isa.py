@@ -21,13 +21,14 @@ import pytest
 from pagedattn.cpu import features
 
 ROOT = Path(__file__).resolve().parents[2]
-# Paged decode (GQA, sliding window, soft-cap, fp32/bf16, fp8 and u8 caches, partitions), the
-# step ops, the panel GEMM, the LoRA kernel, the GGUF block kernels and the fused MoE block.
+# Paged decode (GQA, sliding window, soft-cap, fp32/bf16, fp8 and u8 caches, partitions), paged
+# prefill, the step ops, the panel GEMM, the LoRA kernel, the GGUF block kernels and the fused MoE block.
 KERNEL_TESTS = (
     "tests/cpu/test_extension.py",
     "tests/cpu/test_extension_fp8.py",
     "tests/cpu/test_extension_u8.py",
     "tests/attention/backends/test_step_ops_cpu.py",
+    "tests/attention/backends/test_prefill_cpu.py",
     "tests/cpu/test_panel_gemm.py",
     "tests/cpu/test_lora_kernel.py",
     "tests/cpu/test_quant_kernels.py",
