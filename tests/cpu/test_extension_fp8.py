@@ -209,8 +209,8 @@ def test_backend_gather_paths_agree(cache_dtype):
     compiled gather as with torch's index_select + float8 conversion. (Prefill spans run the
     prefill kernel where the extension builds: tests/attention/backends/test_prefill_cpu.py.)"""
     case = fp8_case(
-        [(seq_len, 1) for seq_len, _ in mixed_specs(16)], cache_dtype, k_scale=K_SCALE, v_scale=V_SCALE, block_size=16,
-        num_kv_heads=2, group=3, head_size=64,
+        [(seq_len, 1) for seq_len, _ in mixed_specs(16)], cache_dtype, k_scale=K_SCALE,
+        v_scale=V_SCALE, block_size=16, num_kv_heads=2, group=3, head_size=64,
     )  # fmt: skip
     query = case.query.to(torch.bfloat16)
     kwargs = dict(scale=0.125, k_scale=K_SCALE, v_scale=V_SCALE)

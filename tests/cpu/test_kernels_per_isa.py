@@ -22,7 +22,8 @@ from pagedattn.cpu import features
 
 ROOT = Path(__file__).resolve().parents[2]
 # Paged decode (GQA, sliding window, soft-cap, fp32/bf16, fp8 and u8 caches, partitions), paged
-# prefill, the step ops, the panel GEMM, the LoRA kernel, the GGUF block kernels and the fused MoE block.
+# prefill, the step ops, the panel GEMM, the LoRA kernel, the GGUF block kernels and the fused
+# MoE block.
 KERNEL_TESTS = (
     "tests/cpu/test_extension.py",
     "tests/cpu/test_extension_fp8.py",
