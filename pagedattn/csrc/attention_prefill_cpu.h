@@ -12,8 +12,9 @@
 // are the same product with value elements broadcast against the probability vectors. Masks
 // (causal, window, padding lanes) are applied only in the chunks where some lane needs them.
 // Everything sums in fp32 on the vector layer of vec_cpu.h (AVX2, AVX-512 and NEON builds share
-// the source); with AVX512-BF16 a bf16 cache runs both products as bf16 pairs (see kPairs). An
-// fp8 or u8 cache's rows are widened to fp32 per chunk (the u8 rows by their own scale and min).
+// the source); with AVX512-BF16 bf16 queries over a bf16 or fp8 cache run both products as bf16
+// pairs (see kRunsPairs). Otherwise an fp8 or u8 cache's rows are widened to fp32 per chunk (the
+// u8 rows by their own scale and min).
 // Items run longest first (the causal tiles near the end), handed out by an atomic counter.
 //
 // Measured against the gather + SDPA path it replaces (Zen 4, 2 threads, bf16, 512-token
@@ -188,20 +189,30 @@ inline void pack_value_pairs(const uint32_t* const* rows, int64_t D, uint32_t* v
 constexpr bool kPairs = false;
 #endif
 
+template <typename C>
+constexpr bool kIsFp8 = std::is_same_v<C, fp8_e4m3> || std::is_same_v<C, fp8_e5m2>;
+// Whether queries T over a cache of C run the bf16 pairs: a bf16 cache as stored, an fp8 one
+// widened to bf16 per chunk (exact: every fp8 value, as load() widens it, is a bf16 value).
+template <typename T, typename C>
+constexpr bool kRunsPairs = kPairs && std::is_same_v<T, bf16> && (std::is_same_v<C, bf16> || kIsFp8<C>);
+
 // Per-thread scratch of one work item. Rows (query position x head) are vector lanes:
 // qt [D][rows] (scaled queries), st [kKeys][rows] (scores, then probabilities), ot [D][rows]
-// (value sums); for the bf16 dot products q2 [D / 2][rows] (query pairs), p2 [kKeys / 2][rows]
-// (probability pairs), v2 [kKeys / 2][D] (value pairs of two keys); the running max and sum, the row positions and the window's first key per
-// lane; kw / vw the chunk's key and value rows in fp32 [kKeys][D].
+// (value sums); kw / vw the chunk's key and value rows in fp32 [kKeys][D]. For the bf16 pairs:
+// q2 [D / 2][rows] (query pairs), p2 [kKeys / 2][rows] (probability pairs), v2 [kKeys / 2][D]
+// (value pairs of two keys), kb / vb an fp8 chunk's rows widened to bf16 [kKeys][D]. Then the
+// running max and sum, the row positions and the window's first key per lane.
 struct Scratch {
   std::vector<float> qt, st, ot, kw, vw;
   std::vector<uint32_t> q2, p2, v2, zero;
+  std::vector<bf16> kb, vb;
   std::vector<fVec> max, sum, pos, low, alpha;
   Scratch(int64_t rows, int64_t D, bool pairs)
       : qt(pairs ? 0 : D * rows), st(kKeys * rows), ot(D * rows), kw(pairs ? 0 : kKeys * D),
         vw(pairs ? 0 : kKeys * D), q2(pairs ? D / 2 * rows : 0), p2(pairs ? kKeys / 2 * rows : 0),
-        v2(pairs ? kKeys / 2 * D : 0), zero(D, 0), max(rows / kWidth), sum(rows / kWidth),
-        pos(rows / kWidth), low(rows / kWidth), alpha(rows / kWidth) {}
+        v2(pairs ? kKeys / 2 * D : 0), zero(D, 0), kb(pairs ? kKeys * D : 0),
+        vb(pairs ? kKeys * D : 0), max(rows / kWidth), sum(rows / kWidth), pos(rows / kWidth),
+        low(rows / kWidth), alpha(rows / kWidth) {}
 };
 
 // The chunk's count rows widened into dst [kKeys][D] fp32; rows past count are zero. A u8 row
@@ -274,7 +285,7 @@ inline void softmax_chunk(Scratch& sc, int64_t vecs, int64_t rows, int64_t c0, i
 template <typename T, typename C>
 void run_item(const Params& p, const T* query, const C* key_cache, const C* value_cache,
               const int32_t* table, int64_t h, int64_t i0, int64_t i1, Scratch& sc, T* out) {
-  constexpr bool pairs = kPairs && std::is_same_v<T, bf16> && std::is_same_v<C, bf16>;
+  constexpr bool pairs = kRunsPairs<T, C>;
   const int64_t D = p.head_size, G = p.num_heads / p.num_kv_heads, Hq = p.num_heads;
   const int64_t first = p.seq_len - p.q_len;  // position of query 0
   const int64_t rows = (i1 - i0) * G;
@@ -318,8 +329,21 @@ void run_item(const Params& p, const T* query, const C* key_cache, const C* valu
     }
     if constexpr (pairs) {
       for (int64_t t = 0; t < kKeys; ++t) {
-        krows[t] = t < count ? reinterpret_cast<const uint32_t*>(key_cache + offsets[t]) : sc.zero.data();
-        vrows[t] = t < count ? reinterpret_cast<const uint32_t*>(value_cache + offsets[t]) : sc.zero.data();
+        if (t >= count) {
+          krows[t] = vrows[t] = sc.zero.data();
+        } else if constexpr (kIsFp8<C>) {
+          bf16* k = sc.kb.data() + t * D;
+          bf16* v = sc.vb.data() + t * D;
+          for (int64_t d = 0; d < D; d += kWidth) {
+            store(k + d, load(key_cache + offsets[t] + d));
+            store(v + d, load(value_cache + offsets[t] + d));
+          }
+          krows[t] = reinterpret_cast<const uint32_t*>(k);
+          vrows[t] = reinterpret_cast<const uint32_t*>(v);
+        } else {
+          krows[t] = reinterpret_cast<const uint32_t*>(key_cache + offsets[t]);
+          vrows[t] = reinterpret_cast<const uint32_t*>(value_cache + offsets[t]);
+        }
       }
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
       // st [kKeys][lanes] = key rows (D / 2 pairs each) . q2 [D / 2][lanes]
@@ -378,7 +402,7 @@ void run(const Params& p, const T* query, const C* key_cache, const C* value_cac
   std::atomic<int64_t> next{0};
   const int64_t threads = std::min<int64_t>(at::get_num_threads(), items);
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch sc(lanes, p.head_size, kPairs && std::is_same_v<T, bf16> && std::is_same_v<C, bf16>);
+    Scratch sc(lanes, p.head_size, kRunsPairs<T, C>);
     for (int64_t j = next++; j < items; j = next++) {
       const int64_t t = tiles - 1 - j / p.num_kv_heads, h = j % p.num_kv_heads;
       const int64_t i0 = t * tile, i1 = std::min(p.q_len, i0 + tile);
