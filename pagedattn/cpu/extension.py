@@ -285,6 +285,16 @@ def gather_dequant_u8(
     return out
 
 
+def _window_and_cap(sliding_window: int | None, logits_soft_cap: float | None) -> tuple[int, float]:
+    """The attention kernels' window and soft cap (their sentinels for none); ValueError for a
+    window or cap that is not positive."""
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
+    if logits_soft_cap is not None and logits_soft_cap <= 0:
+        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+    return sliding_window or NO_SLIDING_WINDOW, float(logits_soft_cap or NO_SOFT_CAP)
+
+
 def paged_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -313,10 +323,7 @@ def paged_decode(
     Raises ExtensionBuildError if the extension cannot be built.
     """
     ext = load_extension()
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
-    if logits_soft_cap is not None and logits_soft_cap <= 0:
-        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+    window, soft_cap = _window_and_cap(sliding_window, logits_soft_cap)
     query = query.contiguous()
     if out is None:
         out = torch.empty_like(query)
@@ -328,8 +335,8 @@ def paged_decode(
         block_tables.to(torch.int32).contiguous(),
         seq_lens.to(torch.int32).contiguous(),
         float(scale),
-        sliding_window or NO_SLIDING_WINDOW,
-        float(logits_soft_cap or NO_SOFT_CAP),
+        window,
+        soft_cap,
         partition_size,
         amx,
         float(k_scale),
@@ -357,10 +364,7 @@ def paged_prefill(
     [num_blocks, B, Hkv, D] in its dtype, fp8 (read as stored * k_scale / * v_scale) or u8
     ([.., D + 8], attention.u8). Raises ExtensionBuildError if the extension cannot be built."""
     ext = load_extension()
-    if sliding_window is not None and sliding_window <= 0:
-        raise ValueError(f"sliding_window must be positive or None, got {sliding_window}")
-    if logits_soft_cap is not None and logits_soft_cap <= 0:
-        raise ValueError(f"logits_soft_cap must be positive or None, got {logits_soft_cap}")
+    window, soft_cap = _window_and_cap(sliding_window, logits_soft_cap)
     query = query.contiguous()
     out = torch.empty_like(query)
     ext.paged_prefill(
@@ -371,8 +375,8 @@ def paged_prefill(
         block_table.to(torch.int32).contiguous(),
         int(seq_len),
         float(scale),
-        sliding_window or NO_SLIDING_WINDOW,
-        float(logits_soft_cap or NO_SOFT_CAP),
+        window,
+        soft_cap,
         float(k_scale),
         float(v_scale),
     )
