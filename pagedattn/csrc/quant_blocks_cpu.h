@@ -83,11 +83,13 @@ static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24, "legacy 5-bit 
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_K) == 144, "Q8_0 / Q4_K block sizes");
 static_assert(sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "Q5_K / Q6_K block sizes");
 
-// One 32-value block of an activation row in int8: x ~ d * q; s = d * sum(q) (for the weight
-// types with an offset or a minimum: their dot product needs the block's sum).
+// One 32-value block of an activation row in int8: x ~ d * q; sum = sum(q) and s = d * sum (for
+// the weight types with an offset or a minimum, and Q8_0's unsigned weights on VNNI: their dot
+// products need the block's sum).
 struct ActQ8_0 {
   float d;
   float s;
+  int32_t sum;
   int8_t qs[32];
 };
 // One 256-value block of an activation row in int8, with the sums of its 16-value groups and of

@@ -90,6 +90,7 @@ void quantize_row_q8_0(const float* x, int64_t K, ActQ8_0* out) {
     const float d = max_abs(xb, kBlock) / 127.0f;
     const int sum = quantize_32(xb, d > 0.0f ? 1.0f / d : 0.0f, out[b].qs);
     out[b].d = d;
+    out[b].sum = sum;
     out[b].s = d * static_cast<float>(sum);
   }
 }

@@ -149,6 +149,18 @@ inline void gemm_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, const ActQ8_0* cons
     if (prefetch) prefetch_span(reinterpret_cast<const char*>(&w) + kRowPrefetchBytes, sizeof(w));
     __m256i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
+#ifdef PAGEDATTN_QUANT_VNNI
+    // The weights go unsigned, q + 128 (q ^ 0x80), to meet the activations as they are; 128 times
+    // the activation block's sum comes off after the block: one xor per column for all rows, where
+    // the sign trick below costs one sign per row and column (AMD Zen 4, 2 threads, [8192 x 2048],
+    // 512 rows: 341 GOP/s with the sign trick).
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int c = 0; c < 8; ++c) {
+      const __m256i qu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[c])), flip);
+      for (int m = 0; m < MB; ++m) isum[m] = _mm256_dpbusd_epi32(isum[m], qu, broadcast4(act[m][b].qs + 4 * c));
+    }
+    for (int m = 0; m < MB; ++m) isum[m] = _mm256_sub_epi32(isum[m], _mm256_set1_epi32(128 * act[m][b].sum));
+#else
     for (int c = 0; c < 8; ++c) {
       const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[c]));
       const __m256i qabs = _mm256_sign_epi8(q, q);  // -128 becomes 0x80: 128 unsigned
@@ -156,6 +168,7 @@ inline void gemm_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, const ActQ8_0* cons
         isum[m] = dot_u8s8(isum[m], qabs, _mm256_sign_epi8(broadcast4(act[m][b].qs + 4 * c), q));
       }
     }
+#endif
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
     for (int m = 0; m < MB; ++m) {
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, _mm256_set1_ps(act[m][b].d)), acc[m]);

@@ -47,6 +47,7 @@ std::vector<ActQ8_0> act_0(int64_t rows, int64_t nb) {
     blk.d = scale();
     int s = 0;
     for (auto& q : blk.qs) s += (q = static_cast<int8_t>(uniform(-127, 127)));
+    blk.sum = s;
     blk.s = blk.d * static_cast<float>(s);
   }
   return a;
