@@ -43,6 +43,9 @@ def main() -> int:
         " dequantisation; the helpers every x8 kernel shares.",
         "- `quant_x8_legacy_cpu.h`: the same for the legacy types (Q4_0, Q4_1, Q5_0, Q5_1,"
         " Q8_0; as many bytes as stored), and the dispatch over every type's x8 form.",
+        "- `quant_x8_zmm_cpu.h`: the K types' x8 GEMM on 512-bit vectors, two groups of 8 rows"
+        " at once (AVX512-BW + VNNI builds, from 32 activation rows; bit-identical to one group at"
+        " a time).",
         "- `quant_amx_cpu.h`: the same interleaved layers on AMX-INT8 tiles, two groups against"
         " 16 activation rows (one TDPBSSD per sub-block, scaled to the VNNI kernels' sums: bit"
         " for bit while partial sums stay below 2^24); `tests/cpu/amx_emulator.h` runs it on"

@@ -1,5 +1,7 @@
-"""Paged attention on CPU: decode paged vs contiguous SDPA, block-size sweep, memory bandwidth,
-and prefill (the compiled kernel against gather + SDPA and SDPA on contiguous K/V).
+"""Paged attention on CPU: decode and prefill against SDPA, block-size sweep, memory bandwidth.
+
+Decode: paged against contiguous SDPA. Prefill: the compiled kernel against gather + SDPA and
+SDPA on contiguous K/V.
 
 Paged rows: "cpu-torch" (the cpu backend's gather + SDPA path) and "cpu-ext" (the compiled kernels
 reading K/V through the block tables, when they build). Peers are timed interleaved, call by

@@ -28,7 +28,7 @@
 #include "quant_amx_cpu.h"
 #include "quant_dot_cpu.h"
 #include "quant_linear_cpu.h"
-#include "quant_x8_legacy_cpu.h"
+#include "quant_x8_zmm_cpu.h"
 #include "vec_cpu.h"
 
 namespace pagedattn_quant {
@@ -446,11 +446,12 @@ void QuantLinear::run_x8(const std::vector<ActQ8_0>& a0, const std::vector<ActQ8
     }
 #endif
     at::parallel_for(first, groups, 1, [&](int64_t g0, int64_t g1) {
-      float tmp[kX8Rows * 8];
+      float tmp[kX8Rows * 16];
       for (int64_t c0 = 0; c0 < M; c0 += chunk) {
         const int64_t c1 = std::min(M, c0 + chunk);
         for (int64_t g = g0; g < g1; ++g) {
           const uint8_t* grp = blocks + g * group_bytes;
+          const int w = has_x8_pair(type, M) && g + 1 < g1 ? 16 : 8;  // two groups at once (quant_x8_zmm_cpu.h)
           for (int64_t m0 = c0; m0 < c1; m0 += kX8Rows) {
             const int mb = static_cast<int>(std::min<int64_t>(kX8Rows, c1 - m0));
             const void* act[kX8Rows];
@@ -459,11 +460,15 @@ void QuantLinear::run_x8(const std::vector<ActQ8_0>& a0, const std::vector<ActQ8
                             : static_cast<const void*>(ak.data() + (m0 + i) * nb);
             }
             const bool first = m0 == c0;  // the chunk's later rows find the group in cache
-            gemm_x8_rows(mb, type, grp, nb, act, tmp, first);
+#ifdef PAGEDATTN_X8_PAIRS
+            if (w == 16) gemm_x8_pair_rows(mb, type, grp, group_bytes, nb, act, tmp, first);
+#endif
+            if (w == 8) gemm_x8_rows(mb, type, grp, nb, act, tmp, first);
             for (int i = 0; i < mb; ++i) {
-              for (int r = 0; r < 8; ++r) y[(m0 + i) * N + cols[8 * g + r]] = tmp[8 * i + r];
+              for (int r = 0; r < w; ++r) y[(m0 + i) * N + cols[8 * g + r]] = tmp[w * i + r];
             }
           }
+          g += w / 16;
         }
       }
     });
