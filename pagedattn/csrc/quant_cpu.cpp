@@ -445,13 +445,14 @@ void QuantLinear::run_x8(const std::vector<ActQ8_0>& a0, const std::vector<ActQ8
       run_x8_amx(type, blocks, group_bytes, groups / 2, nb, act, M, act_rows(M), cols.data(), N, y);
     }
 #endif
+    const bool pairs = has_x8_pair(type, M);  // two groups at once (quant_x8_zmm_cpu.h)
     at::parallel_for(first, groups, 1, [&](int64_t g0, int64_t g1) {
       float tmp[kX8Rows * 16];
       for (int64_t c0 = 0; c0 < M; c0 += chunk) {
         const int64_t c1 = std::min(M, c0 + chunk);
         for (int64_t g = g0; g < g1; ++g) {
           const uint8_t* grp = blocks + g * group_bytes;
-          const int w = has_x8_pair(type, M) && g + 1 < g1 ? 16 : 8;  // two groups at once (quant_x8_zmm_cpu.h)
+          const int w = pairs && g + 1 < g1 ? 16 : 8;
           for (int64_t m0 = c0; m0 < c1; m0 += kX8Rows) {
             const int mb = static_cast<int>(std::min<int64_t>(kX8Rows, c1 - m0));
             const void* act[kX8Rows];

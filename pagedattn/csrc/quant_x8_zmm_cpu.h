@@ -61,6 +61,14 @@ inline __m512i fifth_bits(__m512i hb, int from) {  // as quant_x8_cpu.h's fifth_
   const __m512i at = from <= 4 ? _mm512_slli_epi16(hb, 4 - from) : _mm512_srli_epi16(hb, from - 4);
   return _mm512_and_si512(at, _mm512_set1_epi8(0x10));
 }
+// isum[m] += lo[m] * s_lo + hi[m] * s_hi: two sub-blocks' sums times their rows' scales.
+template <int MB>
+inline void add_scaled(__m512i* isum, const __m512i* lo, const __m512i* hi, __m512i s_lo, __m512i s_hi) {
+  for (int m = 0; m < MB; ++m) {
+    isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(lo[m], s_lo));
+    isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(hi[m], s_hi));
+  }
+}
 // Row r of the low group to out0[m * ldo + r], of the high group to out1[m * ldo + r].
 template <int MB>
 inline void store(const __m512* acc, float* out0, float* out1, int64_t ldo) {
@@ -110,10 +118,7 @@ inline void gemm_q45_k_x8_pair(const Block* g0, const Block* g1, int64_t nb, con
       }
       const __m512i s_lo = zmm::bytes16<true>(w0.sc[2 * i], w1.sc[2 * i]);  // 0..63: as SubBlockSum::scales
       const __m512i s_hi = zmm::bytes16<true>(w0.sc[2 * i + 1], w1.sc[2 * i + 1]);
-      for (int m = 0; m < MB; ++m) {
-        isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(lo[m], s_lo));
-        isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(hi[m], s_hi));
-      }
+      zmm::add_scaled<MB>(isum, lo, hi, s_lo, s_hi);
     }
     __m512i mins[4];
     for (int p = 0; p < 4; ++p) {
@@ -174,10 +179,7 @@ inline void gemm_q6_k_x8_pair(const BlockQ6_Kx8* g0, const BlockQ6_Kx8* g1, int6
         }
         const __m512i s_lo = zmm::bytes16<true>(w0.sc[4 * i + cp0 / 2], w1.sc[4 * i + cp0 / 2]);
         const __m512i s_hi = zmm::bytes16<true>(w0.sc[4 * i + 2 + cp0 / 2], w1.sc[4 * i + 2 + cp0 / 2]);
-        for (int m = 0; m < MB; ++m) {
-          isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(lo[m], s_lo));
-          isum[m] = _mm512_add_epi32(isum[m], _mm512_mullo_epi32(hi[m], s_hi));
-        }
+        zmm::add_scaled<MB>(isum, lo, hi, s_lo, s_hi);
       }
     }
     __m512i scp[8];
