@@ -9,6 +9,7 @@
 //   Q8_0  d        32 int8                 x = d * q                  34 B / 32
 //   Q4_K  d, dmin, 8 x 6-bit (scale, min), 128 B nibbles: x = d * sc * q - dmin * m  144 B / 256
 //   Q5_K  as Q4_K plus 32 B of fifth bits                                            176 B / 256
+//   Q2_K, Q3_K: 2 and 3 bits per value with 16-value groups (quant_x8_low_cpu.h)  84, 110 B / 256
 //   Q6_K  128 B low nibbles, 64 B high 2-bit pairs, 16 int8 scales, d: x = d * sc * (q - 32)
 //                                                                                    210 B / 256
 // (d, m, dmin: fp16.) Element j < 16 of a legacy block is the low nibble of byte j, element
@@ -29,6 +30,8 @@ enum QType : int {
   kQ5_0 = 6,
   kQ5_1 = 7,
   kQ8_0 = 8,
+  kQ2_K = 10,
+  kQ3_K = 11,
   kQ4_K = 12,
   kQ5_K = 13,
   kQ6_K = 14,
@@ -60,6 +63,17 @@ struct BlockQ8_0 {
   uint16_t d;
   int8_t qs[32];
 };
+struct BlockQ2_K {
+  uint8_t scales[16];  // scale | min << 4 per 16 values
+  uint8_t qs[64];
+  uint16_t d, dmin;
+};
+struct BlockQ3_K {
+  uint8_t hmask[32];
+  uint8_t qs[64];
+  uint8_t scales[12];  // 16 6-bit scales
+  uint16_t d;
+};
 struct BlockQ4_K {
   uint16_t d, dmin;
   uint8_t scales[12];
@@ -81,6 +95,7 @@ struct BlockQ6_K {
 static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20, "legacy 4-bit block sizes");
 static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24, "legacy 5-bit block sizes");
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_K) == 144, "Q8_0 / Q4_K block sizes");
+static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110, "Q2_K / Q3_K block sizes");
 static_assert(sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "Q5_K / Q6_K block sizes");
 
 // One 32-value block of an activation row in int8: x ~ d * q; sum = sum(q) and s = d * sum (for
@@ -117,12 +132,12 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* mn) {
   }
 }
 
-inline bool is_k_type(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }
+inline bool is_k_type(int type) { return type >= kQ2_K && type <= kQ6_K; }
 
 inline bool is_supported(int type) {
   switch (type) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0:
-    case kQ4_K: case kQ5_K: case kQ6_K:
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K:
       return true;
     default:
       return false;
@@ -138,6 +153,8 @@ inline int block_bytes(int type) {
     case kQ5_0: return sizeof(BlockQ5_0);
     case kQ5_1: return sizeof(BlockQ5_1);
     case kQ8_0: return sizeof(BlockQ8_0);
+    case kQ2_K: return sizeof(BlockQ2_K);
+    case kQ3_K: return sizeof(BlockQ3_K);
     case kQ4_K: return sizeof(BlockQ4_K);
     case kQ5_K: return sizeof(BlockQ5_K);
     case kQ6_K: return sizeof(BlockQ6_K);

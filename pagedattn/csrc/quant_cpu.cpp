@@ -151,6 +151,8 @@ void dequant_row(int type, const uint8_t* row, int64_t K, float* y) {
     case kQ4_K: return dequant_q45_k<false>(row, K, y);
     case kQ5_K: return dequant_q45_k<true>(row, K, y);
     case kQ6_K: return dequant_q6_k(row, K, y);
+    case kQ2_K: return dequant_q23_k<kQ2_K>(row, K, y);
+    case kQ3_K: return dequant_q23_k<kQ3_K>(row, K, y);
     default: TORCH_CHECK(false, "ggml type ", type, " has no quantised kernel");
   }
 }
@@ -170,6 +172,8 @@ void dot_rows(int type, const uint8_t* row, int64_t K, const void* const* act, f
     case kQ4_K: return dot_q45_k<kQ4_K, MB>(row, K / kBlockK, ak, sums);
     case kQ5_K: return dot_q45_k<kQ5_K, MB>(row, K / kBlockK, ak, sums);
     case kQ6_K: return dot_q6_k<MB>(row, K / kBlockK, ak, sums);
+    case kQ2_K: return dot_q23_k<kQ2_K, MB>(row, K / kBlockK, ak, sums);
+    case kQ3_K: return dot_q23_k<kQ3_K, MB>(row, K / kBlockK, ak, sums);
     default: TORCH_CHECK(false, "ggml type ", type, " has no quantised kernel");
   }
 }

@@ -22,7 +22,7 @@
 // row at a time.
 #pragma once
 
-#include "quant_x8_cpu.h"
+#include "quant_x8_low_cpu.h"
 
 namespace pagedattn_quant {
 
@@ -288,6 +288,8 @@ inline int64_t x8_block_bytes(int type) {
     case kQ4_K: return sizeof(BlockQ4_Kx8);
     case kQ5_K: return sizeof(BlockQ5_Kx8);
     case kQ6_K: return sizeof(BlockQ6_Kx8);
+    case kQ2_K: return sizeof(BlockQ2_Kx8);
+    case kQ3_K: return sizeof(BlockQ3_Kx8);
     default: return 8 * block_bytes(type);  // the legacy types: as stored
   }
 }
@@ -298,6 +300,8 @@ inline void repack_x8(int type, const uint8_t* rows, int64_t nb, uint8_t* out) {
     case kQ4_K: return repack_q45_k_x8(rows, nb, reinterpret_cast<BlockQ4_Kx8*>(out));
     case kQ5_K: return repack_q45_k_x8(rows, nb, reinterpret_cast<BlockQ5_Kx8*>(out));
     case kQ6_K: return repack_q6_k_x8(rows, nb, reinterpret_cast<BlockQ6_Kx8*>(out));
+    case kQ2_K: return repack_q23_k_x8(rows, nb, reinterpret_cast<BlockQ2_Kx8*>(out));
+    case kQ3_K: return repack_q23_k_x8(rows, nb, reinterpret_cast<BlockQ3_Kx8*>(out));
     case kQ8_0: return repack_q8_0_x8(rows, nb, reinterpret_cast<BlockQ8_0x8*>(out));
     case kQ4_0: return repack_legacy_x8<kQ4_0>(rows, nb, reinterpret_cast<BlockQ4_0x8*>(out));
     case kQ4_1: return repack_legacy_x8<kQ4_1>(rows, nb, reinterpret_cast<BlockQ4_1x8*>(out));
@@ -312,6 +316,8 @@ inline void dequant_x8(int type, const uint8_t* grp, int64_t nb, int r, float* y
     case kQ4_K: return dequant_q45_k_x8(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, r, y);
     case kQ5_K: return dequant_q45_k_x8(reinterpret_cast<const BlockQ5_Kx8*>(grp), nb, r, y);
     case kQ6_K: return dequant_q6_k_x8(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, r, y);
+    case kQ2_K: return dequant_q23_k_x8(reinterpret_cast<const BlockQ2_Kx8*>(grp), nb, r, y);
+    case kQ3_K: return dequant_q23_k_x8(reinterpret_cast<const BlockQ3_Kx8*>(grp), nb, r, y);
     case kQ8_0: return dequant_q8_0_x8(reinterpret_cast<const BlockQ8_0x8*>(grp), nb, r, y);
     case kQ4_0: return dequant_legacy_x8<kQ4_0>(reinterpret_cast<const BlockQ4_0x8*>(grp), nb, r, y);
     case kQ4_1: return dequant_legacy_x8<kQ4_1>(reinterpret_cast<const BlockQ4_1x8*>(grp), nb, r, y);
@@ -331,6 +337,8 @@ inline void gemm_x8(int type, const uint8_t* grp, int64_t nb, const void* const*
     case kQ4_K: return gemm_q45_k_x8<MB>(reinterpret_cast<const BlockQ4_Kx8*>(grp), nb, ak, out, 8, prefetch);
     case kQ5_K: return gemm_q45_k_x8<MB>(reinterpret_cast<const BlockQ5_Kx8*>(grp), nb, ak, out, 8, prefetch);
     case kQ6_K: return gemm_q6_k_x8<MB>(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, ak, out, 8, prefetch);
+    case kQ2_K: return gemm_q23_k_x8<MB>(reinterpret_cast<const BlockQ2_Kx8*>(grp), nb, ak, out, 8, prefetch);
+    case kQ3_K: return gemm_q23_k_x8<MB>(reinterpret_cast<const BlockQ3_Kx8*>(grp), nb, ak, out, 8, prefetch);
     case kQ8_0: return gemm_q8_0_x8<MB>(reinterpret_cast<const BlockQ8_0x8*>(grp), nb, a0, out, 8, prefetch);
     case kQ4_0:
       return gemm_legacy_x8<kQ4_0, MB>(reinterpret_cast<const BlockQ4_0x8*>(grp), nb, a0, out, 8, prefetch);

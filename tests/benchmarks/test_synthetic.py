@@ -132,6 +132,31 @@ def test_the_q4_0_file_runs_interleaved_as_llama_cpp_runs_it(tiny):
     assert abs(pagedattn_nll(model, tokens) - theirs["nll"]) < 0.002 * theirs["nll"]
 
 
+# K-type blocks need rows of whole 256-value superblocks: a tiny shape 256 wide.
+TINY_K = SyntheticShape(256, 2, 4, 2, 512, weight_std=0.125)
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason=NEEDS_LLAMA_CPP)
+@pytest.mark.parametrize("kind, ggml_type", [("q3_k_m", "Q3_K"), ("q2_k", "Q2_K")])
+def test_the_2_and_3_bit_k_files_run_as_llama_cpp_runs_them(tmp_path, kind, ggml_type):
+    """llama.cpp's own Q3_K_M and Q2_K files: their Q3_K / Q2_K tensors stay in blocks
+    (interleaved 8 rows, csrc/quant_x8_low_cpu.h) and pagedattn's NLL on the file is llama.cpp's."""
+    from pagedattn.benchmarks.llama_cpp_peer import run_isolated
+
+    files = synthetic_checkpoint("tiny-k", ("hf", "f16", kind), shape=TINY_K, cache_dir=tmp_path)
+    reader = gguf.GGUFReader(str(files.gguf(kind)))
+    types = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.")}
+    assert ggml_type in types
+    model = load_model(str(files.gguf(kind)), "float32", "cpu").model
+    packed = [getattr(m, "decode", None) for m in model.modules()]
+    gguf_layers = [p for p in packed if getattr(p, "name", None) == "gguf"]
+    assert gguf_layers and {lay for p in gguf_layers for lay in p.a.layouts()} == {"x8"}
+    tokens = PROMPT * 4
+    theirs = run_isolated("nll", {"gguf": str(files.gguf(kind)), "tokens": tokens, "threads": 2})
+    ours = pagedattn_nll(model, tokens)
+    assert abs(ours - theirs["nll"]) < 0.002 * theirs["nll"], (ours, theirs["nll"])
+
+
 # A tiny Qwen3-MoE shape: 4 experts, top-2 (the qwen3-moe-scaled code path: qwen3moe GGUF).
 TINY_MOE = SyntheticShape(
     64,
