@@ -376,7 +376,8 @@ def write_f16_gguf(dest: Path, hf_dir: Path, shape: SyntheticShape, name: str) -
 
 
 def quantize_gguf(src: Path, dest: Path, kind: str, threads: int) -> None:
-    """``src`` quantised to ``kind`` (q8_0, q6_k, q4_k_m, q4_0, q5_k_m, q3_k_m, q2_k) by llama.cpp's quantizer."""
+    """``src`` quantised to ``kind`` (q8_0, q6_k, q4_k_m, q4_0, q5_k_m, q3_k_m, q2_k) by
+    llama.cpp's quantizer."""
     try:
         import llama_cpp
     except ImportError as exc:
