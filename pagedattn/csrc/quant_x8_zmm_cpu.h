@@ -1,6 +1,6 @@
-// The K-type x8 kernels (quant_x8_cpu.h) on 512-bit vectors: two groups of 8 rows at once, group
-// g in the low half of every vector and group g + 1 in the high half, so one broadcast
-// activation value meets 16 rows. Same blocks (no other layout is held), same integer sums and
+// The K-type x8 kernels (quant_x8_cpu.h, quant_x8_low_cpu.h) on 512-bit vectors: two groups of
+// 8 rows at once, group g in the low half of every vector and group g + 1 in the high half, so
+// one broadcast activation value meets 16 rows. Same blocks (no other layout is held), same integer sums and
 // the same float operations per row: bit-identical to the 8-row kernels at every row count.
 //
 // Why: with 8 rows per 256-bit vector, every vpdpbusd needs its own broadcast activation load
@@ -13,6 +13,8 @@
 //   Q4_K [8192 x 2048]:  8 rows 1.00x, 16 1.04x, 32 1.10x, 64 1.17x, 512 1.19x (553 -> 656 GOP/s)
 //   Q5_K:                8 rows 0.97x, 16 0.95x, 32 1.02x, 64 1.06x, 512 1.10x
 //   Q6_K [2048 x 8192]:  1 row 0.89x, 4 0.61x, 8 0.92x, 32 1.02x, 64 1.07x, 512 1.22x (420 -> 513)
+//   Q2_K [8192 x 2048]:  8 rows 0.90x, 32 1.12x, 64 1.24x, 512 1.25x (414 -> 519)
+//   Q3_K:                8 rows 0.77-0.88x, 32 1.01-1.23x, 64 1.13x, 512 1.09-1.27x (~375 -> 420-460)
 //
 // Built where the compiler has AVX512-BW and VNNI (the native build of such a CPU); elsewhere
 // has_x8_pair() is false and QuantLinear runs one group at a time.
@@ -60,6 +62,10 @@ inline __m512i broadcast4(const void* p) {
 inline __m512i fifth_bits(__m512i hb, int from) {  // as quant_x8_cpu.h's fifth_bits
   const __m512i at = from <= 4 ? _mm512_slli_epi16(hb, 4 - from) : _mm512_srli_epi16(hb, from - 4);
   return _mm512_and_si512(at, _mm512_set1_epi8(0x10));
+}
+inline __m512i third_bits(__m512i hb, int from) {  // as quant_x8_low_cpu.h's third_bits
+  const __m512i at = from <= 2 ? _mm512_slli_epi16(hb, 2 - from) : _mm512_srli_epi16(hb, from - 2);
+  return _mm512_and_si512(at, _mm512_set1_epi8(0x04));
 }
 // isum[m] += lo[m] * s_lo + hi[m] * s_hi: two sub-blocks' sums times their rows' scales.
 template <int MB>
@@ -197,12 +203,87 @@ inline void gemm_q6_k_x8_pair(const BlockQ6_Kx8* g0, const BlockQ6_Kx8* g1, int6
   }
   zmm::store<MB>(acc, out0, out1, ldo);
 }
+
+// gemm_q23_k_x8 over groups g0 and g1 at once.
+template <int MB, typename Block>
+inline void gemm_q23_k_x8_pair(const Block* g0, const Block* g1, int64_t nb, const ActQ8_K* const* act,
+                               float* out0, float* out1, int64_t ldo, bool prefetch) {
+  constexpr bool three = std::is_same_v<Block, BlockQ3_Kx8>;
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi16(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const Block& w0 = g0[b];
+    const Block& w1 = g1[b];
+    if (prefetch) {
+      prefetch_ahead(&w0);
+      prefetch_ahead(&w1);
+    }
+    __m512i isum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      for (int j = 0; j < 4; ++j) {
+        __m512i lo[MB], hi[MB];
+        for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int c = 0; c < 4; ++c) {
+          __m512i ql = _mm512_and_si512(_mm512_srli_epi16(zmm::load2(w0.qs[h][c], w1.qs[h][c]), 2 * j), m3);
+          __m512i qh = _mm512_and_si512(_mm512_srli_epi16(zmm::load2(w0.qs[h][c + 4], w1.qs[h][c + 4]), 2 * j), m3);
+          if constexpr (three) {
+            ql = _mm512_or_si512(ql, zmm::third_bits(zmm::load2(w0.hm[c], w1.hm[c]), 4 * h + j));
+            qh = _mm512_or_si512(qh, zmm::third_bits(zmm::load2(w0.hm[c + 4], w1.hm[c + 4]), 4 * h + j));
+          }
+          for (int m = 0; m < MB; ++m) {
+            const int8_t* y = act[m][b].qs + 128 * h + 32 * j + 4 * c;
+            lo[m] = _mm512_dpbusd_epi32(lo[m], ql, zmm::broadcast4(y));
+            hi[m] = _mm512_dpbusd_epi32(hi[m], qh, zmm::broadcast4(y + 16));
+          }
+        }
+        // a row's two group sums fit in int16 (16 x 7 x 128 < 2^15): lanes 2r and 2r + 1 meet
+        // the two scales in one vpdpwssd
+        const int g = 8 * h + 2 * j;
+        __m512i sc = zmm::join(pair_bytes(w0.sc[g], w0.sc[g + 1]), pair_bytes(w1.sc[g], w1.sc[g + 1]));
+        if constexpr (!three) sc = _mm512_and_si512(sc, m4);  // the low nibbles of the packed bytes
+        for (int m = 0; m < MB; ++m) {
+          const __m512i pair = _mm512_mask_blend_epi16(0xAAAAAAAA, lo[m], _mm512_slli_epi32(hi[m], 16));
+          isum[m] = _mm512_dpwssd_epi32(isum[m], pair, sc);
+        }
+      }
+    }
+    // the offsets or minimums per pair of groups, as gemm_q23_k_x8 (Q2_K: the high nibbles)
+    __m512i mnp[8];
+    for (int p = 0; p < 8; ++p) {
+      if constexpr (three) {
+        mnp[p] = zmm::join(pair_bytes(w0.sc[2 * p], w0.sc[2 * p + 1]), pair_bytes(w1.sc[2 * p], w1.sc[2 * p + 1]));
+      } else {
+        const __m512i both = zmm::join(pair_bytes(w0.sc[2 * p], w0.sc[2 * p + 1]), pair_bytes(w1.sc[2 * p], w1.sc[2 * p + 1]));
+        mnp[p] = _mm512_and_si512(_mm512_srli_epi16(both, 4), _mm512_set1_epi16(0x0F));
+      }
+    }
+    const __m512 d = zmm::halves16(w0.d, w1.d);
+    for (int m = 0; m < MB; ++m) {
+      const ActQ8_K& a = act[m][b];
+      __m512i msum = _mm512_setzero_si512();
+      for (int p = 0; p < 8; ++p) msum = _mm512_add_epi32(msum, _mm512_madd_epi16(mnp[p], zmm::broadcast4(a.bsums + 2 * p)));
+      const __m512 ad = _mm512_set1_ps(a.d);
+      if constexpr (three) {
+        const __m512i total = _mm512_sub_epi32(isum[m], _mm512_slli_epi32(msum, 2));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, ad), acc[m]);
+      } else {
+        const __m512 dmin = zmm::halves16(w0.dmin, w1.dmin);
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, ad), acc[m]);
+        acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, ad), acc[m]);
+      }
+    }
+  }
+  zmm::store<MB>(acc, out0, out1, ldo);
+}
 #endif
 
 // Whether groups of this type run two at a time here, for M activation rows.
 inline bool has_x8_pair(int type, int64_t M) {
 #ifdef PAGEDATTN_X8_PAIRS
-  return M >= kX8PairRows && (type == kQ4_K || type == kQ5_K || type == kQ6_K);
+  return M >= kX8PairRows && is_k_type(type);
 #else
   (void)type, (void)M;
   return false;
@@ -230,6 +311,12 @@ inline void gemm_x8_pair_rows(int mb, int type, const uint8_t* grp, int64_t grou
     case kQ6_K:
       return gemm_q6_k_x8_pair<MB>(reinterpret_cast<const BlockQ6_Kx8*>(grp), reinterpret_cast<const BlockQ6_Kx8*>(next),
                                    nb, ak, out, out + 8, 16, prefetch);
+    case kQ2_K:
+      return gemm_q23_k_x8_pair<MB>(reinterpret_cast<const BlockQ2_Kx8*>(grp), reinterpret_cast<const BlockQ2_Kx8*>(next),
+                                    nb, ak, out, out + 8, 16, prefetch);
+    case kQ3_K:
+      return gemm_q23_k_x8_pair<MB>(reinterpret_cast<const BlockQ3_Kx8*>(grp), reinterpret_cast<const BlockQ3_Kx8*>(next),
+                                    nb, ak, out, out + 8, 16, prefetch);
   }
 }
 #endif
