@@ -1,7 +1,8 @@
 // The K-type x8 kernels (quant_x8_cpu.h, quant_x8_low_cpu.h) on 512-bit vectors: two groups of
 // 8 rows at once, group g in the low half of every vector and group g + 1 in the high half, so
-// one broadcast activation value meets 16 rows. Same blocks (no other layout is held), same integer sums and
-// the same float operations per row: bit-identical to the 8-row kernels at every row count.
+// one broadcast activation value meets 16 rows. Same blocks (no other layout is held), same
+// integer sums and the same float operations per row: bit-identical to the 8-row kernels at
+// every row count.
 //
 // Why: with 8 rows per 256-bit vector, every vpdpbusd needs its own broadcast activation load
 // and the column's unpacking is shared by only 8 rows, so the core issues ~5 instructions per
