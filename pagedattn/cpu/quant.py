@@ -29,6 +29,7 @@ GGUF_TYPES: dict[str, tuple[int, int, int]] = {
     "q4_k": (12, 256, 144),
     "q5_k": (13, 256, 176),
     "q6_k": (14, 256, 210),
+    "iq4_xs": (23, 256, 136),
 }
 TYPE_NAMES = {type_id: name for name, (type_id, _, _) in GGUF_TYPES.items()}
 BLOCK_VALUES = {type_id: block for type_id, block, _ in GGUF_TYPES.values()}

@@ -10,6 +10,7 @@
 //   Q4_K  d, dmin, 8 x 6-bit (scale, min), 128 B nibbles: x = d * sc * q - dmin * m  144 B / 256
 //   Q5_K  as Q4_K plus 32 B of fifth bits                                            176 B / 256
 //   Q2_K, Q3_K: 2 and 3 bits per value with 16-value groups (quant_x8_low_cpu.h)  84, 110 B / 256
+//   IQ4_XS: 4-bit indices into a non-linear table, 6-bit scales (quant_x8_iq_cpu.h)   136 B / 256
 //   Q6_K  128 B low nibbles, 64 B high 2-bit pairs, 16 int8 scales, d: x = d * sc * (q - 32)
 //                                                                                    210 B / 256
 // (d, m, dmin: fp16.) Element j < 16 of a legacy block is the low nibble of byte j, element
@@ -35,6 +36,7 @@ enum QType : int {
   kQ4_K = 12,
   kQ5_K = 13,
   kQ6_K = 14,
+  kIQ4_XS = 23,
 };
 
 constexpr int kBlock = 32;     // values per legacy block (and per Q8_0 activation block)
@@ -74,6 +76,12 @@ struct BlockQ3_K {
   uint8_t scales[12];  // 16 6-bit scales
   uint16_t d;
 };
+struct BlockIQ4_XS {
+  uint16_t d;
+  uint16_t scales_h;    // 2 high bits per 32-value sub-block
+  uint8_t scales_l[4];  // 4 low bits per sub-block
+  uint8_t qs[128];
+};
 struct BlockQ4_K {
   uint16_t d, dmin;
   uint8_t scales[12];
@@ -96,6 +104,7 @@ static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20, "legacy 4-bit 
 static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24, "legacy 5-bit block sizes");
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_K) == 144, "Q8_0 / Q4_K block sizes");
 static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110, "Q2_K / Q3_K block sizes");
+static_assert(sizeof(BlockIQ4_XS) == 136, "IQ4_XS block size");
 static_assert(sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "Q5_K / Q6_K block sizes");
 
 // One 32-value block of an activation row in int8: x ~ d * q; sum = sum(q) and s = d * sum (for
@@ -132,12 +141,13 @@ inline void scale_min_k4(int j, const uint8_t* q, uint8_t* sc, uint8_t* mn) {
   }
 }
 
-inline bool is_k_type(int type) { return type >= kQ2_K && type <= kQ6_K; }
+// The types whose activations are Q8_K blocks (256 values).
+inline bool is_k_type(int type) { return (type >= kQ2_K && type <= kQ6_K) || type == kIQ4_XS; }
 
 inline bool is_supported(int type) {
   switch (type) {
     case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0:
-    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K:
+    case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS:
       return true;
     default:
       return false;
@@ -158,6 +168,7 @@ inline int block_bytes(int type) {
     case kQ4_K: return sizeof(BlockQ4_K);
     case kQ5_K: return sizeof(BlockQ5_K);
     case kQ6_K: return sizeof(BlockQ6_K);
+    case kIQ4_XS: return sizeof(BlockIQ4_XS);
     default: return 0;
   }
 }

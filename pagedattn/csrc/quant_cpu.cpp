@@ -153,6 +153,7 @@ void dequant_row(int type, const uint8_t* row, int64_t K, float* y) {
     case kQ6_K: return dequant_q6_k(row, K, y);
     case kQ2_K: return dequant_q23_k<kQ2_K>(row, K, y);
     case kQ3_K: return dequant_q23_k<kQ3_K>(row, K, y);
+    case kIQ4_XS: return dequant_iq4_xs(row, K, y);
     default: TORCH_CHECK(false, "ggml type ", type, " has no quantised kernel");
   }
 }
@@ -174,6 +175,7 @@ void dot_rows(int type, const uint8_t* row, int64_t K, const void* const* act, f
     case kQ6_K: return dot_q6_k<MB>(row, K / kBlockK, ak, sums);
     case kQ2_K: return dot_q23_k<kQ2_K, MB>(row, K / kBlockK, ak, sums);
     case kQ3_K: return dot_q23_k<kQ3_K, MB>(row, K / kBlockK, ak, sums);
+    case kIQ4_XS: return dot_iq4_xs<MB>(row, K / kBlockK, ak, sums);
     default: TORCH_CHECK(false, "ggml type ", type, " has no quantised kernel");
   }
 }

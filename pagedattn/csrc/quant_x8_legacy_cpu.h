@@ -22,7 +22,7 @@
 // row at a time.
 #pragma once
 
-#include "quant_x8_low_cpu.h"
+#include "quant_x8_iq_cpu.h"
 
 namespace pagedattn_quant {
 
@@ -290,6 +290,7 @@ inline int64_t x8_block_bytes(int type) {
     case kQ6_K: return sizeof(BlockQ6_Kx8);
     case kQ2_K: return sizeof(BlockQ2_Kx8);
     case kQ3_K: return sizeof(BlockQ3_Kx8);
+    case kIQ4_XS: return sizeof(BlockIQ4_XSx8);
     default: return 8 * block_bytes(type);  // the legacy types: as stored
   }
 }
@@ -302,6 +303,7 @@ inline void repack_x8(int type, const uint8_t* rows, int64_t nb, uint8_t* out) {
     case kQ6_K: return repack_q6_k_x8(rows, nb, reinterpret_cast<BlockQ6_Kx8*>(out));
     case kQ2_K: return repack_q23_k_x8(rows, nb, reinterpret_cast<BlockQ2_Kx8*>(out));
     case kQ3_K: return repack_q23_k_x8(rows, nb, reinterpret_cast<BlockQ3_Kx8*>(out));
+    case kIQ4_XS: return repack_iq4_xs_x8(rows, nb, reinterpret_cast<BlockIQ4_XSx8*>(out));
     case kQ8_0: return repack_q8_0_x8(rows, nb, reinterpret_cast<BlockQ8_0x8*>(out));
     case kQ4_0: return repack_legacy_x8<kQ4_0>(rows, nb, reinterpret_cast<BlockQ4_0x8*>(out));
     case kQ4_1: return repack_legacy_x8<kQ4_1>(rows, nb, reinterpret_cast<BlockQ4_1x8*>(out));
@@ -318,6 +320,7 @@ inline void dequant_x8(int type, const uint8_t* grp, int64_t nb, int r, float* y
     case kQ6_K: return dequant_q6_k_x8(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, r, y);
     case kQ2_K: return dequant_q23_k_x8(reinterpret_cast<const BlockQ2_Kx8*>(grp), nb, r, y);
     case kQ3_K: return dequant_q23_k_x8(reinterpret_cast<const BlockQ3_Kx8*>(grp), nb, r, y);
+    case kIQ4_XS: return dequant_iq4_xs_x8(reinterpret_cast<const BlockIQ4_XSx8*>(grp), nb, r, y);
     case kQ8_0: return dequant_q8_0_x8(reinterpret_cast<const BlockQ8_0x8*>(grp), nb, r, y);
     case kQ4_0: return dequant_legacy_x8<kQ4_0>(reinterpret_cast<const BlockQ4_0x8*>(grp), nb, r, y);
     case kQ4_1: return dequant_legacy_x8<kQ4_1>(reinterpret_cast<const BlockQ4_1x8*>(grp), nb, r, y);
@@ -339,6 +342,7 @@ inline void gemm_x8(int type, const uint8_t* grp, int64_t nb, const void* const*
     case kQ6_K: return gemm_q6_k_x8<MB>(reinterpret_cast<const BlockQ6_Kx8*>(grp), nb, ak, out, 8, prefetch);
     case kQ2_K: return gemm_q23_k_x8<MB>(reinterpret_cast<const BlockQ2_Kx8*>(grp), nb, ak, out, 8, prefetch);
     case kQ3_K: return gemm_q23_k_x8<MB>(reinterpret_cast<const BlockQ3_Kx8*>(grp), nb, ak, out, 8, prefetch);
+    case kIQ4_XS: return gemm_iq4_xs_x8<MB>(reinterpret_cast<const BlockIQ4_XSx8*>(grp), nb, ak, out, 8, prefetch);
     case kQ8_0: return gemm_q8_0_x8<MB>(reinterpret_cast<const BlockQ8_0x8*>(grp), nb, a0, out, 8, prefetch);
     case kQ4_0:
       return gemm_legacy_x8<kQ4_0, MB>(reinterpret_cast<const BlockQ4_0x8*>(grp), nb, a0, out, 8, prefetch);

@@ -284,7 +284,7 @@ inline void gemm_q23_k_x8_pair(const Block* g0, const Block* g1, int64_t nb, con
 // Whether groups of this type run two at a time here, for M activation rows.
 inline bool has_x8_pair(int type, int64_t M) {
 #ifdef PAGEDATTN_X8_PAIRS
-  return M >= kX8PairRows && is_k_type(type);
+  return M >= kX8PairRows && type >= kQ2_K && type <= kQ6_K;
 #else
   (void)type, (void)M;
   return false;

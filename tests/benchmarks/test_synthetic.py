@@ -137,10 +137,13 @@ TINY_K = SyntheticShape(256, 2, 4, 2, 512, weight_std=0.125)
 
 
 @pytest.mark.skipif(not HAS_LLAMA_CPP, reason=NEEDS_LLAMA_CPP)
-@pytest.mark.parametrize("kind, ggml_type", [("q3_k_m", "Q3_K"), ("q2_k", "Q2_K")])
-def test_the_2_and_3_bit_k_files_run_as_llama_cpp_runs_them(tmp_path, kind, ggml_type):
-    """llama.cpp's own Q3_K_M and Q2_K files: their Q3_K / Q2_K tensors stay in blocks
-    (interleaved 8 rows, csrc/quant_x8_low_cpu.h) and pagedattn's NLL on the file is llama.cpp's."""
+@pytest.mark.parametrize(
+    "kind, ggml_type", [("q3_k_m", "Q3_K"), ("q2_k", "Q2_K"), ("iq4_xs", "IQ4_XS")]
+)
+def test_the_2_and_3_bit_and_iq4_files_run_as_llama_cpp_runs_them(tmp_path, kind, ggml_type):
+    """llama.cpp's own Q3_K_M, Q2_K and IQ4_XS files: their Q3_K / Q2_K / IQ4_XS tensors stay in
+    blocks (interleaved 8 rows, csrc/quant_x8_low_cpu.h, quant_x8_iq_cpu.h) and pagedattn's NLL
+    on the file is llama.cpp's."""
     from pagedattn.benchmarks.llama_cpp_peer import run_isolated
 
     files = synthetic_checkpoint("tiny-k", ("hf", "f16", kind), shape=TINY_K, cache_dir=tmp_path)
