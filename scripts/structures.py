@@ -41,9 +41,14 @@ def main() -> int:
         "- `quant_x8_cpu.h`: Q4_K, Q5_K and Q6_K blocks of 8 rows interleaved, their repack,"
         " GEMM (VNNI int32 or AVX2 maddubs int16 sums per sub-block, scalar) and row"
         " dequantisation; the helpers every x8 kernel shares.",
+        "- `quant_x8_low_cpu.h`: the same for Q2_K and Q3_K (2- and 3-bit values, 16-value"
+        " groups; both group scales of a row in one vpdpwssd with VNNI), and their rows as stored"
+        " (dequantise, dot in plain C++).",
+        "- `quant_x8_iq_cpu.h`: the same for IQ4_XS (nibbles to values through a vpshufb table;"
+        " value + 128 with VNNI, the sign trick on maddubs without).",
         "- `quant_x8_legacy_cpu.h`: the same for the legacy types (Q4_0, Q4_1, Q5_0, Q5_1,"
         " Q8_0; as many bytes as stored), and the dispatch over every type's x8 form.",
-        "- `quant_x8_zmm_cpu.h`: the K types' x8 GEMM on 512-bit vectors, two groups of 8 rows"
+        "- `quant_x8_zmm_cpu.h`: the Q2_K ... Q6_K x8 GEMM on 512-bit vectors, two groups of 8 rows"
         " at once (AVX512-BW + VNNI builds, from 32 activation rows; bit-identical to one group at"
         " a time).",
         "- `quant_amx_cpu.h`: the same interleaved layers on AMX-INT8 tiles, two groups against"

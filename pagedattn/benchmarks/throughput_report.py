@@ -296,7 +296,7 @@ def render_markdown(
         "HF static: TTFT = time to its batch's first token (waiting for earlier batches "
         "included), TPOT = its batch's mean decode step; only each request's own tokens count "
         "as output. Overhead = everything but forward and sampling. pagedattn runs a GGUF "
-        "file's Q2_K ... Q8_0 tensors as stored (the chosen dtype for activations and the rest); "
+        "file's Q2_K ... IQ4_XS tensors as stored (the chosen dtype for activations and the rest); "
         "llama.cpp runs --synthetic's file as stored, and otherwise the GGUF retyped to the "
         "chosen dtype unless --llama-cpp-weights says otherwise (its row and its note in the "
         "JSON name the weights); HF static, OpenVINO and vLLM CPU run the same weights saved "

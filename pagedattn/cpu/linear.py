@@ -15,7 +15,7 @@ layers hold one for few rows (decode) and one for many (prefill), as the KernelP
 - ``torch``: plain ``F.linear``.
 - ``int8`` / ``int8_amx`` (``quantization="int8"`` only): per-output-channel symmetric int8
   weights through torch's weight-only kernel, or widened to bf16 tile by tile on AMX.
-- ``gguf``: weights kept in GGUF blocks (Q2_K ... Q8_0, pagedattn.cpu.quant) through
+- ``gguf``: weights kept in GGUF blocks (Q2_K ... IQ4_XS, pagedattn.cpu.quant) through
   ``csrc/quant_cpu.cpp``: int8 dot products on the blocks for decode rows, tiles dequantised
   into at::mm for prefill. Its "weight" is a ``QuantizedParts`` (the pieces of a fused layer).
 """

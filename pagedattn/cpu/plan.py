@@ -160,7 +160,7 @@ class KernelPlan:
     # decode stack and the LM head; None: the decode and head kernels (see verify_fields).
     linear_verify: str | None = None
     verify_rows: int = 0
-    # Weights stored in GGUF blocks (a GGUF file's Q2_K ... Q8_0 tensors, --quantization q8_0 ...)
+    # Weights stored in GGUF blocks (a GGUF file's Q2_K ... IQ4_XS tensors, --quantization q8_0 ...)
     # run as stored on this kernel ("gguf"); None: they are dequantised at load.
     linear_quant: str | None = None
     # --quantization's GGUF block type for an HF checkpoint's projections (None: as stored).

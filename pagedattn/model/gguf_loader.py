@@ -252,7 +252,7 @@ class GGUFCheckpoint:
     def quantized_weights(
         self, config: TextConfig, dtype: torch.dtype, ranks: int = 1
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-        """The weights under HF names, each 2-D tensor of a type with kernels (Q2_K ... Q8_0) as
+        """The weights under HF names, each 2-D tensor of a type with kernels (Q2_K ... IQ4_XS) as
         its stored blocks (QuantizedTensor: a view of the file's memory map, nothing copied),
         every other tensor dequantised to ``dtype``. Prints one line per stored type: how many
         tensors, their bytes and the format they run in (the whole model's, where ``ranks``
