@@ -105,8 +105,28 @@ inline void dequant_q23_k(const uint8_t* row, int64_t K, float* y) {
   }
 }
 
-// sums[m] = the row . activation row m: each group's integer sum times its scale, less the
-// minimums (Q3_K: 4 * scale) times the group's activation sum, then d * d_activation.
+// One block of a row (its values, group scales and minimums) . one activation block: each
+// group's integer sum times its scale, less the minimums (Q3_K: 4 * scale) times the group's
+// activation sum, then d * d_activation.
+template <int T>
+inline float q23_k_block_dot(const uint8_t* v, const int* sc, const int* mn, float d, float dmin,
+                             const ActQ8_K& a) {
+  int isum = 0, msum = 0;
+  for (int g = 0; g < 16; ++g) {
+    int s = 0;
+    for (int l = 0; l < 16; ++l) s += v[16 * g + l] * a.qs[16 * g + l];
+    isum += sc[g] * s;
+    msum += mn[g] * a.bsums[g];
+  }
+  if constexpr (T == kQ3_K) {
+    (void)dmin;
+    return static_cast<float>(isum - msum) * (d * a.d);
+  } else {
+    return static_cast<float>(isum) * (d * a.d) - static_cast<float>(msum) * (dmin * a.d);
+  }
+}
+
+// sums[m] = the row . activation row m.
 template <int T, int MB>
 inline void dot_q23_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act, float* sums) {
   float acc[MB] = {};
@@ -115,21 +135,7 @@ inline void dot_q23_k(const uint8_t* row, int64_t nb, const ActQ8_K* const* act,
   float d, dmin;
   for (int64_t b = 0; b < nb; ++b) {
     unpack_q23_k_block<T>(row + b * block_bytes(T), v, sc, mn, &d, &dmin);
-    for (int m = 0; m < MB; ++m) {
-      const ActQ8_K& a = act[m][b];
-      int isum = 0, msum = 0;
-      for (int g = 0; g < 16; ++g) {
-        int s = 0;
-        for (int l = 0; l < 16; ++l) s += v[16 * g + l] * a.qs[16 * g + l];
-        isum += sc[g] * s;
-        msum += mn[g] * a.bsums[g];
-      }
-      if constexpr (T == kQ3_K) {
-        acc[m] += static_cast<float>(isum - msum) * (d * a.d);
-      } else {
-        acc[m] += static_cast<float>(isum) * (d * a.d) - static_cast<float>(msum) * (dmin * a.d);
-      }
-    }
+    for (int m = 0; m < MB; ++m) acc[m] += q23_k_block_dot<T>(v, sc, mn, d, dmin, act[m][b]);
   }
   for (int m = 0; m < MB; ++m) sums[m] = acc[m];
 }
@@ -302,21 +308,7 @@ inline void gemm_q23_k_x8(const Block* grp, int64_t nb, const ActQ8_K* const* ac
   for (int64_t b = 0; b < nb; ++b) {
     for (int r = 0; r < 8; ++r) {
       unpack_q23_k_x8(grp[b], r, v, sc, mn, &d, &dmin);
-      for (int m = 0; m < MB; ++m) {
-        const ActQ8_K& a = act[m][b];
-        int isum = 0, msum = 0;
-        for (int g = 0; g < 16; ++g) {
-          int s = 0;
-          for (int l = 0; l < 16; ++l) s += v[16 * g + l] * a.qs[16 * g + l];
-          isum += sc[g] * s;
-          msum += mn[g] * a.bsums[g];
-        }
-        if constexpr (three) {
-          acc[m][r] += static_cast<float>(isum - msum) * (d * a.d);
-        } else {
-          acc[m][r] += static_cast<float>(isum) * (d * a.d) - static_cast<float>(msum) * (dmin * a.d);
-        }
-      }
+      for (int m = 0; m < MB; ++m) acc[m][r] += q23_k_block_dot<three ? kQ3_K : kQ2_K>(v, sc, mn, d, dmin, act[m][b]);
     }
   }
   for (int m = 0; m < MB; ++m) {
