@@ -237,6 +237,14 @@ inline void gemm_q23_k_x8(const Block* grp, int64_t nb, const ActQ8_K* const* ac
       }
       sc = reinterpret_cast<const int8_t*>(unpacked[0]);
     }
+    // row r's scales and offsets (Q3_K: 4 x its scale) or minimums of groups 2p and 2p + 1 in
+    // int16 lanes 2r, 2r + 1 (one madd with two activation group sums; with VNNI one vpdpwssd)
+    const int8_t* mn = three ? sc : reinterpret_cast<const int8_t*>(unpacked[1]);
+    __m256i scp[8], mnp[8];
+    for (int p = 0; p < 8; ++p) {
+      scp[p] = pair_bytes(sc + 16 * p, sc + 16 * p + 8);
+      mnp[p] = three ? scp[p] : pair_bytes(mn + 16 * p, mn + 16 * p + 8);
+    }
     __m256i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
     for (int h = 0; h < 2; ++h) {
@@ -260,16 +268,15 @@ inline void gemm_q23_k_x8(const Block* grp, int64_t nb, const ActQ8_K* const* ac
             hi[m] = SubBlockSum::add(hi[m], qh, broadcast4(y + 16));
           }
         }
-        const int8_t* s_lo = sc + 8 * (8 * h + 2 * j);
 #ifdef PAGEDATTN_QUANT_VNNI
         // a row's two group sums fit in int16 (16 x 7 x 128 < 2^15): lanes 2r and 2r + 1 meet
         // the two scales in one vpdpwssd (two vpmulld otherwise)
-        const __m256i s = pair_bytes(s_lo, s_lo + 8);
         for (int m = 0; m < MB; ++m) {
           const __m256i pair = _mm256_blend_epi16(lo[m], _mm256_slli_epi32(hi[m], 16), 0xAA);
-          isum[m] = _mm256_dpwssd_epi32(isum[m], pair, s);
+          isum[m] = _mm256_dpwssd_epi32(isum[m], pair, scp[4 * h + j]);
         }
 #else
+        const int8_t* s_lo = sc + 8 * (8 * h + 2 * j);
         for (int m = 0; m < MB; ++m) {
           isum[m] = SubBlockSum::scale(isum[m], lo[m], SubBlockSum::scales(s_lo));
           isum[m] = SubBlockSum::scale(isum[m], hi[m], SubBlockSum::scales(s_lo + 8));
@@ -277,11 +284,8 @@ inline void gemm_q23_k_x8(const Block* grp, int64_t nb, const ActQ8_K* const* ac
 #endif
       }
     }
-    // The offset (Q3_K: 4 * sc) or minimum times each group's activation sum, groups 2p and
-    // 2p + 1 in one madd (one 32-bit load of ActQ8_K::bsums).
-    const int8_t* mn = three ? sc : reinterpret_cast<const int8_t*>(unpacked[1]);
-    __m256i mnp[8];
-    for (int p = 0; p < 8; ++p) mnp[p] = pair_bytes(mn + 16 * p, mn + 16 * p + 8);
+    // The offset (Q3_K: 4 * sc) or minimum times each group's activation sum (one 32-bit load
+    // of ActQ8_K::bsums per pair of groups).
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];

@@ -220,6 +220,14 @@ inline void gemm_q23_k_x8_pair(const Block* g0, const Block* g1, int64_t nb, con
       prefetch_ahead(&w0);
       prefetch_ahead(&w1);
     }
+    // row r's scales and offsets (Q3_K: both the scale) or minimums (Q2_K: the packed bytes'
+    // low and high nibbles) of groups 2p and 2p + 1 in int16 lanes 2r, 2r + 1
+    __m512i scp[8], mnp[8];
+    for (int p = 0; p < 8; ++p) {
+      const __m512i both = zmm::join(pair_bytes(w0.sc[2 * p], w0.sc[2 * p + 1]), pair_bytes(w1.sc[2 * p], w1.sc[2 * p + 1]));
+      scp[p] = three ? both : _mm512_and_si512(both, m4);
+      mnp[p] = three ? both : _mm512_and_si512(_mm512_srli_epi16(both, 4), m4);
+    }
     __m512i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm512_setzero_si512();
     for (int h = 0; h < 2; ++h) {
@@ -241,24 +249,11 @@ inline void gemm_q23_k_x8_pair(const Block* g0, const Block* g1, int64_t nb, con
           }
         }
         // a row's two group sums fit in int16 (16 x 7 x 128 < 2^15): lanes 2r and 2r + 1 meet
-        // the two scales in one vpdpwssd
-        const int g = 8 * h + 2 * j;
-        __m512i sc = zmm::join(pair_bytes(w0.sc[g], w0.sc[g + 1]), pair_bytes(w1.sc[g], w1.sc[g + 1]));
-        if constexpr (!three) sc = _mm512_and_si512(sc, m4);  // the low nibbles of the packed bytes
+        // groups 8h + 2j and 8h + 2j + 1's scales in one vpdpwssd
         for (int m = 0; m < MB; ++m) {
           const __m512i pair = _mm512_mask_blend_epi16(0xAAAAAAAA, lo[m], _mm512_slli_epi32(hi[m], 16));
-          isum[m] = _mm512_dpwssd_epi32(isum[m], pair, sc);
+          isum[m] = _mm512_dpwssd_epi32(isum[m], pair, scp[4 * h + j]);
         }
-      }
-    }
-    // the offsets or minimums per pair of groups, as gemm_q23_k_x8 (Q2_K: the high nibbles)
-    __m512i mnp[8];
-    for (int p = 0; p < 8; ++p) {
-      if constexpr (three) {
-        mnp[p] = zmm::join(pair_bytes(w0.sc[2 * p], w0.sc[2 * p + 1]), pair_bytes(w1.sc[2 * p], w1.sc[2 * p + 1]));
-      } else {
-        const __m512i both = zmm::join(pair_bytes(w0.sc[2 * p], w0.sc[2 * p + 1]), pair_bytes(w1.sc[2 * p], w1.sc[2 * p + 1]));
-        mnp[p] = _mm512_and_si512(_mm512_srli_epi16(both, 4), _mm512_set1_epi16(0x0F));
       }
     }
     const __m512 d = zmm::halves16(w0.d, w1.d);
