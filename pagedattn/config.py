@@ -327,9 +327,10 @@ class ModelConfig:
     )
     weights: str = option(
         "auto",
-        "GGUF weights: auto runs Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and "
-        "IQ4_XS tensors as stored (int8 kernels on their blocks; --dtype is then the activations' "
-        "dtype) and dequantises other types; dequantize widens every tensor to --dtype at load",
+        "GGUF weights: auto runs Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, "
+        "IQ4_XS and IQ4_NL tensors as stored (int8 kernels on their blocks; --dtype is then the "
+        "activations' dtype) and dequantises other types; dequantize widens every tensor to "
+        "--dtype at load",
         choices=("auto", "dequantize"),
     )
 

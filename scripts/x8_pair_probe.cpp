@@ -7,7 +7,7 @@
 //   TI=$(.venv/bin/python -c "import torch,os;print(os.path.dirname(torch.__file__)+'/include')")
 //   g++ -O3 -std=c++17 -march=native -DCPU_CAPABILITY_AVX512 -fopenmp -ffp-contract=off \
 //       -Ipagedattn/csrc -I$TI -o /tmp/x8_pair_probe scripts/x8_pair_probe.cpp
-//   OMP_NUM_THREADS=2 /tmp/x8_pair_probe TYPE ROWS     (TYPE: 12 Q4_K, 13 Q5_K, 14 Q6_K)
+//   OMP_NUM_THREADS=2 /tmp/x8_pair_probe TYPE ROWS     (TYPE: 10 Q2_K .. 14 Q6_K, 23 IQ4_XS)
 //
 // Results (AMD Zen 4, 2026-12-06): quant_x8_zmm_cpu.h's file comment.
 #include <omp.h>
@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
   for (auto& v : w) v = rng();
   for (int64_t i = 0; i < L * G * nb; ++i) {  // finite fp16 d (and dmin) of each x8 block
     uint16_t* d = reinterpret_cast<uint16_t*>(w.data() + i * x8_block_bytes(type));
-    for (int r = 0; r < (type == kQ6_K ? 8 : 16); ++r) d[r] = 0x1c00 + rng() % 256;
+    for (int r = 0; r < (type == kQ6_K || type == kIQ4_XS ? 8 : 16); ++r) d[r] = 0x1c00 + rng() % 256;
   }
   std::vector<ActQ8_K> a(M * nb);
   for (auto& b : a) { b.d = 0.01f * (1 + rng() % 5); for (int i = 0; i < 256; ++i) b.qs[i] = (int8_t)(rng() % 255 - 127); for (int i=0;i<16;++i){int s=0; for(int l=0;l<16;++l) s+=b.qs[16*i+l]; b.bsums[i]=s;} for(int i=0;i<8;++i) b.sums32[i]=b.bsums[2*i]+b.bsums[2*i+1]; }

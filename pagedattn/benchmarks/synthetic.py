@@ -40,7 +40,19 @@ import torch
 from pagedattn import envs
 
 # What a synthetic checkpoint's files are called: "hf" is the bf16 safetensors folder.
-FILE_KINDS = ("hf", "f16", "q8_0", "q6_k", "q4_k_m", "q4_0", "q5_k_m", "q3_k_m", "q2_k", "iq4_xs")
+FILE_KINDS = (
+    "hf",
+    "f16",
+    "q8_0",
+    "q6_k",
+    "q4_k_m",
+    "q4_0",
+    "q5_k_m",
+    "q3_k_m",
+    "q2_k",
+    "iq4_xs",
+    "iq4_nl",
+)
 # Bump when what is written changes: the cache folder's name carries it.
 BUILD_VERSION = 1
 # The smallest normal float16: smaller magnitudes are flushed so f16 holds every bf16 value.
@@ -376,8 +388,8 @@ def write_f16_gguf(dest: Path, hf_dir: Path, shape: SyntheticShape, name: str) -
 
 
 def quantize_gguf(src: Path, dest: Path, kind: str, threads: int) -> None:
-    """``src`` quantised to ``kind`` (q8_0, q6_k, q4_k_m, q4_0, q5_k_m, q3_k_m, q2_k, iq4_xs) by
-    llama.cpp's quantizer."""
+    """``src`` quantised to ``kind`` (q8_0, q6_k, q4_k_m, q4_0, q5_k_m, q3_k_m, q2_k, iq4_xs,
+    iq4_nl) by llama.cpp's quantizer."""
     try:
         import llama_cpp
     except ImportError as exc:

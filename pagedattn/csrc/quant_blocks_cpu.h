@@ -7,6 +7,7 @@
 //   Q5_0  d, qh    16 B nibbles + 32 bits  x = d * (q - 16)           22 B / 32
 //   Q5_1  d, m, qh 16 B nibbles + 32 bits  x = d * q + m              24 B / 32
 //   Q8_0  d        32 int8                 x = d * q                  34 B / 32
+//   IQ4_NL d       16 B nibbles            x = d * kIQ4Values[q]      18 B / 32
 //   Q4_K  d, dmin, 8 x 6-bit (scale, min), 128 B nibbles: x = d * sc * q - dmin * m  144 B / 256
 //   Q5_K  as Q4_K plus 32 B of fifth bits                                            176 B / 256
 //   Q2_K, Q3_K: 2 and 3 bits per value with 16-value groups (quant_x8_low_cpu.h)  84, 110 B / 256
@@ -36,6 +37,7 @@ enum QType : int {
   kQ4_K = 12,
   kQ5_K = 13,
   kQ6_K = 14,
+  kIQ4_NL = 20,
   kIQ4_XS = 23,
 };
 
@@ -76,6 +78,10 @@ struct BlockQ3_K {
   uint8_t scales[12];  // 16 6-bit scales
   uint16_t d;
 };
+struct BlockIQ4_NL {  // Q4_0's layout; a nibble stands for kIQ4Values[nibble]
+  uint16_t d;
+  uint8_t qs[16];
+};
 struct BlockIQ4_XS {
   uint16_t d;
   uint16_t scales_h;    // 2 high bits per 32-value sub-block
@@ -104,7 +110,11 @@ static_assert(sizeof(BlockQ4_0) == 18 && sizeof(BlockQ4_1) == 20, "legacy 4-bit 
 static_assert(sizeof(BlockQ5_0) == 22 && sizeof(BlockQ5_1) == 24, "legacy 5-bit block sizes");
 static_assert(sizeof(BlockQ8_0) == 34 && sizeof(BlockQ4_K) == 144, "Q8_0 / Q4_K block sizes");
 static_assert(sizeof(BlockQ2_K) == 84 && sizeof(BlockQ3_K) == 110, "Q2_K / Q3_K block sizes");
-static_assert(sizeof(BlockIQ4_XS) == 136, "IQ4_XS block size");
+static_assert(sizeof(BlockIQ4_NL) == 18 && sizeof(BlockIQ4_XS) == 136, "IQ4 block sizes");
+
+// llama.cpp's kvalues_iq4nl: the 16 values an IQ4_NL or IQ4_XS nibble stands for.
+constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                   1,    13,   25,  38,  53,  69,  89,  113};
 static_assert(sizeof(BlockQ5_K) == 176 && sizeof(BlockQ6_K) == 210, "Q5_K / Q6_K block sizes");
 
 // One 32-value block of an activation row in int8: x ~ d * q; sum = sum(q) and s = d * sum (for
@@ -146,7 +156,7 @@ inline bool is_k_type(int type) { return (type >= kQ2_K && type <= kQ6_K) || typ
 
 inline bool is_supported(int type) {
   switch (type) {
-    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0:
+    case kQ4_0: case kQ4_1: case kQ5_0: case kQ5_1: case kQ8_0: case kIQ4_NL:
     case kQ2_K: case kQ3_K: case kQ4_K: case kQ5_K: case kQ6_K: case kIQ4_XS:
       return true;
     default:
@@ -163,6 +173,7 @@ inline int block_bytes(int type) {
     case kQ5_0: return sizeof(BlockQ5_0);
     case kQ5_1: return sizeof(BlockQ5_1);
     case kQ8_0: return sizeof(BlockQ8_0);
+    case kIQ4_NL: return sizeof(BlockIQ4_NL);
     case kQ2_K: return sizeof(BlockQ2_K);
     case kQ3_K: return sizeof(BlockQ3_K);
     case kQ4_K: return sizeof(BlockQ4_K);

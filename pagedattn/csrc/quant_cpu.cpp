@@ -148,6 +148,7 @@ void dequant_row(int type, const uint8_t* row, int64_t K, float* y) {
     case kQ5_0: return dequant_legacy<kQ5_0>(row, K, y);
     case kQ5_1: return dequant_legacy<kQ5_1>(row, K, y);
     case kQ8_0: return dequant_legacy<kQ8_0>(row, K, y);
+    case kIQ4_NL: return dequant_legacy<kIQ4_NL>(row, K, y);
     case kQ4_K: return dequant_q45_k<false>(row, K, y);
     case kQ5_K: return dequant_q45_k<true>(row, K, y);
     case kQ6_K: return dequant_q6_k(row, K, y);
@@ -170,6 +171,7 @@ void dot_rows(int type, const uint8_t* row, int64_t K, const void* const* act, f
     case kQ5_0: return dot_legacy<kQ5_0, MB>(row, K / kBlock, a0, sums);
     case kQ5_1: return dot_legacy<kQ5_1, MB>(row, K / kBlock, a0, sums);
     case kQ8_0: return dot_legacy<kQ8_0, MB>(row, K / kBlock, a0, sums);
+    case kIQ4_NL: return dot_legacy<kIQ4_NL, MB>(row, K / kBlock, a0, sums);
     case kQ4_K: return dot_q45_k<kQ4_K, MB>(row, K / kBlockK, ak, sums);
     case kQ5_K: return dot_q45_k<kQ5_K, MB>(row, K / kBlockK, ak, sums);
     case kQ6_K: return dot_q6_k<MB>(row, K / kBlockK, ak, sums);
@@ -178,6 +180,15 @@ void dot_rows(int type, const uint8_t* row, int64_t K, const void* const* act, f
     case kIQ4_XS: return dot_iq4_xs<MB>(row, K / kBlockK, ak, sums);
     default: TORCH_CHECK(false, "ggml type ", type, " has no quantised kernel");
   }
+}
+
+// dot_rows for mb activation rows, 1 <= mb <= MB.
+template <int MB = kMaxRows>
+void dot_rows_n(int mb, int type, const uint8_t* row, int64_t K, const void* const* act, float* sums) {
+  if constexpr (MB > 1) {
+    if (mb < MB) return dot_rows_n<MB - 1>(mb, type, row, K, act, sums);
+  }
+  dot_rows<MB>(type, row, K, act, sums);
 }
 
 // A tensor [rows, bytes] of an x8 type (rows a multiple of 8) as [rows / 8, blocks * x8 block
@@ -324,17 +335,16 @@ at::Tensor QuantLinear::forward(const at::Tensor& x) const {
 }
 
 at::Tensor QuantLinear::rows(const at::Tensor& ids, at::ScalarType dtype) const {
-  const int64_t K = K_;
-  return gather_rows(ids, N_, K, dtype, [&](int64_t id, float* y) {
+  return gather_rows(ids, N_, K_, dtype, [&](int64_t id, float* y) {
     const auto [p, r] = row_of_col_[id];
     const int type = static_cast<int>(types_[p]);
     const uint8_t* base = data_[p].data_ptr<uint8_t>();
-    const int64_t stride = data_[p].size(1), nb = K / block_values(type);
+    const int64_t stride = data_[p].size(1), nb = K_ / block_values(type);
     const uint8_t* grp = base + r / 8 * stride;
     if (x8_[p]) {
       dequant_x8(type, grp, nb, r % 8, y);
     } else {
-      dequant_row(type, base + r * stride, K, y);
+      dequant_row(type, base + r * stride, K_, y);
     }
   });
 }
@@ -387,16 +397,7 @@ void QuantLinear::decode(const at::Tensor& x32, at::Tensor& out) const {
                                 : static_cast<const void*>(a0.data() + (m0 + i) * (K / kBlock));
               }
               float sums[kMaxRows];
-              switch (mb) {
-                case 1: dot_rows<1>(type, row, K, act, sums); break;
-                case 2: dot_rows<2>(type, row, K, act, sums); break;
-                case 3: dot_rows<3>(type, row, K, act, sums); break;
-                case 4: dot_rows<4>(type, row, K, act, sums); break;
-                case 5: dot_rows<5>(type, row, K, act, sums); break;
-                case 6: dot_rows<6>(type, row, K, act, sums); break;
-                case 7: dot_rows<7>(type, row, K, act, sums); break;
-                default: dot_rows<8>(type, row, K, act, sums); break;
-              }
+              dot_rows_n(mb, type, row, K, act, sums);
               for (int i = 0; i < mb; ++i) y[(m0 + i) * N + col] = sums[i];
             }
           }

@@ -37,6 +37,12 @@ template <int T>
 constexpr bool legacy_has_min() {
   return T == kQ4_1 || T == kQ5_1;
 }
+// The types whose values are signed (Q8_0, IQ4_NL through kIQ4Values): the sign goes to the
+// activation side of maddubs.
+template <int T>
+constexpr bool legacy_signed() {
+  return T == kQ8_0 || T == kIQ4_NL;
+}
 
 template <int T>
 struct LegacyBlock;
@@ -50,12 +56,20 @@ template <>
 struct LegacyBlock<kQ5_1> { using type = BlockQ5_1; };
 template <>
 struct LegacyBlock<kQ8_0> { using type = BlockQ8_0; };
+template <>
+struct LegacyBlock<kIQ4_NL> { using type = BlockIQ4_NL; };
 
-// The 32 values of a legacy block as integers (unsigned before the offset; Q8_0 signed).
+// The 32 values of a legacy block as integers (unsigned before the offset; Q8_0 and IQ4_NL
+// signed).
 template <int T>
 inline void unpack_legacy_scalar(const typename LegacyBlock<T>::type* b, int* q) {
   if constexpr (T == kQ8_0) {
     for (int j = 0; j < 32; ++j) q[j] = b->qs[j];
+  } else if constexpr (T == kIQ4_NL) {
+    for (int j = 0; j < 16; ++j) {
+      q[j] = kIQ4Values[b->qs[j] & 0xF];
+      q[j + 16] = kIQ4Values[b->qs[j] >> 4];
+    }
   } else {
     uint32_t qh = 0;
     if constexpr (T == kQ5_0 || T == kQ5_1) std::memcpy(&qh, b->qh, 4);
@@ -154,6 +168,10 @@ inline __m256i unpack_legacy(const typename LegacyBlock<T>::type* b) {
     const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b->qs));
     __m256i q = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
     q = _mm256_and_si256(q, _mm256_set1_epi8(0x0F));
+    if constexpr (T == kIQ4_NL) {
+      const __m128i values = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
+      q = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(values), q);
+    }
     if constexpr (T == kQ5_0 || T == kQ5_1) {
       q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(b->qh), _mm256_set1_epi8(0x10)));
     }
@@ -178,14 +196,14 @@ inline void dot_legacy(const uint8_t* row, int64_t nb, const ActQ8_0* const* act
     if constexpr (legacy_has_min<T>()) cw = half_to_float(blk->m);
     __m256i w = unpack_legacy<T>(blk);
     __m256i wabs = w;
-    if constexpr (T == kQ8_0) wabs = _mm256_sign_epi8(w, w);
+    if constexpr (legacy_signed<T>()) wabs = _mm256_sign_epi8(w, w);
     for (int m = 0; m < MB; ++m) {
       const ActQ8_0& a = act[m][b];
       __m256i y = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.qs));
-      if constexpr (T == kQ8_0) y = _mm256_sign_epi8(y, w);
+      if constexpr (legacy_signed<T>()) y = _mm256_sign_epi8(y, w);
       const __m256i p = dot_u8s8(_mm256_setzero_si256(), wabs, y);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(dw * a.d), acc[m]);
-      if constexpr (T != kQ8_0) off[m] += cw * a.s;
+      if constexpr (!legacy_signed<T>()) off[m] += cw * a.s;
     }
   }
   for (int m = 0; m < MB; ++m) sums[m] = hsum_ps(acc[m]) + off[m];
@@ -203,7 +221,7 @@ inline void dot_legacy(const uint8_t* row, int64_t nb, const ActQ8_0* const* act
       int s = 0;
       for (int j = 0; j < 32; ++j) s += q[j] * a.qs[j];
       acc[m] += static_cast<float>(s) * (dw * a.d);
-      if constexpr (T != kQ8_0) off[m] += cw * a.s;
+      if constexpr (!legacy_signed<T>()) off[m] += cw * a.s;
     }
   }
   for (int m = 0; m < MB; ++m) sums[m] = acc[m] + off[m];

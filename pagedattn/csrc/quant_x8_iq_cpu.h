@@ -1,6 +1,7 @@
 // IQ4_XS, the non-linear 4-bit K type (IQ4_XS files): rows as stored (dequantised, and met with
 // activations in plain C++ for a part whose row count is not a multiple of 8) and the x8 layout
-// and GEMM, as quant_x8_cpu.h's for Q4_K.
+// and GEMM, as quant_x8_cpu.h's for Q4_K; the table lookup and products IQ4_NL's x8 kernel
+// shares (quant_x8_legacy_cpu.h).
 //
 //   IQ4_XS  d, 8 6-bit scales (2 high bits each in a uint16, 4 low bits in 4 bytes), 128 B of
 //           nibbles: x = d * (sc - 32) * kIQ4Values[nibble]                    136 B / 256
@@ -20,10 +21,6 @@
 
 namespace pagedattn_quant {
 
-// llama.cpp's kvalues_iq4nl: the 16 values a nibble stands for.
-constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                   1,    13,   25,  38,  53,  69,  89,  113};
-
 #pragma pack(push, 1)
 struct BlockIQ4_XSx8 {
   uint16_t d[8];
@@ -32,6 +29,32 @@ struct BlockIQ4_XSx8 {
 };
 #pragma pack(pop)
 static_assert(sizeof(BlockIQ4_XSx8) == 1104, "IQ4_XS x8 block size");
+
+#ifdef PAGEDATTN_QUANT_X86
+// The 16-entry table one vpshufb turns nibbles into values with: kIQ4Values (+ 128 with VNNI).
+inline __m256i iq4_table() {
+  const __m128i values = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
+#ifdef PAGEDATTN_QUANT_VNNI
+  return _mm256_broadcastsi128_si256(_mm_add_epi8(values, _mm_set1_epi8(static_cast<char>(0x80))));
+#else
+  return _mm256_broadcastsi128_si256(values);
+#endif
+}
+
+// acc + the products of one column's values (wl: low nibbles, wh: high, through iq4_table) with
+// 4 activation bytes at y and 4 at y + 16 in every lane.
+inline __m256i iq4_dot(__m256i acc, __m256i wl, __m256i wh, const int8_t* y) {
+#ifdef PAGEDATTN_QUANT_VNNI
+  acc = _mm256_dpbusd_epi32(acc, wl, broadcast4(y));
+  return _mm256_dpbusd_epi32(acc, wh, broadcast4(y + 16));
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i pl = _mm256_maddubs_epi16(_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(broadcast4(y), wl));
+  const __m256i ph = _mm256_maddubs_epi16(_mm256_sign_epi8(wh, wh), _mm256_sign_epi8(broadcast4(y + 16), wh));
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones)));
+#endif
+}
+#endif
 
 // The 8 scales of an IQ4_XS block, minus 32.
 inline void iq4_xs_scales(const BlockIQ4_XS& w, int* sc) {
@@ -135,14 +158,7 @@ inline void gemm_iq4_xs_x8(const BlockIQ4_XSx8* grp, int64_t nb, const ActQ8_K* 
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
   const __m256i m4 = _mm256_set1_epi8(0x0F);
-#ifdef PAGEDATTN_QUANT_VNNI
-  const __m128i values = _mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values)),
-                                      _mm_set1_epi8(static_cast<char>(0x80)));
-#else
-  const __m128i values = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4Values));
-  const __m256i ones = _mm256_set1_epi16(1);
-#endif
-  const __m256i lut = _mm256_broadcastsi128_si256(values);
+  const __m256i lut = iq4_table();
   for (int64_t b = 0; b < nb; ++b) {
     const BlockIQ4_XSx8& w = grp[b];
     if (prefetch) prefetch_ahead(&w);
@@ -156,21 +172,7 @@ inline void gemm_iq4_xs_x8(const BlockIQ4_XSx8* grp, int64_t nb, const ActQ8_K* 
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[i][c]));
         const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, m4));
         const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
-#ifndef PAGEDATTN_QUANT_VNNI
-        const __m256i al = _mm256_sign_epi8(wl, wl), ah = _mm256_sign_epi8(wh, wh);
-#endif
-        for (int m = 0; m < MB; ++m) {
-          const int8_t* y = act[m][b].qs + 32 * i + 4 * c;
-#ifdef PAGEDATTN_QUANT_VNNI
-          sub[m] = _mm256_dpbusd_epi32(sub[m], wl, broadcast4(y));
-          sub[m] = _mm256_dpbusd_epi32(sub[m], wh, broadcast4(y + 16));
-#else
-          const __m256i pl = _mm256_maddubs_epi16(al, _mm256_sign_epi8(broadcast4(y), wl));
-          const __m256i ph = _mm256_maddubs_epi16(ah, _mm256_sign_epi8(broadcast4(y + 16), wh));
-          sub[m] = _mm256_add_epi32(sub[m], _mm256_madd_epi16(pl, ones));
-          sub[m] = _mm256_add_epi32(sub[m], _mm256_madd_epi16(ph, ones));
-#endif
-        }
+        for (int m = 0; m < MB; ++m) sub[m] = iq4_dot(sub[m], wl, wh, act[m][b].qs + 32 * i + 4 * c);
       }
       const __m256i s = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[i])));
       for (int m = 0; m < MB; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(sub[m], s));

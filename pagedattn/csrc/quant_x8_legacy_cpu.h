@@ -1,6 +1,6 @@
-// The legacy GGUF types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32 values) interleaved 8 rows
-// at a time, as quant_x8_cpu.h does the K types, and the dispatch over every x8 type (every
-// supported type).
+// The legacy GGUF types (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: blocks of 32 values)
+// interleaved 8 rows at a time, as quant_x8_cpu.h does the K types, and the dispatch over every
+// x8 type (every supported type).
 //
 // BlockQ8_0x8 is Q8_0's 32-value block of 8 rows: their 8 d (fp16) and their int8 values so
 // that one 32-byte load holds 4 consecutive values of each row (row r at bytes 4r..4r+3); 272
@@ -66,6 +66,8 @@ template <>
 struct LegacyX8<kQ5_0> { using type = BlockQ5_0x8; };
 template <>
 struct LegacyX8<kQ5_1> { using type = BlockQ5_1x8; };
+template <>
+struct LegacyX8<kIQ4_NL> { using type = BlockQ4_0x8; };  // the same bytes as Q4_0's
 
 template <int T>
 constexpr bool legacy_has_qh() {
@@ -131,6 +133,7 @@ inline void dequant_legacy_x8(const typename LegacyX8<T>::type* grp, int64_t nb,
       const int h = l / 16, c = (l % 16) / 4, k = l % 4;
       int q = (w.qs[c][4 * r + k] >> (4 * h)) & 0xF;
       if constexpr (legacy_has_qh<T>()) q |= ((w.qh[4 * r + k] >> (2 * c + h)) & 1) << 4;
+      if constexpr (T == kIQ4_NL) q = kIQ4Values[q];
       y[32 * b + l] = d * static_cast<float>(q) + c0;
     }
   }
@@ -277,6 +280,58 @@ inline void gemm_legacy_x8(const typename LegacyX8<T>::type* grp, int64_t nb, co
 #endif
 }
 
+// As gemm_q8_0_x8, for IQ4_NL in Q4_0's x8 layout: a column's nibbles become values through
+// iq4_table (+ 128 with VNNI, 128 x the activation block's sum off after the block, as Q8_0's).
+template <int MB>
+inline void gemm_iq4_nl_x8(const BlockQ4_0x8* grp, int64_t nb, const ActQ8_0* const* act,
+                           float* out, int64_t ldo, bool prefetch = true) {
+#ifdef PAGEDATTN_QUANT_X86
+  __m256 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i lut = iq4_table();
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ4_0x8& w = grp[b];
+    if (prefetch) prefetch_span(reinterpret_cast<const char*>(&w) + kRowPrefetchBytes, sizeof(w));
+    __m256i isum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[c]));
+      const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, m4));
+      const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+      for (int m = 0; m < MB; ++m) isum[m] = iq4_dot(isum[m], wl, wh, act[m][b].qs + 4 * c);
+    }
+#ifdef PAGEDATTN_QUANT_VNNI
+    for (int m = 0; m < MB; ++m) isum[m] = _mm256_sub_epi32(isum[m], _mm256_set1_epi32(128 * act[m][b].sum));
+#endif
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, _mm256_set1_ps(act[m][b].d)), acc[m]);
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
+#else
+  (void)prefetch;
+  float acc[MB][8] = {};
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockQ4_0x8& w = grp[b];
+    for (int r = 0; r < 8; ++r) {
+      int v[32];
+      for (int l = 0; l < 32; ++l) v[l] = kIQ4Values[(w.qs[(l % 16) / 4][4 * r + l % 4] >> (4 * (l / 16))) & 0xF];
+      for (int m = 0; m < MB; ++m) {
+        int s = 0;
+        for (int l = 0; l < 32; ++l) s += v[l] * act[m][b].qs[l];
+        acc[m][r] += static_cast<float>(s) * (half_to_float(w.d[r]) * act[m][b].d);
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    for (int r = 0; r < 8; ++r) out[m * ldo + r] = acc[m][r];
+  }
+#endif
+}
+
 // ---- every x8 type ----
 
 // Whether the AMX-INT8 tiles (quant_amx_cpu.h) have a kernel for this x8 type.
@@ -305,7 +360,8 @@ inline void repack_x8(int type, const uint8_t* rows, int64_t nb, uint8_t* out) {
     case kQ3_K: return repack_q23_k_x8(rows, nb, reinterpret_cast<BlockQ3_Kx8*>(out));
     case kIQ4_XS: return repack_iq4_xs_x8(rows, nb, reinterpret_cast<BlockIQ4_XSx8*>(out));
     case kQ8_0: return repack_q8_0_x8(rows, nb, reinterpret_cast<BlockQ8_0x8*>(out));
-    case kQ4_0: return repack_legacy_x8<kQ4_0>(rows, nb, reinterpret_cast<BlockQ4_0x8*>(out));
+    case kQ4_0:
+    case kIQ4_NL: return repack_legacy_x8<kQ4_0>(rows, nb, reinterpret_cast<BlockQ4_0x8*>(out));
     case kQ4_1: return repack_legacy_x8<kQ4_1>(rows, nb, reinterpret_cast<BlockQ4_1x8*>(out));
     case kQ5_0: return repack_legacy_x8<kQ5_0>(rows, nb, reinterpret_cast<BlockQ5_0x8*>(out));
     case kQ5_1: return repack_legacy_x8<kQ5_1>(rows, nb, reinterpret_cast<BlockQ5_1x8*>(out));
@@ -326,6 +382,7 @@ inline void dequant_x8(int type, const uint8_t* grp, int64_t nb, int r, float* y
     case kQ4_1: return dequant_legacy_x8<kQ4_1>(reinterpret_cast<const BlockQ4_1x8*>(grp), nb, r, y);
     case kQ5_0: return dequant_legacy_x8<kQ5_0>(reinterpret_cast<const BlockQ5_0x8*>(grp), nb, r, y);
     case kQ5_1: return dequant_legacy_x8<kQ5_1>(reinterpret_cast<const BlockQ5_1x8*>(grp), nb, r, y);
+    case kIQ4_NL: return dequant_legacy_x8<kIQ4_NL>(reinterpret_cast<const BlockQ4_0x8*>(grp), nb, r, y);
   }
 }
 
@@ -352,6 +409,7 @@ inline void gemm_x8(int type, const uint8_t* grp, int64_t nb, const void* const*
       return gemm_legacy_x8<kQ5_0, MB>(reinterpret_cast<const BlockQ5_0x8*>(grp), nb, a0, out, 8, prefetch);
     case kQ5_1:
       return gemm_legacy_x8<kQ5_1, MB>(reinterpret_cast<const BlockQ5_1x8*>(grp), nb, a0, out, 8, prefetch);
+    case kIQ4_NL: return gemm_iq4_nl_x8<MB>(reinterpret_cast<const BlockQ4_0x8*>(grp), nb, a0, out, 8, prefetch);
   }
 }
 

@@ -1,6 +1,6 @@
-// The K-type x8 kernels (quant_x8_cpu.h, quant_x8_low_cpu.h) on 512-bit vectors: two groups of
-// 8 rows at once, group g in the low half of every vector and group g + 1 in the high half, so
-// one broadcast activation value meets 16 rows. Same blocks (no other layout is held), same
+// The K-type x8 kernels (quant_x8_cpu.h, quant_x8_low_cpu.h, quant_x8_iq_cpu.h) on 512-bit
+// vectors: two groups of 8 rows at once, group g in the low half of every vector and group g + 1
+// in the high half, so one broadcast activation value meets 16 rows. Same blocks (no other layout is held), same
 // integer sums and the same float operations per row: bit-identical to the 8-row kernels at
 // every row count.
 //
@@ -274,12 +274,64 @@ inline void gemm_q23_k_x8_pair(const Block* g0, const Block* g1, int64_t nb, con
   }
   zmm::store<MB>(acc, out0, out1, ldo);
 }
+
+// gemm_iq4_xs_x8 over groups g0 and g1 at once (VNNI's form: values + 128).
+template <int MB>
+inline void gemm_iq4_xs_x8_pair(const BlockIQ4_XSx8* g0, const BlockIQ4_XSx8* g1, int64_t nb,
+                                const ActQ8_K* const* act, float* out0, float* out1, int64_t ldo, bool prefetch) {
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const __m512i lut = _mm512_broadcast_i64x4(iq4_table());  // vpshufb looks up within 128-bit lanes
+  for (int64_t b = 0; b < nb; ++b) {
+    const BlockIQ4_XSx8& w0 = g0[b];
+    const BlockIQ4_XSx8& w1 = g1[b];
+    if (prefetch) {
+      prefetch_ahead(&w0);
+      prefetch_ahead(&w1);
+    }
+    __m512i isum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = _mm512_setzero_si512();
+    for (int i = 0; i < 8; i += 2) {
+      __m512i sub[2][MB];  // sub-blocks i and i + 1
+      for (int m = 0; m < MB; ++m) sub[0][m] = sub[1][m] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+      for (int k = 0; k < 8; ++k) {
+        const int e = k / 4, c = k % 4;
+        const __m512i q = zmm::load2(w0.qs[i + e][c], w1.qs[i + e][c]);
+        const __m512i wl = _mm512_shuffle_epi8(lut, _mm512_and_si512(q, m4));
+        const __m512i wh = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srli_epi16(q, 4), m4));
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* y = act[m][b].qs + 32 * (i + e) + 4 * c;
+          sub[e][m] = _mm512_dpbusd_epi32(sub[e][m], wl, zmm::broadcast4(y));
+          sub[e][m] = _mm512_dpbusd_epi32(sub[e][m], wh, zmm::broadcast4(y + 16));
+        }
+      }
+      zmm::add_scaled<MB>(isum, sub[0], sub[1], zmm::bytes16<true>(w0.sc[i], w1.sc[i]),
+                          zmm::bytes16<true>(w0.sc[i + 1], w1.sc[i + 1]));
+    }
+    // the +128, as gemm_iq4_xs_x8 takes it off
+    __m512i scp[4];
+    for (int p = 0; p < 4; ++p) {
+      scp[p] = zmm::join(pair_bytes(w0.sc[2 * p], w0.sc[2 * p + 1]), pair_bytes(w1.sc[2 * p], w1.sc[2 * p + 1]));
+    }
+    const __m512 d = zmm::halves16(w0.d, w1.d);
+    for (int m = 0; m < MB; ++m) {
+      const ActQ8_K& a = act[m][b];
+      __m512i osum = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) osum = _mm512_add_epi32(osum, _mm512_madd_epi16(scp[p], zmm::broadcast4(a.sums32 + 2 * p)));
+      const __m512i total = _mm512_sub_epi32(isum[m], _mm512_slli_epi32(osum, 7));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(a.d)), acc[m]);
+    }
+  }
+  zmm::store<MB>(acc, out0, out1, ldo);
+}
 #endif
 
 // Whether groups of this type run two at a time here, for M activation rows.
 inline bool has_x8_pair(int type, int64_t M) {
 #ifdef PAGEDATTN_X8_PAIRS
-  return M >= kX8PairRows && type >= kQ2_K && type <= kQ6_K;
+  return M >= kX8PairRows && ((type >= kQ2_K && type <= kQ6_K) || type == kIQ4_XS);
 #else
   (void)type, (void)M;
   return false;
@@ -313,6 +365,9 @@ inline void gemm_x8_pair_rows(int mb, int type, const uint8_t* grp, int64_t grou
     case kQ3_K:
       return gemm_q23_k_x8_pair<MB>(reinterpret_cast<const BlockQ3_Kx8*>(grp), reinterpret_cast<const BlockQ3_Kx8*>(next),
                                     nb, ak, out, out + 8, 16, prefetch);
+    case kIQ4_XS:
+      return gemm_iq4_xs_x8_pair<MB>(reinterpret_cast<const BlockIQ4_XSx8*>(grp),
+                                     reinterpret_cast<const BlockIQ4_XSx8*>(next), nb, ak, out, out + 8, 16, prefetch);
   }
 }
 #endif

@@ -138,15 +138,24 @@ TINY_K = SyntheticShape(256, 2, 4, 2, 512, weight_std=0.125)
 
 @pytest.mark.skipif(not HAS_LLAMA_CPP, reason=NEEDS_LLAMA_CPP)
 @pytest.mark.parametrize(
-    "kind, ggml_type", [("q3_k_m", "Q3_K"), ("q2_k", "Q2_K"), ("iq4_xs", "IQ4_XS")]
+    "kind, ggml_type, shape",
+    [
+        ("q3_k_m", "Q3_K", TINY_K),
+        ("q2_k", "Q2_K", TINY_K),
+        ("iq4_xs", "IQ4_XS", TINY_K),
+        ("iq4_nl", "IQ4_NL", TINY_K),
+        # 64 wide: no whole 256-value superblocks, llama.cpp writes IQ4_NL instead of IQ4_XS
+        ("iq4_xs", "IQ4_NL", TINY),
+    ],
 )
-def test_the_2_and_3_bit_and_iq4_files_run_as_llama_cpp_runs_them(tmp_path, kind, ggml_type):
-    """llama.cpp's own Q3_K_M, Q2_K and IQ4_XS files: their Q3_K / Q2_K / IQ4_XS tensors stay in
-    blocks (interleaved 8 rows, csrc/quant_x8_low_cpu.h, quant_x8_iq_cpu.h) and pagedattn's NLL
-    on the file is llama.cpp's."""
+def test_the_2_and_3_bit_and_iq4_files_run_as_llama_cpp_runs_them(tmp_path, kind, ggml_type, shape):
+    """llama.cpp's own Q3_K_M, Q2_K, IQ4_XS and IQ4_NL files: their Q3_K / Q2_K / IQ4_XS /
+    IQ4_NL tensors stay in blocks (interleaved 8 rows, csrc/quant_x8_low_cpu.h,
+    quant_x8_iq_cpu.h, quant_x8_legacy_cpu.h) and pagedattn's NLL on the file is llama.cpp's."""
     from pagedattn.benchmarks.llama_cpp_peer import run_isolated
 
-    files = synthetic_checkpoint("tiny-k", ("hf", "f16", kind), shape=TINY_K, cache_dir=tmp_path)
+    name = "tiny-k" if shape is TINY_K else "tiny"
+    files = synthetic_checkpoint(name, ("hf", "f16", kind), shape=shape, cache_dir=tmp_path)
     reader = gguf.GGUFReader(str(files.gguf(kind)))
     types = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.")}
     assert ggml_type in types

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(
 
 # Byte offsets of each block's fp16 fields (d, m / dmin).
 HALF_FIELDS = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (108,)}
-HALF_FIELDS |= {12: (0, 2), 13: (0, 2), 14: (208,), 23: (0,)}
+HALF_FIELDS |= {12: (0, 2), 13: (0, 2), 14: (208,), 20: (0,), 23: (0,)}
 K_TYPES = (10, 11, 12, 13, 14, 23)
 
 
@@ -107,7 +107,7 @@ def test_linear_matches_dequantised_matmul(kind, rows, layout):
 
 
 @pytest.mark.parametrize(
-    "kind", ["q4_1", "q5_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0", "iq4_xs"]
+    "kind", ["q4_1", "q5_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "q8_0", "iq4_xs", "iq4_nl"]
 )
 @pytest.mark.parametrize("interleave", [True, False])
 def test_a_row_computes_the_same_at_every_row_count(kind, interleave):
@@ -155,7 +155,7 @@ def test_fused_parts_row_order_bias_and_bf16(rows):
     assert relative_error(y16.float(), exact, x, w) < 2e-2
 
 
-@pytest.mark.parametrize("type_id", [10, 11, 12, 13, 14, 23, 8, 2, 3, 6, 7])
+@pytest.mark.parametrize("type_id", [10, 11, 12, 13, 14, 23, 8, 2, 3, 6, 7, 20])
 def test_interleaved_parts_are_held_once_and_agree_with_the_rows_as_stored(type_id):
     """Parts of 8n rows of every type are repacked 8 rows interleaved (quant_x8_cpu.h,
     quant_x8_legacy_cpu.h) and the stored rows dropped; a part of another row count, or with
@@ -184,7 +184,7 @@ def test_interleaved_parts_are_held_once_and_agree_with_the_rows_as_stored(type_
     # Q4_K's and Q5_K's scales held as bytes: +4 B per superblock, Q3_K's: +4, IQ4_XS's: +2;
     # the others as stored
     per_block = {10: 84, 11: 114, 12: 148, 13: 180, 14: 210, 23: 138}.get(type_id)
-    per_block = per_block or {8: 34, 2: 18, 3: 20, 6: 22, 7: 24}[type_id]
+    per_block = per_block or {8: 34, 2: 18, 3: 20, 6: 22, 7: 24, 20: 18}[type_id]
     per_row = per_block * cols // (256 if type_id in K_TYPES else 32)
     assert x8.a.nbytes() == 16 * per_row + b.nbytes
     assert stored.a.nbytes() == a.nbytes + b.nbytes
@@ -199,7 +199,7 @@ def test_interleaved_parts_are_held_once_and_agree_with_the_rows_as_stored(type_
         assert torch.equal(x8(x[:rows])[:, :16], full[:rows, :16])
 
 
-@pytest.mark.parametrize("type_id", [10, 11, 12, 13, 14, 23, 8, 2, 3, 6, 7])
+@pytest.mark.parametrize("type_id", [10, 11, 12, 13, 14, 23, 8, 2, 3, 6, 7, 20])
 def test_a_layers_rows_dequantise_as_the_table(type_id):
     """A tied embedding looks its tokens up in the LM head's layer (QuantLinear.rows): the same
     values as the table's rows as stored, whether the layer repacked them or not."""
