@@ -49,7 +49,7 @@ def main() -> int:
         "- `quant_x8_legacy_cpu.h`: the same for the legacy types (Q4_0, Q4_1, Q5_0, Q5_1,"
         " Q8_0, and IQ4_NL in Q4_0's layout through the IQ4 table; as many bytes as stored), and"
         " the dispatch over every type's x8 form.",
-        "- `quant_x8_zmm_cpu.h`: the Q2_K ... Q6_K x8 GEMM on 512-bit vectors, two groups of 8 rows"
+        "- `quant_x8_zmm_cpu.h`: every type's x8 GEMM on 512-bit vectors, two groups of 8 rows"
         " at once (AVX512-BW + VNNI builds, from 32 activation rows; bit-identical to one group at"
         " a time).",
         "- `quant_amx_cpu.h`: the same interleaved layers on AMX-INT8 tiles, two groups against"

@@ -68,6 +68,8 @@ template <>
 struct LegacyX8<kQ5_1> { using type = BlockQ5_1x8; };
 template <>
 struct LegacyX8<kIQ4_NL> { using type = BlockQ4_0x8; };  // the same bytes as Q4_0's
+template <>
+struct LegacyX8<kQ8_0> { using type = BlockQ8_0x8; };
 
 template <int T>
 constexpr bool legacy_has_qh() {

@@ -1,8 +1,9 @@
-// The K-type x8 kernels (quant_x8_cpu.h, quant_x8_low_cpu.h, quant_x8_iq_cpu.h) on 512-bit
-// vectors: two groups of 8 rows at once, group g in the low half of every vector and group g + 1
-// in the high half, so one broadcast activation value meets 16 rows. Same blocks (no other layout is held), same
-// integer sums and the same float operations per row: bit-identical to the 8-row kernels at
-// every row count.
+// The x8 kernels (quant_x8_cpu.h, quant_x8_low_cpu.h, quant_x8_iq_cpu.h, quant_x8_legacy_cpu.h)
+// on 512-bit vectors: two groups of 8 rows at once, group g in the low half of every vector and
+// group g + 1 in the high half, so one broadcast activation value meets 16 rows. Same blocks (no
+// other layout is held), same integer sums and the same float operations per row: bit-identical
+// to the 8-row kernels at every row count (the legacy types' VNNI forms: Q8_0 and IQ4_NL as
+// values + 128).
 //
 // Why: with 8 rows per 256-bit vector, every vpdpbusd needs its own broadcast activation load
 // and the column's unpacking is shared by only 8 rows, so the core issues ~5 instructions per
@@ -16,6 +17,11 @@
 //   Q6_K [2048 x 8192]:  1 row 0.89x, 4 0.61x, 8 0.92x, 32 1.02x, 64 1.07x, 512 1.22x (420 -> 513)
 //   Q2_K [8192 x 2048]:  8 rows 0.90x, 32 1.12x, 64 1.24x, 512 1.25x (414 -> 519)
 //   Q3_K:                8 rows 0.77-0.88x, 32 1.01-1.23x, 64 1.13x, 512 1.09-1.27x (~375 -> 420-460)
+//   IQ4_XS:              8 rows 0.97x, 32 1.13x, 64 1.08x, 512 1.18x (534 -> 629)
+//   Q8_0:                1 row 0.87x, 4 0.98x, 32 1.23x, 64 1.20x, 512 1.21x (517 -> 624)
+//   Q4_0 / Q4_1:         8 rows 0.96x / 1.13x, 32 1.06x / 1.11x, 512 1.10x / 1.13x
+//   Q5_0 / Q5_1:         32 rows 1.09x / 1.10x, 512 1.10x / 1.13x
+//   IQ4_NL:              8 rows 1.05x, 32 1.23x, 64 1.27x, 512 1.27x (507 -> 644)
 //
 // Built where the compiler has AVX512-BW and VNNI (the native build of such a CPU); elsewhere
 // has_x8_pair() is false and QuantLinear runs one group at a time.
@@ -326,12 +332,78 @@ inline void gemm_iq4_xs_x8_pair(const BlockIQ4_XSx8* g0, const BlockIQ4_XSx8* g1
   }
   zmm::store<MB>(acc, out0, out1, ldo);
 }
+
+// gemm_q8_0_x8 (VNNI's form), gemm_legacy_x8 and gemm_iq4_nl_x8 over groups g0 and g1 at once.
+template <int T, int MB>
+inline void gemm_legacy_x8_pair(const typename LegacyX8<T>::type* g0, const typename LegacyX8<T>::type* g1,
+                                int64_t nb, const ActQ8_0* const* act, float* out0, float* out1, int64_t ldo,
+                                bool prefetch) {
+  constexpr bool unsigned_sum = T == kQ8_0 || T == kIQ4_NL;  // values + 128: 128 x sum comes off
+  __m512 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  const __m512i lut = _mm512_broadcast_i64x4(iq4_table());
+  const __m512 offset = _mm512_set1_ps(-static_cast<float>(legacy_offset<T>()));
+  for (int64_t b = 0; b < nb; ++b) {
+    const auto& w0 = g0[b];
+    const auto& w1 = g1[b];
+    if (prefetch) {
+      prefetch_span(reinterpret_cast<const char*>(&w0) + kRowPrefetchBytes, sizeof(w0));
+      prefetch_span(reinterpret_cast<const char*>(&w1) + kRowPrefetchBytes, sizeof(w1));
+    }
+    __m512i isum[MB];
+    for (int m = 0; m < MB; ++m) isum[m] = _mm512_setzero_si512();
+    if constexpr (T == kQ8_0) {
+#pragma GCC unroll 8
+      for (int c = 0; c < 8; ++c) {
+        const __m512i qu = _mm512_xor_si512(zmm::load2(w0.qs[c], w1.qs[c]), flip);
+        for (int m = 0; m < MB; ++m) isum[m] = _mm512_dpbusd_epi32(isum[m], qu, zmm::broadcast4(act[m][b].qs + 4 * c));
+      }
+    } else {
+      __m512i hb = _mm512_setzero_si512();
+      if constexpr (legacy_has_qh<T>()) hb = zmm::load2(w0.qh, w1.qh);
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m512i q = zmm::load2(w0.qs[c], w1.qs[c]);
+        __m512i ql = _mm512_and_si512(q, m4);
+        __m512i qh = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+        if constexpr (legacy_has_qh<T>()) {
+          ql = _mm512_or_si512(ql, zmm::fifth_bits(hb, 2 * c));
+          qh = _mm512_or_si512(qh, zmm::fifth_bits(hb, 2 * c + 1));
+        }
+        if constexpr (T == kIQ4_NL) {
+          ql = _mm512_shuffle_epi8(lut, ql);
+          qh = _mm512_shuffle_epi8(lut, qh);
+        }
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* y = act[m][b].qs + 4 * c;
+          isum[m] = _mm512_dpbusd_epi32(isum[m], ql, zmm::broadcast4(y));
+          isum[m] = _mm512_dpbusd_epi32(isum[m], qh, zmm::broadcast4(y + 16));
+        }
+      }
+    }
+    const __m512 d = zmm::halves16(w0.d, w1.d);
+    __m512 cw = _mm512_setzero_ps();
+    if constexpr (legacy_has_min<T>()) {
+      cw = zmm::halves16(w0.m, w1.m);
+    } else {
+      cw = _mm512_mul_ps(offset, d);
+    }
+    for (int m = 0; m < MB; ++m) {
+      const ActQ8_0& a = act[m][b];
+      if constexpr (unsigned_sum) isum[m] = _mm512_sub_epi32(isum[m], _mm512_set1_epi32(128 * a.sum));
+      acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, _mm512_set1_ps(a.d)), acc[m]);
+      if constexpr (!unsigned_sum) acc[m] = _mm512_fmadd_ps(cw, _mm512_set1_ps(a.s), acc[m]);
+    }
+  }
+  zmm::store<MB>(acc, out0, out1, ldo);
+}
 #endif
 
 // Whether groups of this type run two at a time here, for M activation rows.
 inline bool has_x8_pair(int type, int64_t M) {
 #ifdef PAGEDATTN_X8_PAIRS
-  return M >= kX8PairRows && ((type >= kQ2_K && type <= kQ6_K) || type == kIQ4_XS);
+  return M >= kX8PairRows && is_supported(type);
 #else
   (void)type, (void)M;
   return false;
@@ -348,8 +420,21 @@ inline void gemm_x8_pair_rows(int mb, int type, const uint8_t* grp, int64_t grou
     if (mb < MB) return gemm_x8_pair_rows<MB - 1>(mb, type, grp, group_bytes, nb, act, out, prefetch);
   }
   const auto* ak = reinterpret_cast<const ActQ8_K* const*>(act);
+  const auto* a0 = reinterpret_cast<const ActQ8_0* const*>(act);
   const uint8_t* next = grp + group_bytes;
+  auto legacy = [&](auto t) {
+    constexpr int T = decltype(t)::value;
+    using Block = typename LegacyX8<T>::type;
+    gemm_legacy_x8_pair<T, MB>(reinterpret_cast<const Block*>(grp), reinterpret_cast<const Block*>(next), nb, a0,
+                               out, out + 8, 16, prefetch);
+  };
   switch (type) {
+    case kQ8_0: return legacy(std::integral_constant<int, kQ8_0>());
+    case kQ4_0: return legacy(std::integral_constant<int, kQ4_0>());
+    case kQ4_1: return legacy(std::integral_constant<int, kQ4_1>());
+    case kQ5_0: return legacy(std::integral_constant<int, kQ5_0>());
+    case kQ5_1: return legacy(std::integral_constant<int, kQ5_1>());
+    case kIQ4_NL: return legacy(std::integral_constant<int, kIQ4_NL>());
     case kQ4_K:
       return gemm_q45_k_x8_pair<MB>(reinterpret_cast<const BlockQ4_Kx8*>(grp), reinterpret_cast<const BlockQ4_Kx8*>(next),
                                     nb, ak, out, out + 8, 16, prefetch);
