@@ -1,7 +1,7 @@
 // IQ4_XS, the non-linear 4-bit K type (IQ4_XS files): rows as stored (dequantised, and met with
 // activations in plain C++ for a part whose row count is not a multiple of 8) and the x8 layout
-// and GEMM, as quant_x8_cpu.h's for Q4_K; the table lookup and products IQ4_NL's x8 kernel
-// shares (quant_x8_legacy_cpu.h).
+// and GEMM, as quant_x8_cpu.h's for Q4_K; the table lookup and the signed products the Q8_0 and
+// IQ4_NL x8 kernel shares (quant_x8_legacy_cpu.h).
 //
 //   IQ4_XS  d, 8 6-bit scales (2 high bits each in a uint16, 4 low bits in 4 bytes), 128 B of
 //           nibbles: x = d * (sc - 32) * kIQ4Values[nibble]                    136 B / 256
@@ -41,17 +41,13 @@ inline __m256i iq4_table() {
 #endif
 }
 
-// acc + the products of one column's values (wl: low nibbles, wh: high, through iq4_table) with
-// 4 activation bytes at y and 4 at y + 16 in every lane.
-inline __m256i iq4_dot(__m256i acc, __m256i wl, __m256i wh, const int8_t* y) {
+// acc + one column's weights (4 bytes of each of 8 rows: signed, or with VNNI + 128, whose 128 x
+// the activation sums come off later) . the 4 activation bytes at y, per row.
+inline __m256i signed_dot(__m256i acc, __m256i w, const int8_t* y) {
 #ifdef PAGEDATTN_QUANT_VNNI
-  acc = _mm256_dpbusd_epi32(acc, wl, broadcast4(y));
-  return _mm256_dpbusd_epi32(acc, wh, broadcast4(y + 16));
+  return _mm256_dpbusd_epi32(acc, w, broadcast4(y));
 #else
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i pl = _mm256_maddubs_epi16(_mm256_sign_epi8(wl, wl), _mm256_sign_epi8(broadcast4(y), wl));
-  const __m256i ph = _mm256_maddubs_epi16(_mm256_sign_epi8(wh, wh), _mm256_sign_epi8(broadcast4(y + 16), wh));
-  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(pl, ones), _mm256_madd_epi16(ph, ones)));
+  return dot_u8s8(acc, _mm256_sign_epi8(w, w), _mm256_sign_epi8(broadcast4(y), w));  // -128: 128 unsigned
 #endif
 }
 #endif
@@ -172,7 +168,10 @@ inline void gemm_iq4_xs_x8(const BlockIQ4_XSx8* grp, int64_t nb, const ActQ8_K* 
         const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[i][c]));
         const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, m4));
         const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
-        for (int m = 0; m < MB; ++m) sub[m] = iq4_dot(sub[m], wl, wh, act[m][b].qs + 32 * i + 4 * c);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* y = act[m][b].qs + 32 * i + 4 * c;
+          sub[m] = signed_dot(signed_dot(sub[m], wl, y), wh, y + 16);
+        }
       }
       const __m256i s = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w.sc[i])));
       for (int m = 0; m < MB; ++m) isum[m] = _mm256_add_epi32(isum[m], _mm256_mullo_epi32(sub[m], s));

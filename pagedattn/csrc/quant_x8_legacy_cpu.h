@@ -141,38 +141,56 @@ inline void dequant_legacy_x8(const typename LegacyX8<T>::type* grp, int64_t nb,
   }
 }
 
-// As gemm_q45_k_x8, for BlockQ8_0x8 and Q8_0 activation blocks. Its blocks are small (272
+// Value l (0..31) of row r of a Q8_0 or IQ4_NL (Q4_0's layout) x8 block.
+template <int T>
+inline int signed_x8_value(const typename LegacyX8<T>::type& w, int r, int l) {
+  if constexpr (T == kQ8_0) {
+    return w.qs[l / 4][4 * r + l % 4];
+  } else {
+    return kIQ4Values[(w.qs[(l % 16) / 4][4 * r + l % 4] >> (4 * (l / 16))) & 0xF];
+  }
+}
+
+// As gemm_q45_k_x8, for the signed types (T): Q8_0, and IQ4_NL in Q4_0's x8 layout (a column's
+// nibbles become values through iq4_table). With VNNI the weights go unsigned (Q8_0: q ^ 0x80,
+// which is q + 128 as a byte; IQ4_NL: the table's values + 128) to meet the activations as they
+// are, and 128 x the activation block's sum comes off after the block: one xor per column for
+// all rows, where the sign trick costs one sign per row and column (AMD Zen 4, 2 threads, Q8_0
+// [8192 x 2048], 512 rows: 341 GOP/s with the sign trick). The blocks are small (272 and 144
 // bytes): it asks kRowPrefetchBytes ahead, as the row-major kernels do.
-template <int MB>
-inline void gemm_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, const ActQ8_0* const* act,
-                         float* out, int64_t ldo, bool prefetch = true) {
+template <int T, int MB>
+inline void gemm_signed_x8(const typename LegacyX8<T>::type* grp, int64_t nb, const ActQ8_0* const* act,
+                           float* out, int64_t ldo, bool prefetch = true) {
 #ifdef PAGEDATTN_QUANT_X86
   __m256 acc[MB];
   for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), lut = iq4_table();
   for (int64_t b = 0; b < nb; ++b) {
-    const BlockQ8_0x8& w = grp[b];
+    const auto& w = grp[b];
     if (prefetch) prefetch_span(reinterpret_cast<const char*>(&w) + kRowPrefetchBytes, sizeof(w));
     __m256i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
+    if constexpr (T == kQ8_0) {
+      for (int c = 0; c < 8; ++c) {
+        __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[c]));
 #ifdef PAGEDATTN_QUANT_VNNI
-    // The weights go unsigned, q + 128 (q ^ 0x80), to meet the activations as they are; 128 times
-    // the activation block's sum comes off after the block: one xor per column for all rows, where
-    // the sign trick below costs one sign per row and column (AMD Zen 4, 2 threads, [8192 x 2048],
-    // 512 rows: 341 GOP/s with the sign trick).
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int c = 0; c < 8; ++c) {
-      const __m256i qu = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[c])), flip);
-      for (int m = 0; m < MB; ++m) isum[m] = _mm256_dpbusd_epi32(isum[m], qu, broadcast4(act[m][b].qs + 4 * c));
-    }
-    for (int m = 0; m < MB; ++m) isum[m] = _mm256_sub_epi32(isum[m], _mm256_set1_epi32(128 * act[m][b].sum));
-#else
-    for (int c = 0; c < 8; ++c) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[c]));
-      const __m256i qabs = _mm256_sign_epi8(q, q);  // -128 becomes 0x80: 128 unsigned
-      for (int m = 0; m < MB; ++m) {
-        isum[m] = dot_u8s8(isum[m], qabs, _mm256_sign_epi8(broadcast4(act[m][b].qs + 4 * c), q));
+        q = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));
+#endif
+        for (int m = 0; m < MB; ++m) isum[m] = signed_dot(isum[m], q, act[m][b].qs + 4 * c);
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int c = 0; c < 4; ++c) {
+        const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[c]));
+        const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, m4));
+        const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
+        for (int m = 0; m < MB; ++m) {
+          isum[m] = signed_dot(signed_dot(isum[m], wl, act[m][b].qs + 4 * c), wh, act[m][b].qs + 16 + 4 * c);
+        }
       }
     }
+#ifdef PAGEDATTN_QUANT_VNNI
+    for (int m = 0; m < MB; ++m) isum[m] = _mm256_sub_epi32(isum[m], _mm256_set1_epi32(128 * act[m][b].sum));
 #endif
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
     for (int m = 0; m < MB; ++m) {
@@ -181,15 +199,17 @@ inline void gemm_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, const ActQ8_0* cons
   }
   for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
 #else
+  (void)prefetch;
   float acc[MB][8] = {};
   for (int64_t b = 0; b < nb; ++b) {
-    const BlockQ8_0x8& w = grp[b];
-    for (int m = 0; m < MB; ++m) {
-      const ActQ8_0& a = act[m][b];
-      for (int r = 0; r < 8; ++r) {
+    const auto& w = grp[b];
+    for (int r = 0; r < 8; ++r) {
+      int v[32];
+      for (int l = 0; l < 32; ++l) v[l] = signed_x8_value<T>(w, r, l);
+      for (int m = 0; m < MB; ++m) {
         int s = 0;
-        for (int l = 0; l < 32; ++l) s += w.qs[l / 4][4 * r + l % 4] * a.qs[l];
-        acc[m][r] += static_cast<float>(s) * (half_to_float(w.d[r]) * a.d);
+        for (int l = 0; l < 32; ++l) s += v[l] * act[m][b].qs[l];
+        acc[m][r] += static_cast<float>(s) * (half_to_float(w.d[r]) * act[m][b].d);
       }
     }
   }
@@ -199,7 +219,7 @@ inline void gemm_q8_0_x8(const BlockQ8_0x8* grp, int64_t nb, const ActQ8_0* cons
 #endif
 }
 
-// As gemm_q8_0_x8, for the 4- and 5-bit legacy types (T).
+// As gemm_signed_x8, for the 4- and 5-bit legacy types (T).
 template <int T, int MB>
 inline void gemm_legacy_x8(const typename LegacyX8<T>::type* grp, int64_t nb, const ActQ8_0* const* act,
                            float* out, int64_t ldo, bool prefetch = true) {
@@ -282,58 +302,6 @@ inline void gemm_legacy_x8(const typename LegacyX8<T>::type* grp, int64_t nb, co
 #endif
 }
 
-// As gemm_q8_0_x8, for IQ4_NL in Q4_0's x8 layout: a column's nibbles become values through
-// iq4_table (+ 128 with VNNI, 128 x the activation block's sum off after the block, as Q8_0's).
-template <int MB>
-inline void gemm_iq4_nl_x8(const BlockQ4_0x8* grp, int64_t nb, const ActQ8_0* const* act,
-                           float* out, int64_t ldo, bool prefetch = true) {
-#ifdef PAGEDATTN_QUANT_X86
-  __m256 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm256_setzero_ps();
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
-  const __m256i lut = iq4_table();
-  for (int64_t b = 0; b < nb; ++b) {
-    const BlockQ4_0x8& w = grp[b];
-    if (prefetch) prefetch_span(reinterpret_cast<const char*>(&w) + kRowPrefetchBytes, sizeof(w));
-    __m256i isum[MB];
-    for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.qs[c]));
-      const __m256i wl = _mm256_shuffle_epi8(lut, _mm256_and_si256(q, m4));
-      const __m256i wh = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4));
-      for (int m = 0; m < MB; ++m) isum[m] = iq4_dot(isum[m], wl, wh, act[m][b].qs + 4 * c);
-    }
-#ifdef PAGEDATTN_QUANT_VNNI
-    for (int m = 0; m < MB; ++m) isum[m] = _mm256_sub_epi32(isum[m], _mm256_set1_epi32(128 * act[m][b].sum));
-#endif
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
-    for (int m = 0; m < MB; ++m) {
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, _mm256_set1_ps(act[m][b].d)), acc[m]);
-    }
-  }
-  for (int m = 0; m < MB; ++m) _mm256_storeu_ps(out + m * ldo, acc[m]);
-#else
-  (void)prefetch;
-  float acc[MB][8] = {};
-  for (int64_t b = 0; b < nb; ++b) {
-    const BlockQ4_0x8& w = grp[b];
-    for (int r = 0; r < 8; ++r) {
-      int v[32];
-      for (int l = 0; l < 32; ++l) v[l] = kIQ4Values[(w.qs[(l % 16) / 4][4 * r + l % 4] >> (4 * (l / 16))) & 0xF];
-      for (int m = 0; m < MB; ++m) {
-        int s = 0;
-        for (int l = 0; l < 32; ++l) s += v[l] * act[m][b].qs[l];
-        acc[m][r] += static_cast<float>(s) * (half_to_float(w.d[r]) * act[m][b].d);
-      }
-    }
-  }
-  for (int m = 0; m < MB; ++m) {
-    for (int r = 0; r < 8; ++r) out[m * ldo + r] = acc[m][r];
-  }
-#endif
-}
-
 // ---- every x8 type ----
 
 // Whether the AMX-INT8 tiles (quant_amx_cpu.h) have a kernel for this x8 type.
@@ -402,7 +370,7 @@ inline void gemm_x8(int type, const uint8_t* grp, int64_t nb, const void* const*
     case kQ2_K: return gemm_q23_k_x8<MB>(reinterpret_cast<const BlockQ2_Kx8*>(grp), nb, ak, out, 8, prefetch);
     case kQ3_K: return gemm_q23_k_x8<MB>(reinterpret_cast<const BlockQ3_Kx8*>(grp), nb, ak, out, 8, prefetch);
     case kIQ4_XS: return gemm_iq4_xs_x8<MB>(reinterpret_cast<const BlockIQ4_XSx8*>(grp), nb, ak, out, 8, prefetch);
-    case kQ8_0: return gemm_q8_0_x8<MB>(reinterpret_cast<const BlockQ8_0x8*>(grp), nb, a0, out, 8, prefetch);
+    case kQ8_0: return gemm_signed_x8<kQ8_0, MB>(reinterpret_cast<const BlockQ8_0x8*>(grp), nb, a0, out, 8, prefetch);
     case kQ4_0:
       return gemm_legacy_x8<kQ4_0, MB>(reinterpret_cast<const BlockQ4_0x8*>(grp), nb, a0, out, 8, prefetch);
     case kQ4_1:
@@ -411,7 +379,8 @@ inline void gemm_x8(int type, const uint8_t* grp, int64_t nb, const void* const*
       return gemm_legacy_x8<kQ5_0, MB>(reinterpret_cast<const BlockQ5_0x8*>(grp), nb, a0, out, 8, prefetch);
     case kQ5_1:
       return gemm_legacy_x8<kQ5_1, MB>(reinterpret_cast<const BlockQ5_1x8*>(grp), nb, a0, out, 8, prefetch);
-    case kIQ4_NL: return gemm_iq4_nl_x8<MB>(reinterpret_cast<const BlockQ4_0x8*>(grp), nb, a0, out, 8, prefetch);
+    case kIQ4_NL:
+      return gemm_signed_x8<kIQ4_NL, MB>(reinterpret_cast<const BlockQ4_0x8*>(grp), nb, a0, out, 8, prefetch);
   }
 }
 

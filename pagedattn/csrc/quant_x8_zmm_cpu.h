@@ -333,7 +333,7 @@ inline void gemm_iq4_xs_x8_pair(const BlockIQ4_XSx8* g0, const BlockIQ4_XSx8* g1
   zmm::store<MB>(acc, out0, out1, ldo);
 }
 
-// gemm_q8_0_x8 (VNNI's form), gemm_legacy_x8 and gemm_iq4_nl_x8 over groups g0 and g1 at once.
+// gemm_signed_x8 (VNNI's form) and gemm_legacy_x8 over groups g0 and g1 at once.
 template <int T, int MB>
 inline void gemm_legacy_x8_pair(const typename LegacyX8<T>::type* g0, const typename LegacyX8<T>::type* g1,
                                 int64_t nb, const ActQ8_0* const* act, float* out0, float* out1, int64_t ldo,
