@@ -203,6 +203,23 @@ inline __m256i pair_bytes(const void* a, const void* b) {
   return _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(x, y));
 }
 
+// pair_bytes of rows 2p and 2p + 1 of a [2P][8] table (a scale or minimum per sub-block or
+// group and row), p < P.
+template <int P>
+inline void pairs_of(const void* table, __m256i* out) {
+  const auto* t = static_cast<const int8_t*>(table);
+  for (int p = 0; p < P; ++p) out[p] = pair_bytes(t + 16 * p, t + 16 * p + 8);
+}
+
+// Per row: the sum over p < P of pairs[p] . the activation's two int16 sums at s + 2p (one madd
+// and one 32-bit load per pair).
+template <int P>
+inline __m256i pair_sums(const __m256i* pairs, const int16_t* s) {
+  __m256i sum = _mm256_setzero_si256();
+  for (int p = 0; p < P; ++p) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(pairs[p], broadcast4(s + 2 * p)));
+  return sum;
+}
+
 // How the K-type kernels add a sub-block's u8 x s8 products (32 values of 8 rows, 4 per
 // lane) before its scale (8 int8 values, one per row; Q4_K's are 0..63, so signed reads them).
 // With VNNI, dpbusd adds them straight into int32 lanes and one mullo scales each row's sum.
@@ -294,13 +311,12 @@ inline void gemm_q45_k_x8(const Block* grp, int64_t nb, const ActQ8_K* const* ac
     // The minimums: row r's mins of sub-blocks 2p, 2p + 1 in int16 lanes 2r, 2r + 1, met by one
     // madd with the two sub-blocks' activation sums (one 32-bit load of ActQ8_K::sums32).
     __m256i mins[4];
-    for (int p = 0; p < 4; ++p) mins[p] = pair_bytes(w.mn[2 * p], w.mn[2 * p + 1]);
+    pairs_of<4>(w.mn, mins);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
     const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.dmin)));
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
-      __m256i msum = _mm256_setzero_si256();
-      for (int p = 0; p < 4; ++p) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mins[p], broadcast4(a.sums32 + 2 * p)));
+      const __m256i msum = pair_sums<4>(mins, a.sums32);
       const __m256 ad = _mm256_set1_ps(a.d);
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[m]), _mm256_mul_ps(d, ad), acc[m]);
       acc[m] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum), _mm256_mul_ps(dmin, ad), acc[m]);
@@ -388,13 +404,11 @@ inline void gemm_q6_k_x8(const BlockQ6_Kx8* grp, int64_t nb, const ActQ8_K* cons
     // The -32 offset: 32 * sum over groups of sc * bsum, groups 2p and 2p + 1 in one madd (row
     // r's two scales in int16 lanes 2r, 2r + 1; the two sums in one 32-bit load of bsums).
     __m256i scp[8];
-    for (int p = 0; p < 8; ++p) scp[p] = pair_bytes(w.sc[2 * p], w.sc[2 * p + 1]);
+    pairs_of<8>(w.sc, scp);
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
-      __m256i osum = _mm256_setzero_si256();
-      for (int p = 0; p < 8; ++p) osum = _mm256_add_epi32(osum, _mm256_madd_epi16(scp[p], broadcast4(a.bsums + 2 * p)));
-      const __m256i total = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(osum, 5));
+      const __m256i total = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(pair_sums<8>(scp, a.bsums), 5));
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[m]);
     }
   }

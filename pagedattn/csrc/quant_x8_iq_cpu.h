@@ -180,16 +180,14 @@ inline void gemm_iq4_xs_x8(const BlockIQ4_XSx8* grp, int64_t nb, const ActQ8_K* 
     // the +128: 128 x sum over sub-blocks of sc x the activation's sub-block sum, sub-blocks 2p
     // and 2p + 1 in one madd (row r's scales in int16 lanes 2r, 2r + 1)
     __m256i scp[4];
-    for (int p = 0; p < 4; ++p) scp[p] = pair_bytes(w.sc[2 * p], w.sc[2 * p + 1]);
+    pairs_of<4>(w.sc, scp);
 #endif
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
       __m256i total = isum[m];
 #ifdef PAGEDATTN_QUANT_VNNI
-      __m256i osum = _mm256_setzero_si256();
-      for (int p = 0; p < 4; ++p) osum = _mm256_add_epi32(osum, _mm256_madd_epi16(scp[p], broadcast4(a.sums32 + 2 * p)));
-      total = _mm256_sub_epi32(total, _mm256_slli_epi32(osum, 7));
+      total = _mm256_sub_epi32(total, _mm256_slli_epi32(pair_sums<4>(scp, a.sums32), 7));
 #endif
       acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(d, _mm256_set1_ps(a.d)), acc[m]);
     }

@@ -239,12 +239,10 @@ inline void gemm_q23_k_x8(const Block* grp, int64_t nb, const ActQ8_K* const* ac
     }
     // row r's scales and offsets (Q3_K: 4 x its scale) or minimums of groups 2p and 2p + 1 in
     // int16 lanes 2r, 2r + 1 (one madd with two activation group sums; with VNNI one vpdpwssd)
-    const int8_t* mn = three ? sc : reinterpret_cast<const int8_t*>(unpacked[1]);
-    __m256i scp[8], mnp[8];
-    for (int p = 0; p < 8; ++p) {
-      scp[p] = pair_bytes(sc + 16 * p, sc + 16 * p + 8);
-      mnp[p] = three ? scp[p] : pair_bytes(mn + 16 * p, mn + 16 * p + 8);
-    }
+    __m256i scp[8], mins[8];
+    pairs_of<8>(sc, scp);
+    if constexpr (!three) pairs_of<8>(unpacked[1], mins);
+    const __m256i* mnp = three ? scp : mins;
     __m256i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm256_setzero_si256();
     for (int h = 0; h < 2; ++h) {
@@ -289,8 +287,7 @@ inline void gemm_q23_k_x8(const Block* grp, int64_t nb, const ActQ8_K* const* ac
     const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w.d)));
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
-      __m256i msum = _mm256_setzero_si256();
-      for (int p = 0; p < 8; ++p) msum = _mm256_add_epi32(msum, _mm256_madd_epi16(mnp[p], broadcast4(a.bsums + 2 * p)));
+      const __m256i msum = pair_sums<8>(mnp, a.bsums);
       const __m256 ad = _mm256_set1_ps(a.d);
       if constexpr (three) {
         const __m256i total = _mm256_sub_epi32(isum[m], _mm256_slli_epi32(msum, 2));

@@ -74,6 +74,20 @@ inline __m512i third_bits(__m512i hb, int from) {  // as quant_x8_low_cpu.h's th
   const __m512i at = from <= 2 ? _mm512_slli_epi16(hb, 2 - from) : _mm512_srli_epi16(hb, from - 2);
   return _mm512_and_si512(at, _mm512_set1_epi8(0x04));
 }
+// pairs_of (quant_x8_cpu.h) for groups g0 (t0: the low halves) and g1 (t1: the high halves).
+template <int P>
+inline void pairs_of(const void* t0, const void* t1, __m512i* out) {
+  const auto* a = static_cast<const int8_t*>(t0);
+  const auto* b = static_cast<const int8_t*>(t1);
+  for (int p = 0; p < P; ++p) out[p] = join(pair_bytes(a + 16 * p, a + 16 * p + 8), pair_bytes(b + 16 * p, b + 16 * p + 8));
+}
+// pair_sums (quant_x8_cpu.h) on 512-bit vectors.
+template <int P>
+inline __m512i pair_sums(const __m512i* pairs, const int16_t* s) {
+  __m512i sum = _mm512_setzero_si512();
+  for (int p = 0; p < P; ++p) sum = _mm512_add_epi32(sum, _mm512_madd_epi16(pairs[p], broadcast4(s + 2 * p)));
+  return sum;
+}
 // isum[m] += lo[m] * s_lo + hi[m] * s_hi: two sub-blocks' sums times their rows' scales.
 template <int MB>
 inline void add_scaled(__m512i* isum, const __m512i* lo, const __m512i* hi, __m512i s_lo, __m512i s_hi) {
@@ -134,14 +148,11 @@ inline void gemm_q45_k_x8_pair(const Block* g0, const Block* g1, int64_t nb, con
       zmm::add_scaled<MB>(isum, lo, hi, s_lo, s_hi);
     }
     __m512i mins[4];
-    for (int p = 0; p < 4; ++p) {
-      mins[p] = zmm::join(pair_bytes(w0.mn[2 * p], w0.mn[2 * p + 1]), pair_bytes(w1.mn[2 * p], w1.mn[2 * p + 1]));
-    }
+    zmm::pairs_of<4>(w0.mn, w1.mn, mins);
     const __m512 d = zmm::halves16(w0.d, w1.d), dmin = zmm::halves16(w0.dmin, w1.dmin);
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
-      __m512i msum = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) msum = _mm512_add_epi32(msum, _mm512_madd_epi16(mins[p], zmm::broadcast4(a.sums32 + 2 * p)));
+      const __m512i msum = zmm::pair_sums<4>(mins, a.sums32);
       const __m512 ad = _mm512_set1_ps(a.d);
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[m]), _mm512_mul_ps(d, ad), acc[m]);
       acc[m] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(msum), _mm512_mul_ps(dmin, ad), acc[m]);
@@ -196,15 +207,11 @@ inline void gemm_q6_k_x8_pair(const BlockQ6_Kx8* g0, const BlockQ6_Kx8* g1, int6
       }
     }
     __m512i scp[8];
-    for (int p = 0; p < 8; ++p) {
-      scp[p] = zmm::join(pair_bytes(w0.sc[2 * p], w0.sc[2 * p + 1]), pair_bytes(w1.sc[2 * p], w1.sc[2 * p + 1]));
-    }
+    zmm::pairs_of<8>(w0.sc, w1.sc, scp);
     const __m512 d = zmm::halves16(w0.d, w1.d);
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
-      __m512i osum = _mm512_setzero_si512();
-      for (int p = 0; p < 8; ++p) osum = _mm512_add_epi32(osum, _mm512_madd_epi16(scp[p], zmm::broadcast4(a.bsums + 2 * p)));
-      const __m512i total = _mm512_sub_epi32(isum[m], _mm512_slli_epi32(osum, 5));
+      const __m512i total = _mm512_sub_epi32(isum[m], _mm512_slli_epi32(zmm::pair_sums<8>(scp, a.bsums), 5));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(a.d)), acc[m]);
     }
   }
@@ -229,10 +236,10 @@ inline void gemm_q23_k_x8_pair(const Block* g0, const Block* g1, int64_t nb, con
     // row r's scales and offsets (Q3_K: both the scale) or minimums (Q2_K: the packed bytes'
     // low and high nibbles) of groups 2p and 2p + 1 in int16 lanes 2r, 2r + 1
     __m512i scp[8], mnp[8];
+    zmm::pairs_of<8>(w0.sc, w1.sc, scp);
     for (int p = 0; p < 8; ++p) {
-      const __m512i both = zmm::join(pair_bytes(w0.sc[2 * p], w0.sc[2 * p + 1]), pair_bytes(w1.sc[2 * p], w1.sc[2 * p + 1]));
-      scp[p] = three ? both : _mm512_and_si512(both, m4);
-      mnp[p] = three ? both : _mm512_and_si512(_mm512_srli_epi16(both, 4), m4);
+      mnp[p] = three ? scp[p] : _mm512_and_si512(_mm512_srli_epi16(scp[p], 4), m4);
+      scp[p] = three ? scp[p] : _mm512_and_si512(scp[p], m4);
     }
     __m512i isum[MB];
     for (int m = 0; m < MB; ++m) isum[m] = _mm512_setzero_si512();
@@ -265,8 +272,7 @@ inline void gemm_q23_k_x8_pair(const Block* g0, const Block* g1, int64_t nb, con
     const __m512 d = zmm::halves16(w0.d, w1.d);
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
-      __m512i msum = _mm512_setzero_si512();
-      for (int p = 0; p < 8; ++p) msum = _mm512_add_epi32(msum, _mm512_madd_epi16(mnp[p], zmm::broadcast4(a.bsums + 2 * p)));
+      const __m512i msum = zmm::pair_sums<8>(mnp, a.bsums);
       const __m512 ad = _mm512_set1_ps(a.d);
       if constexpr (three) {
         const __m512i total = _mm512_sub_epi32(isum[m], _mm512_slli_epi32(msum, 2));
@@ -318,15 +324,11 @@ inline void gemm_iq4_xs_x8_pair(const BlockIQ4_XSx8* g0, const BlockIQ4_XSx8* g1
     }
     // the +128, as gemm_iq4_xs_x8 takes it off
     __m512i scp[4];
-    for (int p = 0; p < 4; ++p) {
-      scp[p] = zmm::join(pair_bytes(w0.sc[2 * p], w0.sc[2 * p + 1]), pair_bytes(w1.sc[2 * p], w1.sc[2 * p + 1]));
-    }
+    zmm::pairs_of<4>(w0.sc, w1.sc, scp);
     const __m512 d = zmm::halves16(w0.d, w1.d);
     for (int m = 0; m < MB; ++m) {
       const ActQ8_K& a = act[m][b];
-      __m512i osum = _mm512_setzero_si512();
-      for (int p = 0; p < 4; ++p) osum = _mm512_add_epi32(osum, _mm512_madd_epi16(scp[p], zmm::broadcast4(a.sums32 + 2 * p)));
-      const __m512i total = _mm512_sub_epi32(isum[m], _mm512_slli_epi32(osum, 7));
+      const __m512i total = _mm512_sub_epi32(isum[m], _mm512_slli_epi32(zmm::pair_sums<4>(scp, a.sums32), 7));
       acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(d, _mm512_set1_ps(a.d)), acc[m]);
     }
   }
